@@ -1,0 +1,1 @@
+"""bdlm_jax: block diffusion language models with block parallelism, in JAX."""

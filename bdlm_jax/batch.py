@@ -1,0 +1,62 @@
+"""`Batch`: the rows of one training step, already in the strategy's layout order.
+
+The layout permutation happens here, on the host: permuting inside the jitted step would
+make XLA all-gather whole activations (DESIGN.md section 3).
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+
+from bdlm_jax.config import Config, ConfigError
+from bdlm_jax.kernels.mask import RowMeta
+from bdlm_jax.objectives import get_objective
+from bdlm_jax.objectives.streams import PAD_VALUES
+from bdlm_jax.parallel.layout import apply_layout
+from bdlm_jax.parallel.strategies import plan_for
+
+
+class Batch(NamedTuple):
+  """Each field [S, R], R = seq ranks * rows per rank, in layout order."""
+
+  tokens: np.ndarray  # int32 clean token x_0 of the row's position
+  labels: np.ndarray  # int32 target of the row's logit, -1 if none
+  maskable: np.ndarray  # bool: the corruption may replace this row's token with [MASK]
+  pos: np.ndarray  # int32 RoPE position
+  block: np.ndarray  # int32
+  seg: np.ndarray  # int32 document id, 0 = padding
+  stream: np.ndarray  # int32 NOISY / CLEAN
+
+  @property
+  def meta(self) -> RowMeta:
+    return RowMeta(self.stream, self.block, self.seg)
+
+
+def _check_tokens(cfg: Config, tokens: np.ndarray) -> None:
+  if tokens.ndim != 2 or tokens.shape[1] != cfg.data.seq_len:
+    raise ConfigError(f"tokens must be int [S, data.seq_len={cfg.data.seq_len}], got shape "
+                      f"{tokens.shape}")
+  if not np.issubdtype(tokens.dtype, np.integer):
+    raise ConfigError(f"tokens must be integers, got dtype {tokens.dtype}")
+  lo, hi = int(tokens.min()), int(tokens.max())
+  if lo < 0 or hi >= cfg.model.vocab_size:
+    raise ConfigError(f"token ids must lie in [0, model.vocab_size={cfg.model.vocab_size}); "
+                      f"got min {lo}, max {hi}")
+  if cfg.objective.name != "ar" and np.any(tokens == cfg.objective.mask_token_id):
+    raise ConfigError(f"token id {cfg.objective.mask_token_id} is objective.mask_token_id, "
+                      f"reserved for [MASK], and appears in the data")
+
+
+def make_batch(cfg: Config, tokens, segment_ids=None, protected=None) -> Batch:
+  """Logical `tokens` int [S, L] (+ document ids, + True where a token must stay clean)
+  -> a `Batch` in the layout of `cfg.parallel.strategy`."""
+  tokens = np.asarray(tokens)
+  _check_tokens(cfg, tokens)
+  seg = np.ones_like(tokens, np.int32) if segment_ids is None else np.asarray(segment_ids)
+  prot = np.zeros(tokens.shape, bool) if protected is None else np.asarray(protected, bool)
+  for name, arr in (("segment_ids", seg), ("protected", prot)):
+    if arr.shape != tokens.shape:
+      raise ConfigError(f"{name} shape {arr.shape} must equal tokens shape {tokens.shape}")
+  rows = get_objective(cfg.objective.name).logical_rows(tokens, seg, prot, cfg.objective)
+  rows = apply_layout(plan_for(cfg), rows, PAD_VALUES)
+  return Batch(**{f: rows[f] for f in Batch._fields})

@@ -1,0 +1,304 @@
+"""Experiment configuration: one dataclass per concern, loaded from a Python file.
+
+A config file exposes `get_config() -> Config`. Overrides use dotted names
+(`objective.block_size=32`) and are parsed with the type of the field they set, so a
+typo or a wrong type fails at load time with a message that lists what is valid.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import json
+import os
+import typing
+from typing import Any, Iterable
+
+
+class ConfigError(ValueError):
+  """A config key, value or combination that cannot run."""
+
+
+STRATEGIES = ("none", "cp_allgather", "cp_ring", "bp", "csbp_allgather", "csbp_ring")
+OBJECTIVES = ("bd3lm", "ar")
+ATTENTION_IMPLS = ("xla", "pallas")
+DTYPES = ("float32", "bfloat16")
+REMAT = ("none", "full")
+DATA_SOURCES = ("arithmetic", "text", "jsonl", "array_record")
+
+
+@dataclasses.dataclass
+class ModelConfig:
+  vocab_size: int = 260  # 256 bytes + BOS, EOS, PAD, MASK for the byte tokenizer
+  d_model: int = 128
+  n_layers: int = 2
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  head_dim: int = 32
+  d_ff: int = 384
+  rope_theta: float = 10000.0
+  qk_norm: bool = False  # Qwen3-style RMSNorm on q and k per head
+  tie_embeddings: bool = True
+  norm_eps: float = 1e-6
+  param_dtype: str = "float32"
+  compute_dtype: str = "float32"
+  remat: str = "none"  # "full": recompute everything but the attention core
+  attention_impl: str = "xla"
+  attention_chunk: int = 512  # keys per step of the flash-style loop
+
+
+@dataclasses.dataclass
+class DataConfig:
+  source: str = "arithmetic"  # embedded default: needs no download
+  path: str = ""  # file or glob for text / jsonl / array_record sources
+  text_field: str = "text"  # key of the text in JSONL / ArrayRecord (JSON) records
+  tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
+  seq_len: int = 128  # L
+  shuffle: bool = True
+  num_threads: int = 2  # grain read threads (2-core friendly)
+
+
+@dataclasses.dataclass
+class ObjectiveConfig:
+  name: str = "bd3lm"
+  block_size: int = 16  # B
+  eps_min: float = 1e-3
+  eps_max: float = 1.0
+  loss_weight: str = "inv_t"  # or "unit"
+  mask_token_id: int = 259
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+  strategy: str = "none"
+  data: int = 1
+  fsdp: int = 1
+  seq: int = 1
+  tensor: int = 1  # reserved axis; only 1 is supported today
+  # Multi-host: left empty, jax.distributed.initialize reads the environment (SLURM, ...).
+  coordinator_address: str = ""
+  num_processes: int = 0
+  process_id: int = -1
+  distributed: bool = False
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  steps: int = 200
+  batch_size: int = 8  # global sequences per optimiser step
+  grad_accum: int = 1
+  lr: float = 3e-3
+  warmup_steps: int = 20
+  min_lr_ratio: float = 0.1
+  weight_decay: float = 0.01
+  b1: float = 0.9
+  b2: float = 0.95
+  grad_clip: float = 1.0
+  log_every: int = 10
+  ckpt_every: int = 100
+  max_to_keep: int = 3
+  async_checkpoint: bool = True
+  peak_tflops: float = 0.0  # per device, for the MFU estimate; 0 guesses from the backend
+
+
+@dataclasses.dataclass
+class Config:
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  objective: ObjectiveConfig = dataclasses.field(default_factory=ObjectiveConfig)
+  parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  seed: int = 0
+  mode: str = "train"
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "Config":
+    return _from_dict(cls, d, prefix="")
+
+
+def _from_dict(cls, d: dict, prefix: str):
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  hints = typing.get_type_hints(cls)
+  kwargs = {}
+  for name, value in d.items():
+    if name not in fields:
+      raise ConfigError(f"unknown config key '{prefix}{name}'; valid keys: {sorted(fields)}")
+    if dataclasses.is_dataclass(hints[name]):
+      kwargs[name] = _from_dict(hints[name], value, prefix=f"{prefix}{name}.")
+    else:
+      kwargs[name] = _coerce(value, hints[name], f"{prefix}{name}")
+  return cls(**kwargs)
+
+
+def all_keys(cfg: Any = None, prefix: str = "") -> list[str]:
+  """Every dotted key a config accepts, for error messages and `--set`."""
+  cfg = Config() if cfg is None else cfg
+  keys = []
+  for f in dataclasses.fields(cfg):
+    value = getattr(cfg, f.name)
+    if dataclasses.is_dataclass(value):
+      keys += all_keys(value, prefix=f"{prefix}{f.name}.")
+    else:
+      keys.append(prefix + f.name)
+  return keys
+
+
+def _coerce(value: Any, typ: type, key: str) -> Any:
+  """Parses/validates `value` for a field annotated `typ`; strings come from the CLI."""
+  if typ is bool:
+    if isinstance(value, str):
+      low = value.strip().lower()
+      if low in ("1", "true", "yes", "on"):
+        return True
+      if low in ("0", "false", "no", "off"):
+        return False
+    elif isinstance(value, (bool, int)) and value in (0, 1):
+      return bool(value)
+  elif typ is int:
+    if isinstance(value, str):
+      try:
+        return int(ast.literal_eval(value.strip().replace("_", "")))
+      except (ValueError, SyntaxError, TypeError):
+        pass
+    elif isinstance(value, int) and not isinstance(value, bool):
+      return value
+    elif isinstance(value, float) and value.is_integer():
+      return int(value)
+  elif typ is float:
+    if isinstance(value, str):
+      try:
+        return float(value)
+      except ValueError:
+        pass
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+  elif typ is str:
+    if isinstance(value, str):
+      return value
+  else:
+    raise ConfigError(f"config key '{key}' has an unsupported type {typ}")
+  raise ConfigError(f"config key '{key}' expects {typ.__name__}, got {value!r}")
+
+
+def override(cfg: Config, overrides: Iterable[str] = ()) -> Config:
+  """Returns a copy of `cfg` with `a.b=c` overrides applied and validated."""
+  cfg = Config.from_dict(cfg.to_dict())
+  valid = all_keys()
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"override '{item}' must look like key=value, e.g. train.steps=10")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if key not in valid:
+      raise ConfigError(f"unknown config key '{key}'; valid keys: {', '.join(valid)}")
+    *path, leaf = key.split(".")
+    node = cfg
+    for p in path:
+      node = getattr(node, p)
+    hint = typing.get_type_hints(type(node))[leaf]
+    setattr(node, leaf, _coerce(raw, hint, key))
+  validate(cfg)
+  return cfg
+
+
+def load_config(path: str, overrides: Iterable[str] = ()) -> Config:
+  """Loads `get_config()` from a Python file, then applies `overrides`."""
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file not found: {path}")
+  spec = importlib.util.spec_from_file_location("_bdlm_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"config file {path} does not define get_config()")
+  cfg = module.get_config()
+  if isinstance(cfg, dict):
+    cfg = Config.from_dict(cfg)
+  if not isinstance(cfg, Config):
+    raise ConfigError(f"get_config() in {path} must return a bdlm_jax Config, got {type(cfg)}")
+  return override(cfg, overrides)
+
+
+def _choice(key: str, value: str, allowed: Iterable[str]) -> None:
+  if value not in allowed:
+    raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
+
+
+def validate(cfg: Config) -> None:
+  """Checks every constraint that can be checked without devices or data."""
+  m, d, o, p, t = cfg.model, cfg.data, cfg.objective, cfg.parallel, cfg.train
+  _choice("parallel.strategy", p.strategy, STRATEGIES)
+  _choice("objective.name", o.name, OBJECTIVES)
+  _choice("model.attention_impl", m.attention_impl, ATTENTION_IMPLS)
+  _choice("model.param_dtype", m.param_dtype, DTYPES)
+  _choice("model.compute_dtype", m.compute_dtype, DTYPES)
+  _choice("model.remat", m.remat, REMAT)
+  _choice("objective.loss_weight", o.loss_weight, ("inv_t", "unit"))
+  _choice("data.source", d.source, DATA_SOURCES)
+  positive = {
+      "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.n_layers": m.n_layers,
+      "model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads, "model.head_dim": m.head_dim,
+      "model.d_ff": m.d_ff, "model.attention_chunk": m.attention_chunk, "data.seq_len": d.seq_len,
+      "objective.block_size": o.block_size, "parallel.data": p.data, "parallel.fsdp": p.fsdp,
+      "parallel.seq": p.seq, "parallel.tensor": p.tensor, "train.steps": t.steps,
+      "train.batch_size": t.batch_size, "train.grad_accum": t.grad_accum,
+  }
+  for key, value in positive.items():
+    if value < 1:
+      raise ConfigError(f"{key} must be >= 1, got {value}")
+  if m.n_heads % m.n_kv_heads:
+    raise ConfigError(
+        f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={m.n_kv_heads}")
+  if m.head_dim % 2:
+    raise ConfigError(f"model.head_dim={m.head_dim} must be even for RoPE")
+  if not 0 <= o.mask_token_id < m.vocab_size:
+    raise ConfigError(
+        f"objective.mask_token_id={o.mask_token_id} must lie in [0, model.vocab_size={m.vocab_size})")
+  if not 0.0 < o.eps_min <= o.eps_max <= 1.0:
+    raise ConfigError(
+        f"need 0 < objective.eps_min <= objective.eps_max <= 1, got {o.eps_min}, {o.eps_max}")
+  if d.seq_len % o.block_size:
+    raise ConfigError(
+        f"data.seq_len={d.seq_len} is not a multiple of objective.block_size={o.block_size}; "
+        f"choose a block size that divides the sequence length")
+  if p.tensor != 1:
+    raise ConfigError("parallel.tensor > 1 is not supported yet; set parallel.tensor=1")
+  if p.strategy == "none" and p.seq != 1:
+    raise ConfigError(
+        f"parallel.strategy='none' needs parallel.seq=1 (got {p.seq}); pick a sequence strategy "
+        f"such as csbp_ring to split sequences")
+  batch_ways = p.data * p.fsdp
+  if t.batch_size % (batch_ways * t.grad_accum):
+    raise ConfigError(
+        f"train.batch_size={t.batch_size} must be divisible by parallel.data*parallel.fsdp"
+        f"*train.grad_accum={batch_ways * t.grad_accum}")
+  if d.source != "arithmetic" and not d.path:
+    raise ConfigError(f"data.source={d.source!r} needs data.path")
+  if o.name == "ar" and p.strategy in ("bp", "csbp_ring", "csbp_allgather"):
+    raise ConfigError(
+        f"parallel.strategy={p.strategy!r} splits corrupted blocks and cannot run the 'ar' "
+        f"objective, which has no corrupted stream; use none, cp_ring or cp_allgather")
+
+
+def replace(cfg: Config, **sections: dict) -> Config:
+  """Functional update by section: replace(cfg, model=dict(n_layers=4))."""
+  d = cfg.to_dict()
+  for section, values in sections.items():
+    if isinstance(values, dict):
+      d[section].update(values)
+    else:
+      d[section] = values
+  out = Config.from_dict(d)
+  validate(out)
+  return out
+
+
+__all__ = ["Config", "ConfigError", "ModelConfig", "DataConfig", "ObjectiveConfig",
+           "ParallelConfig", "TrainConfig", "load_config", "override", "validate", "all_keys",
+           "replace"]

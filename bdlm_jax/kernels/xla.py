@@ -1,0 +1,154 @@
+"""The `xla` attention: plain jnp, flash-style over key chunks; the oracle and CPU default.
+
+Interface shared by every implementation (DESIGN.md section 4):
+  attend_fwd(q, k, v, q_meta, k_meta) -> (out, lse)
+  attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse) -> (dq, dk, dv)
+q: [S, Rq, Hq, D]; k, v: [S, Rk, Hkv, D] (grouped-query: Hq a multiple of Hkv);
+lse: f32 [S, Rq, Hq], natural log. The raw fwd/bwd return float32 (out, dq, dk, dv) so a
+ring can merge and accumulate in full precision; the differentiable `attend` casts back to
+the input dtypes. The backward takes the *global* out and lse,
+so a ring can hand it the merged statistics of all steps. Keys are visited in chunks so no
+(Rq x Rk) score matrix is ever live: memory grows with Rq * chunk, not Rq * Rk.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from bdlm_jax.kernels.mask import RowMeta, allowed
+
+NEG_INF = -1e30  # finite: exp() of it is 0 and it never makes NaN through an untaken branch
+
+
+def _chunked_keys(k, v, k_meta, chunk):
+  """[S, Rk, ...] -> [n, S, chunk, ...] with padding keys marked seg=0."""
+  rk = k.shape[1]
+  n = -(-rk // chunk)
+  pad = n * chunk - rk
+
+  def split(x):
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(x.shape[0], n, chunk, *x.shape[2:]), 1, 0)
+
+  return split(k), split(v), RowMeta(*(split(m) for m in k_meta)), n
+
+
+def _scores(q5, k_c, q_meta, km_c, scale):
+  """Masked f32 scores [S, Hkv, G, Rq, C] and the mask broadcast to them."""
+  s_ = jnp.einsum("sqhgd,skhd->shgqk", q5, k_c, preferred_element_type=jnp.float32) * scale
+  mask = allowed(q_meta, km_c)[:, None, None]
+  return jnp.where(mask, s_, NEG_INF), mask
+
+
+def _split_heads(x, hkv):
+  s, r, hq, d = x.shape
+  return x.reshape(s, r, hkv, hq // hkv, d)
+
+
+def attend_fwd(q, k, v, q_meta: RowMeta, k_meta: RowMeta, chunk: int = 512):
+  hkv = k.shape[2]
+  scale = q.shape[-1] ** -0.5
+  q5 = _split_heads(q, hkv)
+  k_n, v_n, km_n, _ = _chunked_keys(k, v, k_meta, min(chunk, k.shape[1]))
+  s, rq, hq, d = q.shape
+  g = hq // hkv
+
+  def step(carry, xs):
+    m, l, acc = carry
+    k_c, v_c, km_c = xs
+    s_c, mask = _scores(q5, k_c, q_meta, km_c, scale)
+    m_new = jnp.maximum(m, s_c.max(-1))
+    p = jnp.where(mask, jnp.exp(s_c - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    l = l * corr + p.sum(-1)
+    pv = jnp.einsum("shgqk,skhd->shgqd", p.astype(v.dtype), v_c,
+                    preferred_element_type=jnp.float32)
+    return (m_new, l, acc * corr[..., None] + pv), None
+
+  # Carries derive from q (zeros_like), so inside shard_map they vary over the same axes.
+  acc0 = jnp.moveaxis(jnp.zeros_like(q5, jnp.float32), 1, 3)
+  init = (acc0[..., 0] + NEG_INF, acc0[..., 0], acc0)
+  (m, l, acc), _ = jax.lax.scan(step, init, (k_n, v_n, km_n))
+  nonempty = l > 0
+  out = acc / jnp.where(nonempty, l, 1.0)[..., None]
+  lse = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), NEG_INF)
+  out = jnp.moveaxis(out, 3, 1).reshape(s, rq, hq, d)
+  lse = jnp.moveaxis(lse, 3, 1).reshape(s, rq, hq)
+  return out, lse
+
+
+def attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse=None, chunk: int = 512):
+  """Gradients of this (q, k, v) block given the global out, lse and their cotangents."""
+  hkv = k.shape[2]
+  scale = q.shape[-1] ** -0.5
+  s, rq, hq, d = q.shape
+  rk = k.shape[1]
+  g = hq // hkv
+  q5 = _split_heads(q, hkv)
+  do5 = _split_heads(dout, hkv)
+
+  def heads_first(x):  # [S, Rq, Hq] -> [S, Hkv, G, Rq]
+    return jnp.moveaxis(x.reshape(s, rq, hkv, g), 1, 3)
+
+  delta = heads_first(jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1))
+  if dlse is not None:
+    delta = delta - heads_first(dlse.astype(jnp.float32))
+  lse4 = heads_first(lse)
+  k_n, v_n, km_n, n = _chunked_keys(k, v, k_meta, min(chunk, rk))
+
+  def step(dq, xs):
+    k_c, v_c, km_c = xs
+    s_c, mask = _scores(q5, k_c, q_meta, km_c, scale)
+    p = jnp.where(mask, jnp.exp(s_c - lse4[..., None]), 0.0)
+    dv_c = jnp.einsum("shgqk,sqhgd->skhd", p.astype(dout.dtype), do5,
+                      preferred_element_type=jnp.float32)
+    dp = jnp.einsum("sqhgd,skhd->shgqk", do5, v_c, preferred_element_type=jnp.float32)
+    ds = (p * (dp - delta[..., None]) * scale).astype(q.dtype)
+    dq = dq + jnp.einsum("shgqk,skhd->sqhgd", ds, k_c, preferred_element_type=jnp.float32)
+    dk_c = jnp.einsum("shgqk,sqhgd->skhd", ds, q5, preferred_element_type=jnp.float32)
+    return dq, (dk_c, dv_c)
+
+  dq, (dk_n, dv_n) = jax.lax.scan(step, jnp.zeros_like(q5, jnp.float32), (k_n, v_n, km_n))
+
+  def unchunk(x):
+    return jnp.moveaxis(x, 0, 1).reshape(s, -1, hkv, d)[:, :rk]
+
+  return dq.reshape(q.shape), unchunk(dk_n), unchunk(dv_n)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def attend(q, k, v, q_meta, k_meta, chunk=512):
+  """Differentiable (out, lse) with the flash backward; used wherever no ring is involved."""
+  return _attend_fwd_rule(q, k, v, q_meta, k_meta, chunk)[0]
+
+
+def _attend_fwd_rule(q, k, v, q_meta, k_meta, chunk):
+  out, lse = attend_fwd(q, k, v, q_meta, k_meta, chunk)
+  out = out.astype(q.dtype)
+  return (out, lse), (q, k, v, q_meta, k_meta, out, lse)
+
+
+def _attend_bwd_rule(chunk, res, cts):
+  q, k, v, q_meta, k_meta, out, lse = res
+  dout, dlse = cts
+  dq, dk, dv = attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse, chunk)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+attend.defvjp(_attend_fwd_rule, _attend_bwd_rule)
+
+
+def attend_dense(q, k, v, q_meta, k_meta):
+  """Materialises the whole score matrix: the simplest possible oracle, for tests only."""
+  hkv = k.shape[2]
+  q5 = _split_heads(q, hkv)
+  s_, mask = _scores(q5, k, q_meta, k_meta, q.shape[-1] ** -0.5)
+  m = s_.max(-1, keepdims=True)
+  p = jnp.where(mask, jnp.exp(s_ - m), 0.0)
+  l = p.sum(-1, keepdims=True)
+  out = jnp.einsum("shgqk,skhd->sqhgd", p / jnp.where(l > 0, l, 1.0), v.astype(jnp.float32))
+  lse = jnp.where(l[..., 0] > 0, m[..., 0] + jnp.log(jnp.where(l[..., 0] > 0, l[..., 0], 1.0)),
+                  NEG_INF)
+  s, rq, hq, d = q.shape
+  return out.reshape(q.shape).astype(q.dtype), jnp.moveaxis(lse, 3, 1).reshape(s, rq, hq)

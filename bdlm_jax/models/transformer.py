@@ -1,0 +1,137 @@
+"""A Llama/Qwen3-family decoder in Flax NNX, with no parallelism inside.
+
+The model sees packed rows in whatever order a layout chose: each row carries its token,
+its RoPE position and the metadata the attention mask needs. Attention is a function
+handed in by the caller, `attend(q, k, v, q_meta, k_meta) -> (out, lse)`, so the same
+module runs on one device or inside any sequence-parallel strategy.
+"""
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bdlm_jax.config import ModelConfig
+from bdlm_jax.kernels.mask import RowMeta
+
+AttendFn = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def _dtype(name: str):
+  return jnp.dtype(name)
+
+
+def rope(x_BRHD: jax.Array, pos_BR: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding, half-split convention (as in Hugging Face Llama/Qwen3)."""
+  d = x_BRHD.shape[-1]
+  inv_freq = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+  angle_BRF = pos_BR[..., None].astype(jnp.float32) * inv_freq
+  cos = jnp.cos(angle_BRF)[:, :, None, :]
+  sin = jnp.sin(angle_BRF)[:, :, None, :]
+  x1, x2 = jnp.split(x_BRHD.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BRHD.dtype)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm computed in float32, then cast back (matches the HF reference)."""
+
+  def __init__(self, dim: int, eps: float, param_dtype):
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.eps = eps
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def _linear(din, dout, cfg: ModelConfig, rngs):
+  return nnx.Linear(din, dout, use_bias=False, dtype=_dtype(cfg.compute_dtype),
+                    param_dtype=_dtype(cfg.param_dtype), rngs=rngs)
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.q_proj = _linear(cfg.d_model, cfg.n_heads * cfg.head_dim, cfg, rngs)
+    self.k_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs)
+    self.v_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs)
+    self.o_proj = _linear(cfg.n_heads * cfg.head_dim, cfg.d_model, cfg, rngs)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, _dtype(cfg.param_dtype))
+      self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, _dtype(cfg.param_dtype))
+
+  def qkv(self, x_BRD, pos_BR):
+    cfg = self.cfg
+    b, r, _ = x_BRD.shape
+    q = self.q_proj(x_BRD).reshape(b, r, cfg.n_heads, cfg.head_dim)
+    k = self.k_proj(x_BRD).reshape(b, r, cfg.n_kv_heads, cfg.head_dim)
+    v = self.v_proj(x_BRD).reshape(b, r, cfg.n_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    return rope(q, pos_BR, cfg.rope_theta), rope(k, pos_BR, cfg.rope_theta), v
+
+
+class MLP(nnx.Module):
+  """SwiGLU."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.gate_proj = _linear(cfg.d_model, cfg.d_ff, cfg, rngs)
+    self.up_proj = _linear(cfg.d_model, cfg.d_ff, cfg, rngs)
+    self.down_proj = _linear(cfg.d_ff, cfg.d_model, cfg, rngs)
+
+  def __call__(self, x):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
+    self.mlp = MLP(cfg, rngs)
+
+  def project(self, x_BRD, pos_BR):
+    return self.attn.qkv(self.attn_norm(x_BRD), pos_BR)
+
+  def finish(self, x_BRD, attn_BRHD):
+    b, r = attn_BRHD.shape[:2]
+    x_BRD = x_BRD + self.attn.o_proj(attn_BRHD.reshape(b, r, -1))
+    return x_BRD + self.mlp(self.mlp_norm(x_BRD))
+
+
+def _maybe_remat(fn, remat: str):
+  # "full" recomputes projections and MLP but never the attention core: a ring inside it
+  # would re-run its collectives (DESIGN.md section 3); its out/lse are kept instead.
+  return nnx.remat(fn) if remat == "full" else fn
+
+
+class Transformer(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=_dtype(cfg.compute_dtype),
+                           param_dtype=_dtype(cfg.param_dtype),
+                           embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
+    if not cfg.tie_embeddings:
+      self.lm_head = _linear(cfg.d_model, cfg.vocab_size, cfg, rngs)
+
+  def __call__(self, tokens_BR, pos_BR, meta: RowMeta, attend: AttendFn) -> jax.Array:
+    """Final hidden states [B, R, D] of every row."""
+    project = _maybe_remat(Block.project, self.cfg.remat)
+    finish = _maybe_remat(Block.finish, self.cfg.remat)
+    x_BRD = self.embed(tokens_BR)
+    for block in self.layers:
+      q, k, v = project(block, x_BRD, pos_BR)
+      attn_BRHD, _ = attend(q, k, v, meta, meta)
+      x_BRD = finish(block, x_BRD, attn_BRHD)
+    return self.final_norm(x_BRD)
+
+  def logits(self, h_BRD) -> jax.Array:
+    """Float32 logits [B, R, vocab]."""
+    if self.cfg.tie_embeddings:
+      return self.embed.attend(h_BRD).astype(jnp.float32)
+    return self.lm_head(h_BRD).astype(jnp.float32)

@@ -1,0 +1,32 @@
+"""Plain autoregressive next-token loss on the clean stream (sanity and AR baselines)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bdlm_jax.config import ObjectiveConfig
+from bdlm_jax.objectives.streams import logical_stream
+
+LOSS_SLOT = "clean"
+
+
+def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
+  """Causal attention is block-causal with blocks of one token, so block = position.
+
+  Row p predicts token p+1 when both lie in the same document and p+1 is not protected.
+  """
+  rows = logical_stream(tokens_SL, seg_SL)
+  nxt = np.roll(tokens_SL, -1, axis=1)
+  ok = (np.roll(seg_SL, -1, axis=1) == seg_SL) & (seg_SL > 0) & ~np.roll(protected_SL, -1, 1)
+  ok[:, -1] = False
+  clean_labels = np.where(ok, nxt, -1)
+  s, l = tokens_SL.shape
+  rows.update(block=rows["pos"].copy(), maskable=np.zeros((s, 2 * l), bool),
+              labels=np.concatenate([np.full((s, l), -1), clean_labels], 1).astype(np.int32))
+  return rows
+
+
+def nll_loss(logits_SNV, labels_SN):
+  logp = jax.nn.log_softmax(logits_SNV, axis=-1)
+  nll = -jnp.take_along_axis(logp, jnp.maximum(labels_SN, 0)[..., None], axis=-1)[..., 0]
+  return jnp.sum(jnp.where(labels_SN >= 0, nll, 0.0))

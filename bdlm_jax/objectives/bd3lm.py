@@ -1,0 +1,56 @@
+"""BD3-LM: antithetic block noise levels, [MASK] corruption and the SUBS loss (DESIGN.md s.2)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bdlm_jax.config import ObjectiveConfig
+from bdlm_jax.kernels.mask import NOISY
+from bdlm_jax.objectives.streams import logical_stream
+
+LOSS_SLOT = "noisy"  # logits are computed only for the noisy rows
+
+
+def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
+  """Noisy rows are supervised (and maskable) unless protected or padding."""
+  rows = logical_stream(tokens_SL, seg_SL)
+  prot = np.concatenate([protected_SL, protected_SL], 1)
+  maskable = (rows["stream"] == NOISY) & (rows["seg"] > 0) & ~prot
+  rows.update(block=rows["pos"] // cfg.block_size, maskable=maskable,
+              labels=np.where(maskable, rows["tokens"], -1).astype(np.int32))
+  return rows
+
+
+def sample_t(key, num_seqs: int, num_blocks: int, eps_min: float, eps_max: float):
+  """Antithetic noise levels [S, N]: one uniform u, t_i = (u + i/(S*N)) mod 1, then clipped."""
+  n = num_seqs * num_blocks
+  u = jax.random.uniform(key, ())
+  t = jnp.mod(u + jnp.arange(n, dtype=jnp.float32) / n, 1.0)
+  return (t * (eps_max - eps_min) + eps_min).reshape(num_seqs, num_blocks)
+
+
+def corrupt(key, batch, seq_len: int, cfg: ObjectiveConfig):
+  """Masks rows in *logical* coordinates, so every layout sees the same corruption.
+
+  t is drawn per (sequence, block) and a uniform per (sequence, position); each row reads
+  its own values through its position and block. Returns (inputs, masked, weight) per row.
+  """
+  k_t, k_u = jax.random.split(key)
+  s = batch.tokens.shape[0]
+  t_SN = sample_t(k_t, s, seq_len // cfg.block_size, cfg.eps_min, cfg.eps_max)
+  u_SL = jax.random.uniform(k_u, (s, seq_len))
+  t_row = jnp.take_along_axis(t_SN, batch.block, axis=1)
+  u_row = jnp.take_along_axis(u_SL, batch.pos, axis=1)
+  masked = batch.maskable & (u_row < t_row)
+  inputs = jnp.where(masked, cfg.mask_token_id, batch.tokens)
+  weight = 1.0 / t_row if cfg.loss_weight == "inv_t" else jnp.ones_like(t_row)
+  return inputs, masked, weight
+
+
+def subs_loss(logits_SNV, labels_SN, masked_SN, weight_SN, mask_token_id: int):
+  """Sum over masked rows of w(t) * CE with the [MASK] logit removed (SUBS)."""
+  logits = logits_SNV.at[..., mask_token_id].set(-jnp.inf)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  nll = -jnp.take_along_axis(logp, jnp.maximum(labels_SN, 0)[..., None], axis=-1)[..., 0]
+  take = masked_SN & (labels_SN >= 0)
+  return jnp.sum(jnp.where(take, weight_SN * nll, 0.0))

@@ -1,0 +1,342 @@
+"""Deterministic cost figures read from a compiled JAX program.
+
+Everything here takes ``compiled = jax.jit(f).lower(*args).compile()`` (a
+``jax.stages.Compiled``); :func:`collective_bytes` also accepts the optimized
+HLO text itself (``compiled.as_text()``), which is how hand-written HLO is
+tested.
+
+* :func:`collective_bytes` -- bytes moved per step, by collective kind, read from
+  the optimized HLO text.
+* :func:`total_collective_bytes` -- the sum of the above.
+* :func:`memory_stats` -- per-device buffer sizes from ``compiled.memory_analysis()``.
+* :func:`flops` -- ``compiled.cost_analysis()['flops']``.
+
+Byte convention (one device, one execution of the program)
+-----------------------------------------------------------
+Every collective instruction is charged the total size of its **operands** (the
+data the device contributes), summed over tuple operands, times the number of
+times it executes:
+
+=====================  ===================================================
+``all-gather``         the input shard (not the gathered result)
+``reduce-scatter``     the full, unreduced input (not the scattered result)
+``all-reduce``         the input (= the output size)
+``collective-permute`` the buffer sent to the peer
+``all-to-all``         the whole input (all the chunks, including the one
+                       that stays on the device)
+=====================  ===================================================
+
+So an all-gather of an ``f32[8, 16]`` shard over 8 devices counts
+``8 * 16 * 4 = 512`` bytes, and the reduce-scatter that is its transpose counts
+``64 * 16 * 4 = 4096``. These are operand sizes, not bus/wire bytes: a ring
+all-gather actually sends ``(P-1)/P`` of the output, etc. Compare strategies with
+the same kind of collective, or convert with the algorithm's factor yourself.
+
+Sizes are those of the *compiled* program, which is backend-specific: XLA:CPU
+converts bf16 to f32 around every collective (``f32[64,16] all-gather(%wrapped_convert)``),
+so on CPU a bf16 collective counts 4 bytes per element (f16 and s8 stay narrow);
+GPU and TPU keep bf16 at 2 bytes.
+
+How the HLO text is read
+------------------------
+* Async pairs are counted once, at the start: ``all-gather-start``,
+  ``all-reduce-start``, ``collective-permute-start``, ``reduce-scatter-start``,
+  ``all-to-all-start`` count their operands; ``*-update``/``*-done`` count
+  nothing. A generic ``async-start(...), calls=%wrapped`` counts the collective
+  inside ``%wrapped``; ``async-update``/``async-done`` (which may print the same
+  ``calls=``) are not followed.
+* Operands usually print as bare names (``all-gather(%param.1)``); their shapes
+  come from the instruction or parameter that defines the name in the same
+  computation. Operands printed with a shape (``all-gather(f32[8]{0} %p)``) use it.
+* A collective executes as often as the computation holding it. Computations are
+  reached from ``ENTRY`` through ``calls=`` (fusions, async wrappers),
+  ``to_apply=`` (calls), ``body=``/``condition=`` (while), and conditional
+  branches. A while body runs ``known_trip_count`` times (from the while's
+  ``backend_config``), its condition one time more; nested loops multiply.
+  A loop without a known trip count whose body holds collectives raises
+  ``ValueError`` rather than guessing.
+* Conditional branches are all counted, as if each ran once (an upper bound).
+* Not counted: ``send``/``recv``, ``collective-broadcast``,
+  ``ragged-all-to-all``, and collectives hidden inside custom calls.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["COLLECTIVE_KINDS", "collective_bytes", "total_collective_bytes",
+           "memory_stats", "flops"]
+
+COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute",
+                    "all-to-all")
+
+_DTYPE_BITS = {
+    "pred": 8, "token": 0,
+    "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8,
+    "s16": 16, "u16": 16, "s32": 32, "u32": 32, "s64": 64, "u64": 64,
+    "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128,
+}
+
+_MEMORY_FIELDS = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+                  "alias_size_in_bytes", "generated_code_size_in_bytes")
+
+# Attributes that name called computations: `calls=%f`, `body=%b`, `branch_computations={%a, %b}`.
+_CALLEE_RE = re.compile(
+    r"(?:^|[\s,])(calls|to_apply|body|condition|true_computation|false_computation|"
+    r"branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+_TRIP_COUNT_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+_ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
+_COMMENT_RE = re.compile(r"/\*.*?\*/")
+_STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
+_HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)")
+_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+
+
+# ----------------------------------------------------------------------------- parsing
+
+@dataclass
+class _Instr:
+    name: str
+    shape: str
+    opcode: str
+    operands: list[tuple[str | None, str]]  # (shape printed inline or None, name)
+    attrs: str
+
+
+@dataclass
+class _Computation:
+    name: str
+    instrs: list[_Instr] = field(default_factory=list)
+    shapes: dict[str, str] = field(default_factory=dict)  # instruction name -> shape
+
+
+def _matching(s: str, start: int) -> int:
+    """Index of the bracket closing the one at ``s[start]`` (quote-aware)."""
+    depth, in_str, i = 0, False, start
+    while i < len(s):
+        c = s[i]
+        if in_str:
+            if c == "\\":
+                i += 1
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    raise ValueError(f"unbalanced brackets in HLO line: {s!r}")
+
+
+def _split_top_level(s: str) -> list[str]:
+    parts, depth, cur = [], 0, []
+    for c in s:
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        if c == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(c)
+    parts.append("".join(cur))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _parse_instr(line: str) -> _Instr | None:
+    m = _INSTR_RE.match(line)
+    if not m:
+        return None
+    name, rest = m.group(1), m.group(2)
+    if rest.startswith("("):                       # tuple shape: (f32[2], s32[])
+        end = _matching(rest, 0) + 1
+    else:                                          # array shape: f32[8,16]{1,0}
+        end = rest.find(" ")
+        if end < 0:
+            return None
+    shape, rest = rest[:end], rest[end:].lstrip()
+    m = re.match(r"([\w\-]+)\(", rest)
+    if not m:
+        return None
+    close = _matching(rest, m.end() - 1)
+    operands = []
+    for op in _split_top_level(rest[m.end():close]):
+        op_shape, _, op_name = op.rpartition(" ")
+        operands.append((op_shape.strip() or None, op_name.lstrip("%")))
+    return _Instr(name, shape, m.group(1), operands, rest[close + 1:])
+
+
+def _parse_module(text: str) -> tuple[dict[str, _Computation], str]:
+    comps: dict[str, _Computation] = {}
+    entry, cur = None, None
+    for raw in text.splitlines():
+        line = _COMMENT_RE.sub("", raw).strip()
+        if cur is None:
+            if line.endswith("{") and not line.startswith("HloModule"):
+                m = _HEADER_RE.match(line)
+                cur = comps[m.group(2)] = _Computation(m.group(2))
+                if m.group(1):
+                    entry = cur.name
+        elif line.startswith("}"):
+            cur = None
+        else:
+            instr = _parse_instr(line)
+            if instr is not None:
+                cur.instrs.append(instr)
+                cur.shapes[instr.name] = instr.shape
+    if entry is None:
+        raise ValueError("no ENTRY computation found in the HLO text")
+    return comps, entry
+
+
+# ----------------------------------------------------------------------------- sizes
+
+def _dtype_bits(dtype: str) -> int:
+    if dtype in _DTYPE_BITS:
+        return _DTYPE_BITS[dtype]
+    m = re.fullmatch(r"f(\d+)e\d+m\d+\w*", dtype)  # f8e4m3fn, f8e5m2, f4e2m1fn, ...
+    if m:
+        return int(m.group(1))
+    raise ValueError(f"unknown HLO element type {dtype!r}")
+
+
+def _shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape string; tuple shapes sum their elements."""
+    total = 0
+    for dtype, dims in _ARRAY_RE.findall(shape):
+        n = math.prod(int(d.strip().lstrip("<=")) for d in dims.split(",") if d.strip())
+        total += -(-n * _dtype_bits(dtype) // 8)
+    return total
+
+
+def _collective_kind(opcode: str) -> str | None:
+    """The kind counted for ``opcode``: a sync collective or the start of an async one."""
+    base = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
+    return base if base in COLLECTIVE_KINDS else None
+
+
+def _operand_bytes(instr: _Instr, comp: _Computation) -> int:
+    total = 0
+    for shape, name in instr.operands:
+        if shape is None:
+            if name not in comp.shapes:
+                raise ValueError(f"operand %{name} of %{instr.name} is not defined in "
+                                 f"computation %{comp.name}")
+            shape = comp.shapes[name]
+        total += _shape_bytes(shape)
+    return total
+
+
+# ----------------------------------------------------------------------------- call graph
+
+def _callees(instr: _Instr) -> list[tuple[str, str]]:
+    """(attribute, computation name) pairs called by ``instr``."""
+    if instr.opcode in ("async-update", "async-done"):
+        return []  # they repeat the async-start's `calls=`; the start is counted
+    attrs = _STRING_RE.sub('""', instr.attrs)  # drop metadata / backend_config strings
+    out = []
+    for key, value in _CALLEE_RE.findall(attrs):
+        for name in value.strip("{}").split(","):
+            if name.strip():
+                out.append((key, name.strip().lstrip("%")))
+    return out
+
+
+def _trip_count(instr: _Instr) -> int | None:
+    m = _TRIP_COUNT_RE.search(instr.attrs)
+    return int(m.group(1)) if m else None
+
+
+def _computation_bytes(name: str, comps: dict[str, _Computation],
+                       memo: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Bytes per kind for one execution of computation ``name``, callees included."""
+    if name in memo:
+        return memo[name]
+    comp = comps[name]
+    out = dict.fromkeys(COLLECTIVE_KINDS, 0)
+    for instr in comp.instrs:
+        kind = _collective_kind(instr.opcode)
+        if kind is not None:
+            out[kind] += _operand_bytes(instr, comp)
+        for key, callee in _callees(instr):
+            sub = _computation_bytes(callee, comps, memo)
+            times = 1
+            if instr.opcode == "while":
+                trips = _trip_count(instr)
+                if trips is None:
+                    if any(sub.values()):
+                        raise ValueError(
+                            f"while loop %{instr.name} in %{name} has collectives in "
+                            f"%{callee} but no known_trip_count in its backend_config")
+                    trips = 0
+                times = trips + 1 if key == "condition" else trips
+            for k in COLLECTIVE_KINDS:
+                out[k] += times * sub[k]
+    memo[name] = out
+    return out
+
+
+# ----------------------------------------------------------------------------- public API
+
+def _hlo_text(compiled: Any) -> str:
+    return compiled if isinstance(compiled, str) else compiled.as_text()
+
+
+def collective_bytes(compiled: Any) -> dict[str, int]:
+    """Bytes moved per device per execution, by collective kind.
+
+    ``compiled`` is a ``jax.stages.Compiled`` or its optimized HLO text. Returns a
+    dict with every kind in :data:`COLLECTIVE_KINDS` (0 when absent). Each
+    collective is charged its operand bytes (the input shard for all-gather, the
+    full input for reduce-scatter, the input for all-reduce, collective-permute and
+    all-to-all) times the number of times it runs (while-loop trip counts
+    multiply). See the module docstring for the details.
+    """
+    comps, entry = _parse_module(_hlo_text(compiled))
+    return dict(_computation_bytes(entry, comps, {}))
+
+
+def total_collective_bytes(compiled: Any) -> int:
+    """Sum of :func:`collective_bytes` over all kinds."""
+    return sum(collective_bytes(compiled).values())
+
+
+def memory_stats(compiled: Any) -> dict[str, int]:
+    """Per-device buffer sizes from ``compiled.memory_analysis()``.
+
+    Keys: ``temp_size_in_bytes``, ``argument_size_in_bytes``,
+    ``output_size_in_bytes``, ``alias_size_in_bytes``,
+    ``generated_code_size_in_bytes``, plus ``peak_memory_in_bytes`` where the jax
+    version reports it. Under SPMD the sizes are those of one device's shards.
+    """
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise RuntimeError("this backend reports no memory analysis")
+    if isinstance(stats, (list, tuple)):  # older jax: one entry per program
+        (stats,) = stats
+    out = {k: int(getattr(stats, k)) for k in _MEMORY_FIELDS}
+    if getattr(stats, "peak_memory_in_bytes", None) is not None:
+        out["peak_memory_in_bytes"] = int(stats.peak_memory_in_bytes)
+    return out
+
+
+def flops(compiled: Any) -> float:
+    """``compiled.cost_analysis()['flops']`` (a dict in new jax, a list of dicts in old).
+
+    Caveat: XLA's cost analysis counts a while-loop body once, whatever its trip
+    count (a 7-step ``fori_loop`` of matmuls reports about one matmul's flops).
+    """
+    analysis = compiled.cost_analysis()
+    if analysis is None:
+        raise RuntimeError("this backend reports no cost analysis")
+    if isinstance(analysis, dict):
+        analysis = [analysis]
+    return float(sum(entry.get("flops", 0.0) for entry in analysis))

@@ -1,0 +1,153 @@
+"""Static layout plans: which logical rows of `[x_t ; x_0]` each rank of the `seq` axis holds.
+
+A plan is pure data, computed once in NumPy from (L, B, P). Logical row r < L is the noisy
+(corrupted) token at position r; row L + p is the clean token at position p. Every rank
+holds the same number of rows: first its *noisy slot* (`n_noisy` rows), then its *clean
+slot*; -1 marks a padding row. `travel` says which local K/V must visit other ranks:
+
+  none   nothing travels (single device, or `bp`, which replicates the clean prefix)
+  all    every local K/V row travels (`cp_*`: the whole stream is context-parallel)
+  clean  only the clean slot travels (`csbp_*`: corrupted K/V never leave their rank)
+
+Adding a strategy means adding a plan here; the model and the objective never change.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from bdlm_jax.config import ConfigError
+
+PAD = -1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayoutPlan:
+  strategy: str
+  seq_len: int
+  block_size: int
+  rows: np.ndarray  # int32 [P, rows_per_rank]: logical row index, PAD for padding
+  n_noisy: int
+  travel: str
+
+  @property
+  def num_ranks(self) -> int:
+    return self.rows.shape[0]
+
+  @property
+  def rows_per_rank(self) -> int:
+    return self.rows.shape[1]
+
+  def attention_work(self) -> np.ndarray:
+    """Allowed (query, key) pairs each rank computes, int64 [P] (one document, no padding).
+
+    A noisy query in block b sees its own block and b earlier clean blocks: B*(b+1) keys;
+    a clean query in block b sees blocks 0..b: B*(b+1) keys too.
+    """
+    L, B = self.seq_len, self.block_size
+    valid = self.rows != PAD
+    block = (self.rows % L) // B
+    return np.where(valid, B * (block + 1), 0).sum(axis=1).astype(np.int64)
+
+  def valid_rows(self) -> np.ndarray:
+    """int64 [P]: non-padding rows held by each rank (what activation memory scales with)."""
+    return (self.rows != PAD).sum(axis=1)
+
+
+def zigzag(n_rows: int, num_ranks: int, offset: int = 0) -> np.ndarray:
+  """[P, n_rows/P]: 2P equal chunks, rank r holds chunks r and 2P-1-r (dual-chunk balance)."""
+  if n_rows % (2 * num_ranks):
+    raise ConfigError(
+        f"a zigzag split of {n_rows} rows over parallel.seq={num_ranks} ranks needs the row "
+        f"count divisible by 2*seq={2 * num_ranks}; pick data.seq_len divisible by 2*parallel.seq")
+  chunks = np.arange(n_rows).reshape(2 * num_ranks, -1) + offset
+  return np.concatenate([chunks[:num_ranks], chunks[::-1][:num_ranks]], axis=1)
+
+
+def assign_blocks(n_blocks: int, num_ranks: int) -> list[list[int]]:
+  """Corrupted blocks per rank, balanced by attention work (block b costs b+1).
+
+  With N >= 2P, dual-end pairs (i, N-1-i) all cost N+1 and are split contiguously over the
+  ranks. With P <= N < 2P there are too few pairs, so blocks are placed greedily, largest
+  first, on the least-loaded rank.
+  """
+  if n_blocks < num_ranks:
+    raise ConfigError(
+        f"{n_blocks} blocks cannot be split over parallel.seq={num_ranks} ranks: every rank "
+        f"needs a corrupted block. Use a smaller objective.block_size (at most "
+        f"data.seq_len/parallel.seq) or fewer seq ranks")
+  if n_blocks >= 2 * num_ranks:
+    pairs = [sorted({i, n_blocks - 1 - i}) for i in range((n_blocks + 1) // 2)]
+    groups = np.array_split(np.arange(len(pairs)), num_ranks)
+    return [sorted(b for p in g for b in pairs[p]) for g in groups]
+  owned: list[list[int]] = [[] for _ in range(num_ranks)]
+  load = np.zeros(num_ranks, np.int64)
+  for b in range(n_blocks - 1, -1, -1):
+    r = int(np.argmin(load))
+    owned[r].append(b)
+    load[r] += b + 1
+  return [sorted(o) for o in owned]
+
+
+def _pad_rows(groups: list[np.ndarray]) -> np.ndarray:
+  width = max(len(g) for g in groups)
+  out = np.full((len(groups), width), PAD, np.int32)
+  for r, g in enumerate(groups):
+    out[r, :len(g)] = g
+  return out
+
+
+def _block_rows(blocks: list[int], block_size: int) -> np.ndarray:
+  return np.concatenate([np.arange(b * block_size, (b + 1) * block_size) for b in blocks])
+
+
+def make_plan(strategy: str, seq_len: int, block_size: int, num_ranks: int,
+              noisy_stream: bool = True) -> LayoutPlan:
+  """The layout of `strategy` for one sequence of `seq_len` tokens on `num_ranks` ranks.
+
+  `noisy_stream=False` is the autoregressive case: only the clean stream exists.
+  """
+  L, B, P = seq_len, block_size, num_ranks
+  plan = lambda rows, n_noisy, travel: LayoutPlan(strategy, L, B, np.asarray(rows, np.int32),
+                                                  n_noisy, travel)
+  if strategy == "none":
+    if P != 1:
+      raise ConfigError("strategy 'none' runs on one seq rank; set parallel.seq=1")
+    rows = np.arange(2 * L) if noisy_stream else np.arange(L, 2 * L)
+    return plan(rows[None], L if noisy_stream else 0, "none")
+  if strategy in ("cp_ring", "cp_allgather"):
+    if not noisy_stream:
+      return plan(zigzag(L, P, offset=L), 0, "all")
+    # Zigzag over the whole 2L stream: chunk r < P is noisy, chunk 2P-1-r is clean.
+    if L % P:
+      raise ConfigError(
+          f"{strategy} splits 2L={2 * L} rows into 2*seq={2 * P} chunks; data.seq_len must be "
+          f"divisible by parallel.seq")
+    return plan(zigzag(2 * L, P), L // P, "all")
+  if not noisy_stream:
+    raise ConfigError(f"strategy {strategy!r} needs a corrupted stream (a diffusion objective)")
+  if L % B:
+    raise ConfigError(f"data.seq_len={L} is not a multiple of objective.block_size={B}")
+  owned = assign_blocks(L // B, P)
+  noisy = [_block_rows(blocks, B) for blocks in owned]
+  n_noisy = max(len(n) for n in noisy)
+  if strategy == "bp":
+    clean = [L + np.arange(max(blocks) * B) for blocks in owned]
+    travel = "none"
+  elif strategy in ("csbp_ring", "csbp_allgather"):
+    clean = list(zigzag(L, P, offset=L))
+    travel = "clean"
+  else:
+    raise ConfigError(f"unknown parallel.strategy {strategy!r}")
+  noisy_slot, clean_slot = _pad_rows(noisy), _pad_rows(clean)
+  return plan(np.concatenate([noisy_slot, clean_slot], axis=1), n_noisy, travel)
+
+
+def apply_layout(plan: LayoutPlan, logical: dict[str, np.ndarray],
+                 pad_values: dict[str, int]) -> dict[str, np.ndarray]:
+  """Gathers logical [S, 2L] arrays into layout order [S, P * rows_per_rank]."""
+  flat = plan.rows.reshape(-1)
+  is_pad = flat == PAD
+  idx = np.where(is_pad, 0, flat)
+  return {name: np.where(is_pad[None], pad_values[name], x[:, idx]).astype(x.dtype)
+          for name, x in logical.items()}

@@ -1,0 +1,68 @@
+"""The device mesh and how arrays are placed on it.
+
+Axes: `data` (replicas), `fsdp` (replicas whose parameters and optimiser state are sharded),
+`seq` (one sequence split over ranks). Sequences are split over data*fsdp; rows over seq.
+"""
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from bdlm_jax.config import Config, ConfigError
+
+AXES = ("data", "fsdp", "seq")
+BATCH_AXES = ("data", "fsdp")
+
+
+def make_mesh(cfg: Config) -> jax.sharding.Mesh:
+  p = cfg.parallel
+  shape = (p.data, p.fsdp, p.seq)
+  need = int(np.prod(shape))
+  have = jax.device_count()
+  if need > have:
+    raise ConfigError(
+        f"mesh data*fsdp*seq = {p.data}*{p.fsdp}*{p.seq} = {need} needs {need} devices, but only "
+        f"{have} are visible; lower parallel.* or expose more devices (on CPU: "
+        f"JAX_NUM_CPU_DEVICES={need})")
+  if jax.process_count() > 1 and need != have:
+    raise ConfigError(f"on several hosts the mesh must use all {have} devices, got {need}")
+  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3,
+                       devices=jax.devices()[:need])
+
+
+def row_sharding(mesh) -> NamedSharding:
+  """[S, R] batch arrays: sequences over data*fsdp, rows over seq."""
+  return NamedSharding(mesh, P(BATCH_AXES, "seq"))
+
+
+def param_spec(shape: tuple[int, ...], fsdp: int) -> P:
+  """Shards the largest axis that fsdp divides; small or indivisible tensors stay replicated."""
+  if fsdp == 1 or len(shape) < 2:
+    return P()
+  for axis in sorted(range(len(shape)), key=lambda a: -shape[a]):
+    if shape[axis] % fsdp == 0:
+      spec = [None] * len(shape)
+      spec[axis] = "fsdp"
+      return P(*spec)
+  return P()
+
+
+def param_shardings(mesh, abstract_params):
+  fsdp = mesh.shape["fsdp"]
+  return jax.tree.map(lambda x: NamedSharding(mesh, param_spec(x.shape, fsdp)), abstract_params)
+
+
+def initialize_distributed(cfg: Config) -> None:
+  """Joins a multi-host job: explicit config values win, else JAX reads the environment
+  (SLURM, Open MPI, or JAX_COORDINATOR_ADDRESS / process count / id)."""
+  p = cfg.parallel
+  if not p.distributed:
+    return
+  kwargs = {}
+  if p.coordinator_address:
+    kwargs["coordinator_address"] = p.coordinator_address
+  if p.num_processes > 0:
+    kwargs["num_processes"] = p.num_processes
+  if p.process_id >= 0:
+    kwargs["process_id"] = p.process_id
+  jax.distributed.initialize(**kwargs)

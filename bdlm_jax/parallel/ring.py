@@ -1,0 +1,92 @@
+"""Ring attention over one mesh axis, written once for CP (everything travels) and CSBP
+(only clean K/V travel).
+
+Each rank keeps a *stay* part of its K/V local and passes a *travel* part around the ring
+with `ppermute`. Partial results are merged with their log-sum-exp. The `custom_vjp`
+backward re-circulates the travelling K/V together with their gradient accumulators, so
+no rank ever holds more than one visiting shard: activation memory stays O(L/P). Each
+step issues the next `ppermute` before its own compute so XLA can overlap the two.
+Forward: P-1 K/V hops. Backward: P-1 K/V hops and P dK/dV hops (the last brings them home).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from bdlm_jax.kernels.xla import NEG_INF
+
+
+def _merge(out, lse, out_i, lse_i):
+  lse_new = jnp.logaddexp(lse, lse_i)
+  out = out * jnp.exp(lse - lse_new)[..., None] + out_i * jnp.exp(lse_i - lse_new)[..., None]
+  return out, lse_new
+
+
+def _partial(kernel, chunk, q, k, v, q_meta, k_meta):
+  """(out, lse) in float32 of q against one K/V part; an empty part contributes nothing."""
+  if k.shape[1] == 0:
+    out = jnp.zeros_like(q, jnp.float32)  # zeros_like keeps q's varying mesh axes
+    return out, out[..., 0] + NEG_INF
+  return kernel.attend_fwd(q, k, v, q_meta, k_meta, chunk)
+
+
+def _grads(kernel, chunk, q, k, v, q_meta, k_meta, out, lse, dout, dlse):
+  if k.shape[1] == 0:
+    return (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k, jnp.float32),
+            jnp.zeros_like(v, jnp.float32))
+  return kernel.attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse, chunk)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def ring_attend(kernel, axis, num_ranks, chunk, q, k_stay, v_stay, k_tr, v_tr, q_meta,
+                stay_meta, tr_meta):
+  """(out, lse) of local queries against the local stay K/V and every rank's travel K/V."""
+  return _ring_fwd(kernel, axis, num_ranks, chunk, q, k_stay, v_stay, k_tr, v_tr, q_meta,
+                   stay_meta, tr_meta)[0]
+
+
+def _shift(x, axis, num_ranks):
+  return jax.lax.ppermute(x, axis, [(i, (i + 1) % num_ranks) for i in range(num_ranks)])
+
+
+def _ring_fwd(kernel, axis, num_ranks, chunk, q, k_stay, v_stay, k_tr, v_tr, q_meta, stay_meta,
+              tr_meta):
+  out, lse = _partial(kernel, chunk, q, k_stay, v_stay, q_meta, stay_meta)
+
+  def step(carry, _):
+    out, lse, kv = carry
+    kv_next = _shift(kv, axis, num_ranks)
+    out, lse = _merge(out, lse, *_partial(kernel, chunk, q, *kv[:2], q_meta, kv[2]))
+    return (out, lse, kv_next), None
+
+  (out, lse, kv), _ = jax.lax.scan(step, (out, lse, (k_tr, v_tr, tr_meta)), length=num_ranks - 1)
+  out, lse = _merge(out, lse, *_partial(kernel, chunk, q, *kv[:2], q_meta, kv[2]))
+  out = out.astype(q.dtype)
+  return (out, lse), (q, k_stay, v_stay, k_tr, v_tr, q_meta, stay_meta, tr_meta, out, lse)
+
+
+def _ring_bwd(kernel, axis, num_ranks, chunk, res, cts):
+  q, k_stay, v_stay, k_tr, v_tr, q_meta, stay_meta, tr_meta, out, lse = res
+  dout, dlse = cts
+  grads = functools.partial(_grads, kernel, chunk, q, out=out, lse=lse, dout=dout, dlse=dlse)
+  dq, dk_stay, dv_stay = grads(k=k_stay, v=v_stay, q_meta=q_meta, k_meta=stay_meta)
+
+  def visit(dq, kv, dkv):
+    dq_i, dk_i, dv_i = grads(k=kv[0], v=kv[1], q_meta=q_meta, k_meta=kv[2])
+    return dq + dq_i, _shift((dkv[0] + dk_i, dkv[1] + dv_i), axis, num_ranks)
+
+  def step(carry, _):
+    dq, kv, dkv = carry
+    kv_next = _shift(kv, axis, num_ranks)
+    dq, dkv = visit(dq, kv, dkv)
+    return (dq, kv_next, dkv), None
+
+  zeros = (jnp.zeros_like(k_tr, jnp.float32), jnp.zeros_like(v_tr, jnp.float32))
+  (dq, kv, dkv), _ = jax.lax.scan(step, (dq, (k_tr, v_tr, tr_meta), zeros), length=num_ranks - 1)
+  dq, (dk_tr, dv_tr) = visit(dq, kv, dkv)
+  return (dq.astype(q.dtype), dk_stay.astype(k_stay.dtype), dv_stay.astype(v_stay.dtype),
+          dk_tr.astype(k_tr.dtype), dv_tr.astype(v_tr.dtype), None, None, None)
+
+
+ring_attend.defvjp(_ring_fwd, _ring_bwd)

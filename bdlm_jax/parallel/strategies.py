@@ -1,0 +1,80 @@
+"""A strategy = a static layout plan + an attention transport over the `seq` mesh axis.
+
+Only attention needs `shard_map`; embeddings, norms, MLPs and the loss run as ordinary jit
+code on row-sharded arrays. The transport decides how the plan's travelling K/V reach the
+other ranks: a `ppermute` ring or one all-gather (whose transpose, a reduce-scatter, returns
+their gradients).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from bdlm_jax.config import Config, ConfigError
+from bdlm_jax.kernels import get_kernel
+from bdlm_jax.kernels.mask import RowMeta
+from bdlm_jax.parallel.layout import LayoutPlan, make_plan
+from bdlm_jax.parallel.mesh import BATCH_AXES
+from bdlm_jax.parallel.ring import ring_attend
+
+TRANSPORTS = {"none": "local", "bp": "local", "cp_ring": "ring", "csbp_ring": "ring",
+              "cp_allgather": "allgather", "csbp_allgather": "allgather"}
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_plan(strategy, seq_len, block_size, num_ranks, noisy_stream):
+  return make_plan(strategy, seq_len, block_size, num_ranks, noisy_stream)
+
+
+def plan_for(cfg: Config) -> LayoutPlan:
+  """The layout plan this config trains with (cached: plans are static)."""
+  if cfg.parallel.strategy not in TRANSPORTS:
+    raise ConfigError(f"unknown parallel.strategy {cfg.parallel.strategy!r}; "
+                      f"valid: {sorted(TRANSPORTS)}")
+  noisy = cfg.objective.name != "ar"
+  block = cfg.objective.block_size if noisy else 1
+  return _cached_plan(cfg.parallel.strategy, cfg.data.seq_len, block, cfg.parallel.seq, noisy)
+
+
+def _local_attend(plan: LayoutPlan, transport: str, kernel, chunk: int, num_ranks: int):
+  """Attention over one rank's rows; runs inside shard_map (or alone on one device)."""
+  attend = functools.partial(kernel.attend, chunk=chunk)
+  if transport == "local":
+    return attend
+  split = plan.n_noisy if plan.travel == "clean" else 0
+
+  def body(q, k, v, q_meta: RowMeta, k_meta: RowMeta):
+    k_stay, k_tr = k[:, :split], k[:, split:]
+    v_stay, v_tr = v[:, :split], v[:, split:]
+    stay_meta = k_meta.slice_rows(0, split)
+    tr_meta = k_meta.slice_rows(split, k.shape[1])
+    if transport == "ring":
+      return ring_attend(kernel, "seq", num_ranks, chunk, q, k_stay, v_stay, k_tr, v_tr, q_meta,
+                         stay_meta, tr_meta)
+    gather = lambda x: jax.lax.all_gather(x, "seq", axis=1, tiled=True)
+    k_all = jnp.concatenate([k_stay, gather(k_tr)], axis=1)
+    v_all = jnp.concatenate([v_stay, gather(v_tr)], axis=1)
+    meta_all = stay_meta.concat(RowMeta(*(gather(m) for m in tr_meta)))
+    return attend(q, k_all, v_all, q_meta, meta_all)
+
+  return body
+
+
+def make_attend(cfg: Config, mesh=None):
+  """`attend(q, k, v, q_meta, k_meta) -> (out, lse)` over layout-ordered, row-sharded arrays."""
+  plan = plan_for(cfg)
+  kernel = get_kernel(cfg.model.attention_impl)
+  transport = TRANSPORTS[cfg.parallel.strategy]
+  body = _local_attend(plan, transport, kernel, cfg.model.attention_chunk, plan.num_ranks)
+  if mesh is None:
+    if plan.num_ranks != 1:
+      raise ConfigError(f"strategy {cfg.parallel.strategy!r} with parallel.seq="
+                        f"{cfg.parallel.seq} needs a mesh: pass mesh=make_mesh(cfg)")
+    return body
+  rows = P(BATCH_AXES, "seq")
+  heads = P(BATCH_AXES, "seq", None, None)
+  meta = RowMeta(rows, rows, rows)
+  return jax.shard_map(body, mesh=mesh, in_specs=(heads, heads, heads, meta, meta),
+                       out_specs=(heads, P(BATCH_AXES, "seq", None)))
