@@ -1,1 +1,16 @@
-"""bdlm_jax: block diffusion language models with block parallelism, in JAX."""
+"""bdlm_jax: block diffusion language models with block parallelism, in JAX.
+
+The public functional API (DESIGN.md section 8); everything is a pure function of a params
+pytree, so it composes with jax.jit and jax.grad.
+"""
+
+from bdlm_jax.batch import Batch, make_batch
+from bdlm_jax.config import Config, ConfigError, load_config, override
+from bdlm_jax.loss import ar_logits, loss_fn
+from bdlm_jax.params import init_params
+from bdlm_jax.parallel.mesh import make_mesh
+from bdlm_jax.train import TrainState, init_state, make_train_step
+
+__all__ = ["Batch", "Config", "ConfigError", "TrainState", "ar_logits", "init_params",
+           "init_state", "load_config", "loss_fn", "make_batch", "make_mesh", "make_train_step",
+           "override"]

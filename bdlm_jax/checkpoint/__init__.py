@@ -1,1 +1,5 @@
-"""checkpoint"""
+"""Checkpointing: Orbax-managed train state, data iterator state and config per step."""
+
+from bdlm_jax.checkpoint.manager import CheckpointError, Checkpointer
+
+__all__ = ["Checkpointer", "CheckpointError"]

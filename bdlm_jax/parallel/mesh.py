@@ -66,3 +66,34 @@ def initialize_distributed(cfg: Config) -> None:
   if p.process_id >= 0:
     kwargs["process_id"] = p.process_id
   jax.distributed.initialize(**kwargs)
+
+
+def data_shard(mesh, global_batch: int) -> tuple[int, int, slice]:
+  """(shard index, shard count, global batch slice) of the sequences this process feeds.
+
+  Processes whose devices hold the same sequences (the seq axis may span hosts) read the
+  same data shard; each host feeds only the rows its own devices hold.
+  """
+  shape = (global_batch, mesh.shape["seq"])
+  per_process: dict[int, set] = {}
+  for device, index in row_sharding(mesh).devices_indices_map(shape).items():
+    start, stop, _ = index[0].indices(global_batch)
+    per_process.setdefault(device.process_index, set()).add((start, stop))
+  ranges = {p: (min(r[0] for r in rs), max(r[1] for r in rs)) for p, rs in per_process.items()}
+  distinct = sorted(set(ranges.values()))
+  mine = ranges[jax.process_index()]
+  return distinct.index(mine), len(distinct), slice(*mine)
+
+
+def put_batch(local_batch, mesh, global_batch: int, local_slice: slice):
+  """Host arrays holding sequences `local_slice` of the global batch -> global jax Arrays."""
+  sharding = row_sharding(mesh)
+
+  def put(x):
+    def shard(index):
+      start, stop, _ = index[0].indices(global_batch)
+      return x[(slice(start - local_slice.start, stop - local_slice.start), *index[1:])]
+
+    return jax.make_array_from_callback((global_batch, *x.shape[1:]), sharding, shard)
+
+  return jax.tree.map(put, local_batch)

@@ -1,0 +1,248 @@
+"""Checkpointing: a thin wrapper over Orbax's CheckpointManager.
+
+Each step directory `<workdir>/<step>/` holds three items:
+  state/   the train-state pytree (params, opt_state, step, rng key data), written by every
+           host for the shards it owns and restored straight onto the mesh sharding;
+  data/    the Grain iterator state, as JSON (bytes are base64-encoded);
+  config/  the resolved Config, checked against the current one on restore.
+
+Atomicity comes from Orbax: a step is written to `<step>.orbax-checkpoint-tmp` and renamed
+when complete, so a run killed mid-save leaves no step directory. A step directory that is
+present but unusable anyway (no commit marker, truncated or garbage files) is skipped on
+restore, with a warning, in favour of the newest step that restores.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from bdlm_jax.config import Config, ConfigError
+
+COMMIT_MARKER = "commit_success.txt"  # Orbax writes it into a step before the final rename.
+
+# Model keys that change how the model runs, not what its parameters mean: a run may resume
+# with a different kernel, remat policy or compute dtype.
+RUNTIME_MODEL_KEYS = ("attention_impl", "attention_chunk", "remat", "compute_dtype")
+
+
+class CheckpointError(RuntimeError):
+  """No usable checkpoint: every candidate step is missing, truncated or corrupt."""
+
+
+class Checkpointer:
+  """Saves and restores (state, data iterator state, config) per step under `workdir`."""
+
+  def __init__(self, workdir: str, cfg: Config, *, save_every: int, max_to_keep: int,
+               async_save: bool = True):
+    if save_every < 1 or max_to_keep < 1:
+      raise ConfigError(
+          f"need save_every >= 1 and max_to_keep >= 1, got {save_every} and {max_to_keep}")
+    self.workdir = os.path.abspath(workdir)
+    self.cfg = cfg
+    _check_writable(self.workdir)
+    policy = ocp.checkpoint_managers
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep,
+        enable_async_checkpointing=async_save,
+        # A run killed mid-save leaves `<step>.orbax-checkpoint-tmp`; Orbax replaces it when
+        # that step is saved again. Deleting such dirs at start-up instead would break the
+        # in-flight save of a trainer if another process (an evaluator) opened its workdir.
+        cleanup_tmp_directories=False,
+        # Every `save_every` steps, plus an emergency save when a host is preempted. (Orbax's
+        # default would also save the first step it sees, whatever its number.)
+        save_decision_policy=policy.AnySavePolicy([
+            policy.FixedIntervalPolicy(save_every), policy.PreemptionCheckpointingPolicy()]),
+    )
+    # Handlers named up front: with `item_names` alone, a fresh manager cannot read the
+    # metadata of steps it did not write itself (item_metadata() returns None).
+    self._mngr = ocp.CheckpointManager(self.workdir, options=options, item_handlers=dict(
+        state=ocp.StandardCheckpointHandler(), data=ocp.JsonCheckpointHandler(),
+        config=ocp.JsonCheckpointHandler()))
+    self._barriers = 0
+
+  def save(self, step: int, state: Any, data_state: Any = None, force: bool = False) -> bool:
+    """Starts saving `step` if it is due (or `force`); returns whether it did.
+
+    With async_save the arrays are copied off the devices before this returns and written in
+    the background; call `wait()` before reading the files or exiting.
+    """
+    if step in self._mngr.all_steps():
+      return False  # already on disk, e.g. the step we just resumed from
+    return self._mngr.save(step, force=force, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data=ocp.args.JsonSave(_encode_data_state(data_state)),
+        config=ocp.args.JsonSave(self.cfg.to_dict()),
+    ))
+
+  def latest_step(self) -> int | None:
+    """Newest committed step, or None.
+
+    A step still being written in the background does not count until it commits. Its files
+    are only read, and so checked, by `restore`.
+    """
+    steps = self._committed_steps()
+    return steps[0] if steps else None
+
+  def restore(self, abstract_state: Any, step: int | None = None) -> tuple[int, Any, Any]:
+    """Returns (step, state, data_state) restored onto the shardings in `abstract_state`.
+
+    `abstract_state` is a pytree of `jax.ShapeDtypeStruct`s with `.sharding` set (e.g. from
+    `jax.eval_shape` plus the mesh's shardings). With `step=None` the newest step that
+    restores is used; unreadable newer steps are skipped with a warning and set aside as
+    `<step>.corrupt` so that the resumed run can write those steps again.
+    """
+    self.wait()
+    self._mngr.reload()
+    candidates = [step] if step is not None else self._committed_steps()
+    if not candidates:
+      raise FileNotFoundError(f"no committed checkpoint to restore in {self.workdir}")
+    failures = []
+    for s in candidates:
+      try:
+        state, data_state = self._restore_step(s, abstract_state)
+      except ConfigError:
+        raise  # the current config or state does not fit: an older step would not either
+      except Exception as e:  # pylint: disable=broad-except
+        if step is not None:
+          raise CheckpointError(f"cannot restore checkpoint {self._step_dir(s)}: {e}") from e
+        warnings.warn(f"checkpoint {self._step_dir(s)} is unreadable ({_short(e)}); "
+                      f"trying an older one")
+        failures.append((s, e))
+        continue
+      # An older step restored with the same arguments, so the newer ones are truly bad.
+      self._set_aside([f for f, _ in failures] + self._uncommitted_steps())
+      return s, state, data_state
+    raise CheckpointError(
+        f"no checkpoint in {self.workdir} restores (if all fail alike, check the abstract "
+        f"state and mesh):\n" +
+        "\n".join(f"  {self._step_dir(s)}: {_short(e)}" for s, e in failures))
+
+  def wait(self) -> None:
+    """Blocks until pending async saves are on disk; call before exiting."""
+    self._mngr.wait_until_finished()
+
+  def close(self) -> None:
+    self._mngr.close()
+
+  def __enter__(self) -> "Checkpointer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  # ---------------------------------------------------------------------------------------
+
+  def _step_dir(self, step: int) -> str:
+    return os.path.join(self.workdir, str(step))
+
+  def _committed_steps(self) -> list[int]:
+    """Steps Orbax lists that also carry the commit marker, newest first.
+
+    On local disks Orbax trusts the final directory name alone, so a step copied or written
+    only in part (a crash on a filesystem without atomic rename) would otherwise count.
+    """
+    return sorted((s for s in self._mngr.all_steps()
+                   if os.path.exists(os.path.join(self._step_dir(s), COMMIT_MARKER))),
+                  reverse=True)
+
+  def _uncommitted_steps(self) -> list[int]:
+    return sorted(set(self._mngr.all_steps()) - set(self._committed_steps()))
+
+  def _restore_step(self, step: int, abstract_state: Any) -> tuple[Any, Any]:
+    saved = self._mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    _check_compatible(saved.config, self.cfg, self._step_dir(step))
+    _check_structure(self._mngr.item_metadata(step).state, abstract_state,
+                     self._step_dir(step))
+    out = self._mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+    return out.state, _decode_data_state(out.data)
+
+  def _set_aside(self, steps: list[int]) -> None:
+    """Renames bad steps to `<step>.corrupt` (kept for inspection, invisible to Orbax)."""
+    if not steps:
+      return
+    if jax.process_index() == 0:
+      for s in steps:
+        src = self._step_dir(s)
+        dst = f"{src}.corrupt"
+        if os.path.exists(dst):
+          dst = f"{dst}-{time.time_ns()}"
+        try:
+          os.rename(src, dst)
+          warnings.warn(f"moved unusable checkpoint {src} to {dst}")
+        except OSError as e:
+          warnings.warn(f"could not move unusable checkpoint {src} aside: {e}")
+    self._barriers += 1
+    ocp.multihost.sync_global_processes(f"bdlm_jax_checkpoint_set_aside_{self._barriers}")
+    self._mngr.reload()
+
+
+def _check_writable(workdir: str) -> None:
+  """Fails before any training if checkpoints could not be written to `workdir`."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ConfigError(f"checkpoint workdir {workdir} exists and is not a directory")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_test_"):
+      pass
+  except OSError as e:
+    raise ConfigError(f"checkpoint workdir {workdir} is not writable: {e}") from e
+
+
+def _check_compatible(saved: dict, cfg: Config, where: str) -> None:
+  """Raises ConfigError naming each setting the parameters depend on that changed."""
+  now = cfg.to_dict()
+  keys = [("model", k) for k in now["model"] if k not in RUNTIME_MODEL_KEYS]
+  keys += [("objective", "name"), ("objective", "block_size"), ("data", "seq_len")]
+  missing = "<missing>"
+  diffs = [f"{a}.{b}={saved.get(a, {}).get(b, missing)!r}, current config has {now[a][b]!r}"
+           for a, b in keys if saved.get(a, {}).get(b, missing) != now[a][b]]
+  if diffs:
+    raise ConfigError(f"checkpoint in {where} was written with " +
+                      "; ".join(diffs) + ". Resume with the same settings or use a new workdir.")
+
+
+def _check_structure(saved_meta: Any, abstract_state: Any, where: str) -> None:
+  """Raises ConfigError if the saved state's keys or shapes differ from `abstract_state`."""
+  def flat(tree):
+    return {".".join(str(k) for k in path): leaf
+            for path, leaf in ocp.tree.to_flat_dict(tree).items()}
+  saved, wanted = flat(saved_meta), flat(abstract_state)
+  problems = []
+  if missing := sorted(wanted.keys() - saved.keys()):
+    problems.append(f"not in the checkpoint: {missing}")
+  if extra := sorted(saved.keys() - wanted.keys()):
+    problems.append(f"only in the checkpoint: {extra}")
+  for key in sorted(wanted.keys() & saved.keys()):
+    was, now = (tuple(getattr(tree[key], "shape", ())) for tree in (saved, wanted))
+    if was != now:
+      problems.append(f"{key} has shape {was} in the checkpoint, {now} now")
+  if problems:
+    raise ConfigError(f"checkpoint in {where} does not match the state to restore (did the "
+                      f"model or optimizer change?): " + "; ".join(problems))
+
+
+def _encode_data_state(data_state: Any) -> dict:
+  """Grain iterator states are JSON dicts or bytes; JSON can only hold the bytes as text."""
+  if isinstance(data_state, (bytes, bytearray)):
+    return {"kind": "bytes", "value": base64.b64encode(bytes(data_state)).decode("ascii")}
+  return {"kind": "json", "value": data_state}
+
+
+def _decode_data_state(item: dict) -> Any:
+  if item["kind"] == "bytes":
+    return base64.b64decode(item["value"])
+  return item["value"]
+
+
+def _short(e: Exception, limit: int = 300) -> str:
+  text = f"{type(e).__name__}: {e}"
+  return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,40 @@
+"""Packs token documents into fixed-length rows of L tokens with segment ids.
+
+A document that fits in L stays whole: grain's first-fit packing pads a row rather than cut
+a document across rows. Only a document longer than L is cut, into L-token pieces, each its
+own segment. Segment ids number the documents of a row 1, 2, 3, ...; padding is segment 0.
+"""
+
+from __future__ import annotations
+
+import grain
+import grain.experimental as gx
+import numpy as np
+
+
+class _SplitLong(gx.FlatMapTransform):
+  """Cuts a document into pieces of at most `seq_len` tokens (first-fit cannot place more)."""
+
+  def __init__(self, seq_len: int):
+    self._seq_len = seq_len
+
+  def flat_map(self, tokens_T: np.ndarray) -> list[dict[str, np.ndarray]]:
+    return [{"tokens": tokens_T[i:i + self._seq_len]}
+            for i in range(0, len(tokens_T), self._seq_len)]
+
+
+def _rename(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  return {"tokens": row["tokens"], "segment_ids": row["tokens_segment_ids"]}
+
+
+def pack(docs: grain.IterDataset, *, seq_len: int, pad_id: int,
+         num_bins: int) -> grain.IterDataset:
+  """int32 [T] documents -> {"tokens", "segment_ids"}: int32 [L] rows, padded with `pad_id`.
+
+  `num_bins` rows fill at once; more bins waste less padding but hold more tokens in memory.
+  """
+  pieces = gx.FlatMapIterDataset(docs, _SplitLong(seq_len))
+  rows = gx.FirstFitPackIterDataset(
+      pieces, length_struct={"tokens": seq_len}, num_packing_bins=num_bins,
+      shuffle_bins=False, padding_struct={"tokens": pad_id})
+  return rows.map(_rename)

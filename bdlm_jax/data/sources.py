@@ -1,0 +1,152 @@
+"""Grain random-access sources of text documents (`len` + `getitem` -> str).
+
+File sources take `data.path` as one file or a glob (files read in sorted order):
+* text: one document per non-empty line (a corpus with one document per line is the common
+  case, and lines give cheap random access; put multi-line documents in JSONL instead);
+* jsonl: one JSON object per non-empty line, the document under `data.text_field`;
+* array_record: each record a UTF-8 JSON object (read by `data.text_field`) or raw UTF-8 text.
+Files are indexed once (line offsets) and read lazily, so large corpora stay out of memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import json
+import os
+
+import grain
+import numpy as np
+
+from bdlm_jax.config import DATA_SOURCES, ConfigError, DataConfig
+from bdlm_jax.data.arithmetic import ArithmeticSource
+
+
+class DataError(ValueError):
+  """A data file that exists but cannot be used; the message names the file (and line)."""
+
+
+def _expand(path: str) -> list[str]:
+  files = sorted(glob.glob(os.path.expanduser(path)))
+  if not files:
+    raise ConfigError(f"data.path={path!r} matches no file")
+  for f in files:
+    if not os.path.isfile(f):
+      raise ConfigError(f"data.path={path!r}: {f} is not a file")
+  return files
+
+
+class TextLineSource:
+  """One document per non-empty line of UTF-8 text files."""
+
+  def __init__(self, path: str):
+    self._files = _expand(path)
+    rows = []  # (file, byte offset, byte length, 1-based line number) per document
+    for file_id, file in enumerate(self._files):
+      try:
+        with open(file, "rb") as f:
+          offset = 0
+          for lineno, line in enumerate(f, 1):
+            if line.strip():
+              rows.append((file_id, offset, len(line), lineno))
+            offset += len(line)
+      except OSError as e:
+        raise DataError(f"cannot read data file {file}: {e}") from e
+    if not rows:
+      raise DataError(f"data.path={path!r}: no non-empty lines in {self._files}")
+    self._rows_Nx4 = np.asarray(rows, dtype=np.int64)
+
+  def __len__(self) -> int:
+    return len(self._rows_Nx4)
+
+  def where(self, index: int) -> str:
+    """The "file:line" of document `index`, for error messages."""
+    file_id, _, _, lineno = self._rows_Nx4[index]
+    return f"{self._files[file_id]}:{lineno}"
+
+  def __getitem__(self, index: int) -> str:
+    file_id, offset, length, _ = self._rows_Nx4[index]
+    try:
+      with open(self._files[file_id], "rb") as f:
+        f.seek(offset)
+        raw = f.read(length)
+      return raw.decode("utf-8").rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as e:
+      raise DataError(f"cannot read document at {self.where(index)}: {e}") from e
+
+
+class JsonlSource(TextLineSource):
+  """One JSON object per non-empty line; the document is its `text_field` string."""
+
+  def __init__(self, path: str, text_field: str):
+    super().__init__(path)
+    self._field = text_field
+    # Fail at start-up, not hours in, when the field name is wrong: check each file's first row.
+    for first in np.unique(self._rows_Nx4[:, 0], return_index=True)[1]:
+      self[int(first)]
+
+  def __getitem__(self, index: int) -> str:
+    line = super().__getitem__(index)
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise DataError(f"invalid JSON at {self.where(index)}: {e}") from e
+    return _text_field(record, self._field, self.where(index))
+
+
+class ArrayRecordSource:
+  """ArrayRecord files; a record is a JSON object (read by `text_field`) or raw UTF-8 text."""
+
+  def __init__(self, path: str, text_field: str):
+    self._files = _expand(path)
+    self._field = text_field
+    self._sources = []
+    for file in self._files:
+      try:
+        self._sources.append(grain.sources.ArrayRecordDataSource([file]))
+      except Exception as e:  # array_record raises bare RuntimeError/ValueError
+        raise DataError(f"cannot read ArrayRecord file {file}: {e}") from e
+    self._ends = np.cumsum([len(s) for s in self._sources]).tolist()
+    if not self._ends[-1]:
+      raise DataError(f"data.path={path!r}: no records in {self._files}")
+
+  def __len__(self) -> int:
+    return self._ends[-1]
+
+  def __getitem__(self, index: int) -> str:
+    file_id = bisect.bisect_right(self._ends, index)
+    position = index - (self._ends[file_id - 1] if file_id else 0)
+    where = f"{self._files[file_id]} record {position}"
+    try:
+      text = self._sources[file_id][position].decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise DataError(f"record is not UTF-8 at {where}: {e}") from e
+    try:
+      record = json.loads(text)
+    except json.JSONDecodeError:
+      return text  # raw text record
+    return _text_field(record, self._field, where) if isinstance(record, dict) else text
+
+
+def _text_field(record, field: str, where: str) -> str:
+  if not isinstance(record, dict) or field not in record:
+    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+    raise DataError(f"no text field {field!r} (data.text_field) at {where}; record has {keys}")
+  if not isinstance(record[field], str):
+    raise DataError(f"field {field!r} at {where} is {type(record[field]).__name__}, not a string")
+  return record[field]
+
+
+def make_source(data_cfg: DataConfig, seed: int):
+  """The random-access source named by `data.source`."""
+  if data_cfg.source == "arithmetic":
+    return ArithmeticSource(seed)
+  if not data_cfg.path:
+    raise ConfigError(f"data.source={data_cfg.source!r} needs data.path")
+  if data_cfg.source == "text":
+    return TextLineSource(data_cfg.path)
+  if data_cfg.source == "jsonl":
+    return JsonlSource(data_cfg.path, data_cfg.text_field)
+  if data_cfg.source == "array_record":
+    return ArrayRecordSource(data_cfg.path, data_cfg.text_field)
+  raise ConfigError(f"data.source={data_cfg.source!r} is not one of {list(DATA_SOURCES)}")

@@ -1,0 +1,84 @@
+"""The functional train step (`make_train_step`) and the state it updates.
+
+`train_step(state, batch, key)` is pure: the loop, logging and checkpoints live in loop.py.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from bdlm_jax.config import Config
+from bdlm_jax.loss import loss_fn
+from bdlm_jax.optimizer import learning_rate, make_optimizer
+from bdlm_jax.params import abstract_params, init_params
+from bdlm_jax.parallel.mesh import param_spec, row_sharding
+
+
+class TrainState(NamedTuple):
+  step: jax.Array  # int32 scalar
+  params: dict
+  opt_state: optax.OptState
+
+
+def state_shardings(cfg: Config, mesh):
+  """Parameters and every optimiser moment sharded alike over `fsdp`; scalars replicated."""
+  abstract = jax.eval_shape(lambda: _fresh_state(cfg, abstract_params(cfg)))
+  fsdp = mesh.shape["fsdp"]
+  return jax.tree.map(lambda x: NamedSharding(mesh, param_spec(x.shape, fsdp)), abstract)
+
+
+def _fresh_state(cfg: Config, params) -> TrainState:
+  return TrainState(jnp.zeros((), jnp.int32), params, make_optimizer(cfg.train).init(params))
+
+
+def init_state(cfg: Config, key, mesh) -> TrainState:
+  params = init_params(cfg, key, mesh)
+  return jax.jit(lambda p: _fresh_state(cfg, p), out_shardings=state_shardings(cfg, mesh))(params)
+
+
+def _accumulated_grads(cfg, mesh, params, batch, key):
+  """Gradient of (sum of token losses) / (valid tokens) over `grad_accum` micro-batches."""
+  n = cfg.train.grad_accum
+  grad_fn = jax.value_and_grad(lambda p, b, k: loss_fn(p, b, k, cfg, mesh), has_aux=True)
+  if n == 1:
+    (loss, metrics), grads = grad_fn(params, batch, key)
+    return grads, metrics
+  micro = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+
+  def body(carry, xs):
+    grads_sum, total, count, masked = carry
+    i, mb = xs
+    mb = jax.lax.with_sharding_constraint(mb, row_sharding(mesh))
+    (loss, m), g = grad_fn(params, mb, jax.random.fold_in(key, i))
+    w = m["valid_tokens"].astype(jnp.float32)
+    grads_sum = jax.tree.map(lambda a, b: a + w * b, grads_sum, g)
+    return (grads_sum, total + w * loss, count + w, masked + m["masked_tokens"]), None
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  init = (zeros, jnp.float32(0), jnp.float32(0), jnp.int32(0))
+  (grads, total, count, masked), _ = jax.lax.scan(body, init, (jnp.arange(n), micro))
+  count = jnp.maximum(count, 1.0)
+  grads = jax.tree.map(lambda g: g / count, grads)
+  return grads, dict(loss=total / count, valid_tokens=count.astype(jnp.int32),
+                     masked_tokens=masked)
+
+
+def make_train_step(cfg: Config, mesh):
+  """A jitted `train_step(state, batch, key) -> (state, metrics)` on `mesh`."""
+  optimizer = make_optimizer(cfg.train)
+  schedule = learning_rate(cfg.train)
+
+  def train_step(state: TrainState, batch, key):
+    grads, metrics = _accumulated_grads(cfg, mesh, state.params, batch, key)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics, grad_norm=optax.global_norm(grads), lr=schedule(state.step))
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+  state_sh = state_shardings(cfg, mesh)
+  replicated = NamedSharding(mesh, P())
+  return jax.jit(train_step, in_shardings=(state_sh, row_sharding(mesh), replicated),
+                 out_shardings=(state_sh, replicated), donate_argnums=(0,))

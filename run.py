@@ -1,0 +1,48 @@
+"""Command line: python run.py --config configs/quickstart.py [--set a.b=c ...] [--resume]."""
+
+import argparse
+import os
+import sys
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--config", required=True, help="Python file exposing get_config()")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config value, e.g. --set parallel.strategy=csbp_ring")
+  parser.add_argument("--workdir", default=None, help="checkpoints and metrics (default runs/<config>)")
+  parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+  parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+  args = parser.parse_args(argv)
+
+  from bdlm_jax.config import ConfigError, load_config
+  try:
+    cfg = load_config(args.config, args.set)
+  except ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr)
+    return 2
+  needed = cfg.parallel.data * cfg.parallel.fsdp * cfg.parallel.seq
+  if needed > 1 and not cfg.parallel.distributed:
+    # Simulated devices on a CPU-only host; ignored where real accelerators are present.
+    os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(needed))
+  import jax
+  if "JAX_NUM_CPU_DEVICES" in os.environ:
+    jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
+  from bdlm_jax.loop import default_workdir, train
+  workdir = args.workdir or default_workdir(args.config)
+  try:
+    if cfg.mode != "train":
+      raise ConfigError(f"mode={cfg.mode!r} is not available; valid: 'train'")
+    history = train(cfg, workdir, resume=args.resume, progress=not args.no_progress)
+  except (ConfigError, FileExistsError, OSError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if history and jax.process_index() == 0:
+    first, last = history[0], history[-1]
+    print(f"trained {last['step']} steps: loss {first['loss']:.4f} (step {first['step']}) -> "
+          f"{last['loss']:.4f}; {last['tokens_per_s']:.0f} tokens/s; workdir {workdir}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,1 @@
+"""Tests of bdlm_jax.data."""
