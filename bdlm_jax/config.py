@@ -263,7 +263,7 @@ def validate(cfg: Config) -> None:
   if not 0.0 < o.eps_min <= o.eps_max <= 1.0:
     raise ConfigError(
         f"need 0 < objective.eps_min <= objective.eps_max <= 1, got {o.eps_min}, {o.eps_max}")
-  if d.seq_len % o.block_size:
+  if o.name != "ar" and d.seq_len % o.block_size:
     raise ConfigError(
         f"data.seq_len={d.seq_len} is not a multiple of objective.block_size={o.block_size}; "
         f"choose a block size that divides the sequence length")

@@ -1,5 +1,6 @@
 """Parameters as a plain pytree, and the model rebuilt around them at the jit boundary."""
 
+import dataclasses
 import functools
 import json
 
@@ -19,13 +20,12 @@ def _graph(model_json: str):
 
 
 def _graph_of(cfg: Config):
-  import dataclasses
   return _graph(json.dumps(dataclasses.asdict(cfg.model), sort_keys=True))
 
 
 def abstract_params(cfg: Config):
   """ShapeDtypeStructs of the params pytree."""
-  return _graph_of(cfg)[1].to_pure_dict()
+  return nnx.to_pure_dict(_graph_of(cfg)[1])
 
 
 def merge(cfg: Config, params) -> Transformer:
@@ -39,7 +39,7 @@ def merge(cfg: Config, params) -> Transformer:
 def init_params(cfg: Config, key, mesh=None):
   """Same values on every mesh (drawn from `key` alone); only their placement differs."""
   def init(key):
-    return nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(params=key))).to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(params=key))))
 
   if mesh is None:
     return jax.jit(init)(key)

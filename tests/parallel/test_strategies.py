@@ -1,0 +1,105 @@
+"""Every strategy gives the single-device loss and gradients (DESIGN.md section 3 contract).
+
+Batches carry packed documents, padding and SFT-style protected tokens; block sizes cover
+N = P, N = 2P, N > 2P and P < N < 2P on 8 ranks (L = 96).
+"""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from bdlm_jax import ConfigError, init_params, loss_fn, make_batch, make_mesh
+from bdlm_jax.config import Config, replace
+
+L = 96
+BLOCKS = {"N=P": 12, "N=2P": 6, "N>2P": 4, "P<N<2P": 8}  # block sizes for P = 8
+
+
+def _cfg(strategy="none", block_size=4, objective="bd3lm", **parallel):
+  return replace(
+      Config(),
+      model=dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+                 attention_chunk=32),
+      data=dict(seq_len=L), objective=dict(name=objective, block_size=block_size),
+      parallel=dict(strategy=strategy, **parallel), train=dict(batch_size=4))
+
+
+def _logical_batch():
+  rng = np.random.default_rng(123)
+  tokens = rng.integers(0, 250, (4, L))
+  seg = np.sort(rng.integers(1, 4, (4, L)), axis=1)  # packed documents
+  seg[:, -7:] = 0  # padding
+  protected = rng.random((4, L)) < 0.25  # SFT-style prompt tokens
+  return tokens, seg, protected
+
+
+def _loss_and_grads(cfg, mesh):
+  batch = make_batch(cfg, *_logical_batch())
+  params = init_params(cfg, jax.random.key(0), mesh)
+  step = jax.jit(jax.value_and_grad(lambda p, b, k: loss_fn(p, b, k, cfg, mesh), has_aux=True))
+  (loss, _), grads = step(params, batch, jax.random.key(7))
+  return float(loss), jax.tree.map(np.asarray, grads)
+
+
+@functools.cache
+def _reference(block_size, objective="bd3lm"):
+  return _loss_and_grads(_cfg("none", block_size, objective), None)
+
+
+def _assert_matches_reference(cfg, mesh):
+  ref_loss, ref_grads = _reference(cfg.objective.block_size, cfg.objective.name)
+  loss, grads = _loss_and_grads(cfg, mesh)
+  assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+  for path, g, ref in zip(jax.tree_util.tree_leaves_with_path(grads),
+                          jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    rel = np.linalg.norm(g - ref) / np.linalg.norm(ref)
+    assert rel < 1e-5, (jax.tree_util.keystr(path[0]), rel)
+
+
+SEQ_STRATEGIES = ["cp_allgather", "cp_ring", "bp", "csbp_allgather", "csbp_ring"]
+
+
+@pytest.mark.parametrize("strategy", SEQ_STRATEGIES)
+def test_loss_and_grads_equal_single_device_on_seq8(strategy):
+  cfg = _cfg(strategy, BLOCKS["N>2P"], seq=8)
+  _assert_matches_reference(cfg, make_mesh(cfg))
+
+
+@pytest.mark.parametrize("strategy", SEQ_STRATEGIES)
+@pytest.mark.parametrize("mesh_shape", [dict(data=2, seq=4), dict(data=2, fsdp=2, seq=2)],
+                         ids=["data2_seq4", "data2_fsdp2_seq2"])
+def test_loss_and_grads_equal_single_device_on_composed_meshes(strategy, mesh_shape):
+  cfg = _cfg(strategy, BLOCKS["N=2P"], **mesh_shape)
+  _assert_matches_reference(cfg, make_mesh(cfg))
+
+
+@pytest.mark.parametrize("case", ["N=P", "N=2P", "P<N<2P"])
+@pytest.mark.parametrize("strategy", ["bp", "csbp_ring"])
+def test_block_counts_around_the_rank_count(strategy, case):
+  cfg = _cfg(strategy, BLOCKS[case], seq=8)
+  _assert_matches_reference(cfg, make_mesh(cfg))
+
+
+@pytest.mark.parametrize("strategy", ["cp_ring", "cp_allgather"])
+def test_autoregressive_objective_under_context_parallelism(strategy):
+  cfg = _cfg(strategy, objective="ar", seq=8)
+  _assert_matches_reference(cfg, make_mesh(cfg))
+
+
+def test_fewer_blocks_than_ranks_is_an_error():
+  with pytest.raises(ConfigError, match="blocks cannot be split over parallel.seq=8"):
+    make_batch(_cfg("csbp_ring", 24, seq=8), *_logical_batch())
+
+
+def test_strategy_that_cannot_run_the_objective_is_an_error():
+  with pytest.raises(ConfigError, match="cannot run the 'ar' objective"):
+    _cfg("csbp_ring", objective="ar", seq=8)
+
+
+def test_batch_from_another_layout_is_rejected():
+  batch = make_batch(_cfg("none"), *_logical_batch())
+  cfg = _cfg("csbp_ring", seq=8)
+  with pytest.raises(ConfigError, match="build it with make_batch"):
+    loss_fn(init_params(cfg, jax.random.key(0)), batch, jax.random.key(0), cfg, make_mesh(cfg))
