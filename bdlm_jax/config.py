@@ -25,6 +25,7 @@ OBJECTIVES = ("bd3lm", "ar")
 ATTENTION_IMPLS = ("xla", "pallas")
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full")
+MODES = ("train", "sample", "export")
 DATA_SOURCES = ("arithmetic", "text", "jsonl", "array_record")
 
 
@@ -103,14 +104,38 @@ class TrainConfig:
 
 
 @dataclasses.dataclass
+class SampleConfig:
+  """mode=sample: block-wise semi-autoregressive generation from a trained checkpoint."""
+  prompt: str = ""
+  prompt_file: str = ""
+  max_new_tokens: int = 64
+  steps_per_block: int = 0  # 0: one token unmasked per step (block_size steps)
+  strategy: str = "confidence"  # or "first_hitting"
+  temperature: float = 0.0  # 0: greedy
+  use_cache: bool = True  # KV cache of the clean blocks before the current one
+  checkpoint_step: int = -1  # -1: latest
+
+
+@dataclasses.dataclass
+class ExportConfig:
+  """mode=export: write a Hugging Face folder from a checkpoint."""
+  out_dir: str = ""
+  checkpoint_step: int = -1  # -1: latest
+  dtype: str = "float32"
+
+
+@dataclasses.dataclass
 class Config:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   objective: ObjectiveConfig = dataclasses.field(default_factory=ObjectiveConfig)
   parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
+  export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
   seed: int = 0
-  mode: str = "train"
+  mode: str = "train"  # train | sample | export
+  init_from: str = ""  # a Hugging Face folder whose weights initialise training (conversion)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -241,6 +266,9 @@ def validate(cfg: Config) -> None:
   _choice("model.remat", m.remat, REMAT)
   _choice("objective.loss_weight", o.loss_weight, ("inv_t", "unit"))
   _choice("data.source", d.source, DATA_SOURCES)
+  _choice("mode", cfg.mode, MODES)
+  _choice("sample.strategy", cfg.sample.strategy, ("confidence", "first_hitting"))
+  _choice("export.dtype", cfg.export.dtype, DTYPES)
   positive = {
       "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.n_layers": m.n_layers,
       "model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads, "model.head_dim": m.head_dim,
@@ -300,5 +328,5 @@ def replace(cfg: Config, **sections: dict) -> Config:
 
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "DataConfig", "ObjectiveConfig",
-           "ParallelConfig", "TrainConfig", "load_config", "override", "validate", "all_keys",
+           "ParallelConfig", "TrainConfig", "SampleConfig", "ExportConfig", "load_config", "override", "validate", "all_keys",
            "replace"]
