@@ -10,7 +10,8 @@ def get_kernel(name: str):
   if name == "xla":
     return xla
   if name == "pallas":
-    raise ConfigError("model.attention_impl='pallas' is not available in this build; use 'xla'")
+    from bdlm_jax.kernels import pallas
+    return pallas
   raise ConfigError(f"unknown model.attention_impl {name!r}; valid: 'xla', 'pallas'")
 
 

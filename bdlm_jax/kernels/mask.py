@@ -31,13 +31,13 @@ class RowMeta(NamedTuple):
 
 
 def allowed(q_meta: RowMeta, k_meta: RowMeta) -> jnp.ndarray:
-  """bool [S, Rq, Rk]: may query row q attend to key row k.
+  """bool [S, Rq, Rk]: may query row q attend to key row k ([Rq, Rk] for 1-D metadata).
 
   noisy->noisy: same block (bidirectional); noisy->clean: strictly earlier block;
   clean->clean: same or earlier block; clean->noisy: never; always within one document.
   """
-  qs, qb, qg = (x[:, :, None] for x in q_meta)
-  ks, kb, kg = (x[:, None, :] for x in k_meta)
+  qs, qb, qg = (x[..., :, None] for x in q_meta)
+  ks, kb, kg = (x[..., None, :] for x in k_meta)
   same_doc = (qg == kg) & (qg > 0)
   noisy_q = qs == NOISY
   rule = jnp.where(
