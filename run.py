@@ -10,7 +10,8 @@ def main(argv=None) -> int:
   parser.add_argument("--config", required=True, help="Python file exposing get_config()")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override a config value, e.g. --set parallel.strategy=csbp_ring")
-  parser.add_argument("--workdir", default=None, help="checkpoints and metrics (default runs/<config>)")
+  parser.add_argument("--workdir", default=None,
+                      help="checkpoints and metrics (default runs/<config>)")
   parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   args = parser.parse_args(argv)
@@ -27,17 +28,40 @@ def main(argv=None) -> int:
     os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(needed))
   import jax
   if "JAX_NUM_CPU_DEVICES" in os.environ:
-    jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
+    try:
+      jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
+    except RuntimeError:
+      pass  # JAX already started (main() called in-process); make_mesh reports a shortfall
+  from bdlm_jax.checkpoint import CheckpointError
+  from bdlm_jax.data import DataError
   from bdlm_jax.loop import default_workdir, train
   workdir = args.workdir or default_workdir(args.config)
   try:
+    if cfg.mode == "export":
+      from bdlm_jax.checkpoint.hf_export import export_checkpoint
+      step, out_dir = export_checkpoint(cfg, workdir)
+      print(f"exported step {step} of {workdir} to {out_dir} (Hugging Face format)")
+      return 0
+    if cfg.mode == "sample":
+      from bdlm_jax.sample import sample_checkpoint
+      step, prompt, completion = sample_checkpoint(cfg, workdir)
+      print(f"step {step} of {workdir}; prompt {prompt!r}; completion:", file=sys.stderr)
+      print(completion)
+      return 0
     if cfg.mode != "train":
       raise ConfigError(f"mode={cfg.mode!r} is not available; valid: 'train'")
     history = train(cfg, workdir, resume=args.resume, progress=not args.no_progress)
-  except (ConfigError, FileExistsError, OSError) as e:
+  except (ConfigError, DataError, CheckpointError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  if history and jax.process_index() == 0:
+  except KeyboardInterrupt:
+    print(f"interrupted; checkpoints in {workdir} are kept, continue with --resume",
+          file=sys.stderr)
+    return 130
+  if jax.process_index() == 0:
+    if not history:
+      print(f"nothing to train: {workdir} is already at train.steps={cfg.train.steps} or past it")
+      return 0
     first, last = history[0], history[-1]
     print(f"trained {last['step']} steps: loss {first['loss']:.4f} (step {first['step']}) -> "
           f"{last['loss']:.4f}; {last['tokens_per_s']:.0f} tokens/s; workdir {workdir}")

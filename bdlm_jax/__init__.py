@@ -5,12 +5,15 @@ pytree, so it composes with jax.jit and jax.grad.
 """
 
 from bdlm_jax.batch import Batch, make_batch
+from bdlm_jax.checkpoint.hf_export import export_hf
+from bdlm_jax.checkpoint.hf_import import import_hf
 from bdlm_jax.config import Config, ConfigError, load_config, override
 from bdlm_jax.loss import ar_logits, loss_fn
 from bdlm_jax.params import init_params
 from bdlm_jax.parallel.mesh import make_mesh
+from bdlm_jax.sample import sample
 from bdlm_jax.train import TrainState, init_state, make_train_step
 
-__all__ = ["Batch", "Config", "ConfigError", "TrainState", "ar_logits", "init_params",
-           "init_state", "load_config", "loss_fn", "make_batch", "make_mesh", "make_train_step",
-           "override"]
+__all__ = ["Batch", "Config", "ConfigError", "TrainState", "ar_logits", "export_hf",
+           "import_hf", "init_params", "init_state", "load_config", "loss_fn", "make_batch",
+           "make_mesh", "make_train_step", "override", "sample"]

@@ -21,12 +21,14 @@ class ConfigError(ValueError):
 
 
 STRATEGIES = ("none", "cp_allgather", "cp_ring", "bp", "csbp_allgather", "csbp_ring")
-OBJECTIVES = ("bd3lm", "ar")
+OBJECTIVES = ("bd3lm", "fast_dllm_v2", "ar")
 ATTENTION_IMPLS = ("xla", "pallas")
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full")
 MODES = ("train", "sample", "export")
 DATA_SOURCES = ("arithmetic", "text", "jsonl", "array_record")
+DATA_FORMATS = ("text", "chat")
+CHAT_TEMPLATES = ("plain", "chatml")  # defined in bdlm_jax/data/chat.py
 
 
 @dataclasses.dataclass
@@ -55,6 +57,10 @@ class DataConfig:
   path: str = ""  # file or glob for text / jsonl / array_record sources
   text_field: str = "text"  # key of the text in JSONL / ArrayRecord (JSON) records
   tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
+  # "chat": JSONL records {"messages": [{"role", "content"}, ...]} for SFT; the last assistant
+  # message is the response, everything before it the (never corrupted) prompt.
+  format: str = "text"
+  chat_template: str = "plain"  # how messages render to text: "plain" or "chatml"
   seq_len: int = 128  # L
   shuffle: bool = True
   num_threads: int = 2  # grain read threads (2-core friendly)
@@ -187,14 +193,14 @@ def _coerce(value: Any, typ: type, key: str) -> Any:
     elif isinstance(value, (bool, int)) and value in (0, 1):
       return bool(value)
   elif typ is int:
-    if isinstance(value, str):
+    if isinstance(value, str):  # "1_000", "0x10", "1e3"; not "2.5" or "True"
       try:
-        return int(ast.literal_eval(value.strip().replace("_", "")))
-      except (ValueError, SyntaxError, TypeError):
+        value = ast.literal_eval(value.strip().replace("_", ""))
+      except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         pass
-    elif isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, int) and not isinstance(value, bool):
       return value
-    elif isinstance(value, float) and value.is_integer():
+    if isinstance(value, float) and value.is_integer():
       return int(value)
   elif typ is float:
     if isinstance(value, str):
@@ -266,6 +272,11 @@ def validate(cfg: Config) -> None:
   _choice("model.remat", m.remat, REMAT)
   _choice("objective.loss_weight", o.loss_weight, ("inv_t", "unit"))
   _choice("data.source", d.source, DATA_SOURCES)
+  _choice("data.format", d.format, DATA_FORMATS)
+  _choice("data.chat_template", d.chat_template, CHAT_TEMPLATES)
+  if d.format == "chat" and d.source != "jsonl":
+    raise ConfigError(f"data.format='chat' reads JSONL records with 'messages'; set "
+                      f"data.source=jsonl (got {d.source!r})")
   _choice("mode", cfg.mode, MODES)
   _choice("sample.strategy", cfg.sample.strategy, ("confidence", "first_hitting"))
   _choice("export.dtype", cfg.export.dtype, DTYPES)

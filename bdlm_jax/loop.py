@@ -9,67 +9,75 @@ from tqdm import tqdm
 
 from bdlm_jax.batch import make_batch
 from bdlm_jax.checkpoint import Checkpointer
+from bdlm_jax.checkpoint.hf_import import params_from_hf
 from bdlm_jax.config import Config
 from bdlm_jax.data import make_dataset
 from bdlm_jax.metrics import MetricsWriter, model_flops_per_step, peak_flops, peak_memory_bytes
 from bdlm_jax.parallel.mesh import data_shard, initialize_distributed, make_mesh, put_batch
-from bdlm_jax.train import init_state, make_train_step, state_shardings
+from bdlm_jax.train import abstract_state, init_state, make_train_step
 
 
 def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True) -> list[dict]:
-  """Trains `cfg.train.steps` steps; returns the logged metrics. Resumes from `workdir`."""
+  """Trains `cfg.train.steps` steps; returns the logged metrics. Resumes from `workdir`.
+
+  Without `resume`, a workdir that already holds checkpoints is refused before anything is
+  written to it. If training stops early (an error, Ctrl-C), checkpoints already started are
+  finished before the exception propagates, so `resume` can continue from them.
+  """
   initialize_distributed(cfg)
   mesh = make_mesh(cfg)
   ckpt = Checkpointer(workdir, cfg, save_every=cfg.train.ckpt_every,
                       max_to_keep=cfg.train.max_to_keep, async_save=cfg.train.async_checkpoint)
-  shard, n_shards, local = data_shard(mesh, cfg.train.batch_size)
-  data = make_dataset(cfg.data, batch_size=local.stop - local.start, seed=cfg.seed,
-                      vocab_size=cfg.model.vocab_size, process_index=shard,
-                      process_count=n_shards)
-  key = jax.random.key(cfg.seed)
-  init_key, step_key = jax.random.split(key)
-  state = init_state(cfg, init_key, mesh)
-  start = 0
-  if resume and ckpt.latest_step() is not None:
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            state, state_shardings(cfg, mesh))
-    start, state, data_state = ckpt.restore(abstract)
-    data.set_state(data_state)
-  elif ckpt.latest_step() is not None:
-    raise FileExistsError(f"{workdir} already holds checkpoints (latest step "
-                          f"{ckpt.latest_step()}); pass --resume or choose a new --workdir")
-  train_step = make_train_step(cfg, mesh)
-  writer = MetricsWriter(workdir)
-  flops, peak = model_flops_per_step(cfg), peak_flops(cfg)
-  tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-  history = []
-  bar = tqdm(total=cfg.train.steps, initial=start, disable=not progress or jax.process_index())
-  last_time, last_step = time.perf_counter(), start
-  for step in range(start, cfg.train.steps):
-    raw = next(data)
-    batch = make_batch(cfg, raw["tokens"], raw["segment_ids"], raw.get("protected"))
-    batch = put_batch(batch, mesh, cfg.train.batch_size, local)
-    state, metrics = train_step(state, batch, jax.random.fold_in(step_key, step))
-    done = step + 1
-    if done % cfg.train.log_every == 0 or done == cfg.train.steps:
-      metrics = jax.device_get(metrics)
-      now = time.perf_counter()
-      step_time = (now - last_time) / (done - last_step)
-      last_time, last_step = now, done
-      row = dict(step=done, **{k: float(np.asarray(v)) for k, v in metrics.items()},
-                 step_time_s=step_time, tokens_per_s=tokens_per_step / step_time,
-                 mfu=flops / step_time / peak if peak else None,
-                 peak_memory_bytes=peak_memory_bytes())
-      history.append(row)
-      writer.write(done, {k: v for k, v in row.items() if k != "step"})
-      bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
-    bar.update(1)
-    ckpt.save(done, state, data.get_state(), force=done == cfg.train.steps)
-  bar.close()
-  ckpt.wait()
-  ckpt.close()
-  writer.close()
-  return history
+  writer = None
+  try:
+    if not resume and ckpt.latest_step() is not None:
+      raise FileExistsError(f"{workdir} already holds checkpoints (latest step "
+                            f"{ckpt.latest_step()}); pass --resume or choose a new --workdir")
+    shard, n_shards, local = data_shard(mesh, cfg.train.batch_size)
+    data = make_dataset(cfg.data, batch_size=local.stop - local.start, seed=cfg.seed,
+                        vocab_size=cfg.model.vocab_size, process_index=shard,
+                        process_count=n_shards, block_size=cfg.objective.block_size)
+    init_key, step_key = jax.random.split(jax.random.key(cfg.seed))
+    if resume and ckpt.latest_step() is not None:
+      start, state, data_state = ckpt.restore(abstract_state(cfg, mesh))
+      data.set_state(data_state)
+    else:
+      params = params_from_hf(cfg, mesh) if cfg.init_from else None  # AR -> BDLM conversion
+      start, state = 0, init_state(cfg, init_key, mesh, params)
+    train_step = make_train_step(cfg, mesh)
+    writer = MetricsWriter(workdir)
+    flops, peak = model_flops_per_step(cfg), peak_flops(cfg)
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    history = []
+    bar = tqdm(total=cfg.train.steps, initial=start, disable=not progress or jax.process_index())
+    last_time, last_step = time.perf_counter(), start
+    for step in range(start, cfg.train.steps):
+      raw = next(data)
+      batch = make_batch(cfg, raw["tokens"], raw["segment_ids"], raw.get("protected"))
+      batch = put_batch(batch, mesh, cfg.train.batch_size, local)
+      state, metrics = train_step(state, batch, jax.random.fold_in(step_key, step))
+      done = step + 1
+      if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+        metrics = jax.device_get(metrics)
+        now = time.perf_counter()
+        step_time = (now - last_time) / (done - last_step)  # the first row includes compiling
+        last_time, last_step = now, done
+        row = dict(step=done, **{k: float(np.asarray(v)) for k, v in metrics.items()},
+                   step_time_s=step_time, tokens_per_s=tokens_per_step / step_time,
+                   mfu=flops / step_time / peak if peak else None,
+                   peak_memory_bytes=peak_memory_bytes())
+        history.append(row)
+        writer.write(done, {k: v for k, v in row.items() if k != "step"})
+        bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+      bar.update(1)
+      ckpt.save(done, state, data.get_state(), force=done == cfg.train.steps)
+    bar.close()
+    return history
+  finally:
+    ckpt.wait()
+    ckpt.close()
+    if writer is not None:
+      writer.close()
 
 
 def default_workdir(config_path: str) -> str:

@@ -61,13 +61,15 @@ class MetricsWriter:
     self._tb = SummaryWriter(os.path.join(workdir, "tb"))
 
   def write(self, step: int, scalars: dict) -> None:
+    """None (a figure this backend cannot give, e.g. MFU on CPU) is kept as JSON null."""
     if not self.enabled:
       return
-    clean = {k: float(np.asarray(v)) for k, v in scalars.items() if v is not None}
-    self._jsonl.write(json.dumps(dict(step=step, **clean)) + "\n")
+    row = {k: None if v is None else float(np.asarray(v)) for k, v in scalars.items()}
+    self._jsonl.write(json.dumps(dict(step=step, **row)) + "\n")
     self._jsonl.flush()
-    for k, v in clean.items():
-      self._tb.add_scalar(k, v, step)
+    for k, v in row.items():
+      if v is not None:
+        self._tb.add_scalar(k, v, step)
 
   def close(self) -> None:
     if self.enabled:

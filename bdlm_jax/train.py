@@ -25,17 +25,28 @@ class TrainState(NamedTuple):
 
 def state_shardings(cfg: Config, mesh):
   """Parameters and every optimiser moment sharded alike over `fsdp`; scalars replicated."""
-  abstract = jax.eval_shape(lambda: _fresh_state(cfg, abstract_params(cfg)))
   fsdp = mesh.shape["fsdp"]
-  return jax.tree.map(lambda x: NamedSharding(mesh, param_spec(x.shape, fsdp)), abstract)
+  return jax.tree.map(lambda x: NamedSharding(mesh, param_spec(x.shape, fsdp)),
+                      _state_shapes(cfg))
+
+
+def abstract_state(cfg: Config, mesh) -> TrainState:
+  """Shapes, dtypes and shardings of the train state, without allocating it (for restore)."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      _state_shapes(cfg), state_shardings(cfg, mesh))
+
+
+def _state_shapes(cfg: Config) -> TrainState:
+  return jax.eval_shape(lambda: _fresh_state(cfg, abstract_params(cfg)))
 
 
 def _fresh_state(cfg: Config, params) -> TrainState:
   return TrainState(jnp.zeros((), jnp.int32), params, make_optimizer(cfg.train).init(params))
 
 
-def init_state(cfg: Config, key, mesh) -> TrainState:
-  params = init_params(cfg, key, mesh)
+def init_state(cfg: Config, key, mesh, params=None) -> TrainState:
+  """A fresh state around random params drawn from `key`, or around `params` if given."""
+  params = init_params(cfg, key, mesh) if params is None else params
   return jax.jit(lambda p: _fresh_state(cfg, p), out_shardings=state_shardings(cfg, mesh))(params)
 
 
@@ -46,7 +57,10 @@ def _accumulated_grads(cfg, mesh, params, batch, key):
   if n == 1:
     (loss, metrics), grads = grad_fn(params, batch, key)
     return grads, metrics
-  micro = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+  # Micro-batch i takes sequences i, i + n, ...: every device keeps feeding its own sequences
+  # (contiguous slices would move the batch between devices with an all-to-all).
+  micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1),
+                       batch)
 
   def body(carry, xs):
     grads_sum, total, count, masked = carry

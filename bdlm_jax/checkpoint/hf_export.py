@@ -1,0 +1,94 @@
+"""bdlm_jax params -> a Hugging Face folder that `transformers` loads as Llama or Qwen3.
+
+config.json also records `bdlm_mask_token_id`, `bdlm_block_size` and `bdlm_objective`, so
+a PyTorch user can run the BDLM (put [MASK] in a block, read its logits) and `import_hf`
+gets them back. Writes safetensors only; torch and transformers are not needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import jax
+import numpy as np
+import safetensors.numpy
+from jax.experimental import multihost_utils
+
+from bdlm_jax.checkpoint.hf_import import INDEX_FILE
+from bdlm_jax.checkpoint.hf_names import get_path, hf_config, tensor_map
+from bdlm_jax.checkpoint.manager import Checkpointer
+from bdlm_jax.config import Config, ConfigError
+from bdlm_jax.parallel.mesh import make_mesh
+from bdlm_jax.train import abstract_state
+
+MAX_SHARD_BYTES = 5 * 2**30
+_OUR_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
+
+
+def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+  """Writes config.json and model.safetensors (or shards + index) in `cfg.export.dtype`.
+
+  Sharded params are gathered to the host one tensor at a time; only process 0 writes.
+  """
+  dtype = jax.numpy.dtype(cfg.export.dtype)
+  tensors = {name: _to_host(get_path(params, where), transposed, dtype)
+             for name, where, transposed in tensor_map(cfg.model)}
+  if jax.process_index() != 0:
+    return
+  os.makedirs(out_dir, exist_ok=True)
+  for stale in (f for f in os.listdir(out_dir) if _OUR_FILES.match(f)):
+    os.remove(os.path.join(out_dir, stale))  # shards of an earlier export, as save_pretrained
+  shards = _split(tensors, max_shard_bytes)
+  names = (["model.safetensors"] if len(shards) == 1 else
+           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  for file, shard in zip(names, shards):
+    safetensors.numpy.save_file(shard, os.path.join(out_dir, file), metadata={"format": "pt"})
+  if len(shards) > 1:
+    _write_json(os.path.join(out_dir, INDEX_FILE), {
+        "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+        "weight_map": {n: file for file, shard in zip(names, shards) for n in shard}})
+  extra = {"bdlm_mask_token_id": cfg.objective.mask_token_id,
+           "bdlm_block_size": cfg.objective.block_size, "bdlm_objective": cfg.objective.name}
+  _write_json(os.path.join(out_dir, "config.json"),
+              hf_config(cfg.model, cfg.export.dtype, cfg.data.seq_len, extra))
+
+
+def export_checkpoint(cfg: Config, workdir: str) -> tuple[int, str]:
+  """mode=export: the params of checkpoint `export.checkpoint_step` (-1: latest) of
+  `workdir` -> `export.out_dir`; returns (step, out_dir)."""
+  if not cfg.export.out_dir:
+    raise ConfigError("mode=export needs export.out_dir, e.g. --set export.out_dir=runs/hf")
+  mesh = make_mesh(cfg)
+  want = cfg.export.checkpoint_step if cfg.export.checkpoint_step >= 0 else None
+  with Checkpointer(workdir, cfg, save_every=cfg.train.ckpt_every,
+                    max_to_keep=cfg.train.max_to_keep, async_save=False) as ckpt:
+    step, state, _ = ckpt.restore(abstract_state(cfg, mesh), step=want)
+  export_hf(state.params, cfg, cfg.export.out_dir)
+  return step, cfg.export.out_dir
+
+
+def _to_host(x: jax.Array, transposed: bool, dtype) -> np.ndarray:
+  if not x.is_fully_addressable:
+    x = multihost_utils.process_allgather(x, tiled=True)
+  x = np.asarray(x).astype(dtype)
+  return np.ascontiguousarray(x.T if transposed else x)
+
+
+def _split(tensors: dict, max_bytes: int) -> list[dict]:
+  """Consecutive groups of at most `max_bytes` (a larger tensor gets a file of its own)."""
+  shards, size = [{}], 0
+  for name, t in tensors.items():
+    if shards[-1] and size + t.nbytes > max_bytes:
+      shards.append({})
+      size = 0
+    shards[-1][name] = t
+    size += t.nbytes
+  return shards
+
+
+def _write_json(file: str, obj: dict) -> None:
+  with open(file, "w") as f:
+    json.dump(obj, f, indent=2, sort_keys=True)
+    f.write("\n")

@@ -1,0 +1,152 @@
+"""Hugging Face folder (config.json + *.safetensors) -> bdlm_jax Config and params.
+
+Each array is built on the mesh from the safetensors slices its devices hold
+(`jax.make_array_from_callback`), so an fsdp-sharded import never materialises a whole
+checkpoint on one host. Reads safetensors only; torch and transformers are not needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import warnings
+
+import jax
+import numpy as np
+import safetensors
+from jax.sharding import SingleDeviceSharding
+
+from bdlm_jax.checkpoint.hf_names import (IGNORED_SUFFIXES, SHAPE_KEYS, get_path,
+                                          model_config_from_hf, set_path, tensor_map)
+from bdlm_jax.config import Config, ConfigError, replace
+from bdlm_jax.params import abstract_params
+from bdlm_jax.parallel.mesh import param_shardings
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dict]:
+  """(cfg, params) from a Llama or Qwen3 Hugging Face folder, params placed on `mesh`.
+
+  `cfg.model` comes from config.json (params and compute in `dtype`); every other section
+  keeps the `Config()` defaults, except that `objective.mask_token_id` is the id recorded by
+  `export_hf` (`bdlm_mask_token_id`) or else vocab_size - 1, and `objective.block_size` is
+  `bdlm_block_size` when recorded (data.seq_len then a multiple of it). For a model that was never a BDLM, vocab_size - 1 is an
+  ordinary token of its tokenizer: pick a reserved or added token for real conversions.
+  """
+  hf = read_hf_config(path)
+  model = dict(model_config_from_hf(hf, path), param_dtype=dtype, compute_dtype=dtype)
+  defaults = Config()
+  block = int(hf.get("bdlm_block_size", defaults.objective.block_size))
+  cfg = replace(defaults, model=model, objective=dict(
+      mask_token_id=int(hf.get("bdlm_mask_token_id", model["vocab_size"] - 1)),
+      block_size=block), data=dict(seq_len=math.lcm(defaults.data.seq_len, block)))
+  return cfg, _read_params(path, cfg, mesh)
+
+
+def params_from_hf(cfg: Config, mesh=None) -> dict:
+  """Params of the HF folder `cfg.init_from`, which must have the shapes of `cfg.model`.
+
+  Only shapes are enforced; rope_theta or norm_eps that differ from the folder's (e.g. a
+  longer-context RoPE base for conversion) are used as configured, with a warning.
+  """
+  path = cfg.init_from
+  hf_model = model_config_from_hf(read_hf_config(path), path)
+  ours = vars(cfg.model)
+  wrong = [f"{k} (folder {hf_model[k]!r}, config {ours[k]!r})"
+           for k in (*SHAPE_KEYS, "qk_norm") if hf_model[k] != ours[k]]
+  if wrong:
+    raise ConfigError(f"init_from={path} does not fit model.*: {'; '.join(wrong)}. Set those "
+                      f"model.* keys to the folder's values (import_hf(path) returns them)")
+  differ = [f"{k}={ours[k]} (folder has {hf_model[k]})" for k in ("rope_theta", "norm_eps")
+            if hf_model[k] != ours[k]]
+  if differ:
+    warnings.warn(f"init_from={path}: training with {', '.join(differ)}")
+  return _read_params(path, cfg, mesh)
+
+
+def read_hf_config(path: str) -> dict:
+  if not os.path.isdir(path):
+    raise ConfigError(f"Hugging Face folder {path!r} does not exist (it needs config.json and "
+                      f"*.safetensors)")
+  config_file = os.path.join(path, "config.json")
+  if not os.path.isfile(config_file):
+    raise ConfigError(f"{path} has no config.json; save the model with "
+                      f"model.save_pretrained({path!r})")
+  with open(config_file) as f:
+    return json.load(f)
+
+
+def _read_params(path: str, cfg: Config, mesh) -> dict:
+  abstract = abstract_params(cfg)
+  if mesh is None:
+    shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
+  else:
+    shardings = param_shardings(mesh, abstract)
+  names = tensor_map(cfg.model)
+  params = {}
+  with _TensorFiles(path) as files:
+    for name, where, transposed in names:
+      want = get_path(abstract, where)
+      tensor = files.get_slice(name)
+      hf_shape = tuple(want.shape[::-1] if transposed else want.shape)
+      if tuple(tensor.get_shape()) != hf_shape:
+        raise ConfigError(f"{path}: tensor {name!r} has shape {tuple(tensor.get_shape())}, but "
+                          f"config.json implies {hf_shape}")
+      set_path(params, where, _place(tensor, transposed, want, get_path(shardings, where)))
+    used = {n for n, _, _ in names}
+    unused = sorted(n for n in files.names - used if not n.endswith(IGNORED_SUFFIXES)
+                    and not (n == "lm_head.weight" and cfg.model.tie_embeddings))
+    if unused:
+      warnings.warn(f"{path}: ignoring tensors this architecture does not use: {unused}")
+  return params
+
+
+def _place(tensor, transposed: bool, want, sharding) -> jax.Array:
+  """One global array; each device reads only its own slice from the file."""
+  def read(index):
+    if transposed:
+      return np.ascontiguousarray(tensor[index[::-1]].T.astype(want.dtype))
+    return np.ascontiguousarray(tensor[index].astype(want.dtype))
+
+  return jax.make_array_from_callback(want.shape, sharding, read)
+
+
+class _TensorFiles:
+  """Tensor name -> lazily sliced tensor, over one or several safetensors files."""
+
+  def __init__(self, path: str):
+    self.path = path
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+      with open(index) as f:
+        self._file_of = json.load(f)["weight_map"]
+    else:
+      self._file_of = {}
+      for file in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+        with safetensors.safe_open(os.path.join(path, file), framework="numpy") as f:
+          self._file_of.update({name: file for name in f.keys()})
+    if not self._file_of:
+      raise ConfigError(f"{path} holds no *.safetensors weights (PyTorch .bin files are not "
+                        f"read: re-save with model.save_pretrained(..., safe_serialization=True))")
+    self.names = set(self._file_of)
+    self._stack = contextlib.ExitStack()
+    self._open = {}
+
+  def get_slice(self, name: str):
+    if name not in self._file_of:
+      raise ConfigError(f"{self.path}: tensor {name!r} is missing from the safetensors files "
+                        f"(config.json says the model has it)")
+    file = self._file_of[name]
+    if file not in self._open:
+      self._open[file] = self._stack.enter_context(
+          safetensors.safe_open(os.path.join(self.path, file), framework="numpy"))
+    return self._open[file].get_slice(name)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self._stack.close()

@@ -1,0 +1,37 @@
+"""A tiny random Hugging Face Llama (or Qwen3) folder, the stand-in for a hub checkpoint in
+AR -> BDLM conversion runs on machines without a hub download (configs/convert_tiny.py).
+
+  python experiments/make_tiny_hf.py --out runs/tiny_hf
+  python experiments/make_tiny_hf.py --out runs/tiny_qwen3_hf --model-type qwen3
+
+Needs torch and transformers. The shapes match configs/convert_tiny.py; the vocabulary is
+the byte tokenizer's (256 bytes + BOS, EOS, PAD, MASK = 259).
+"""
+
+import argparse
+
+import torch
+import transformers
+
+SHAPES = dict(vocab_size=260, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, intermediate_size=192, rope_theta=10000.0,
+              rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=256, eos_token_id=257,
+              pad_token_id=258)
+CONFIGS = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--out", default="runs/tiny_hf", help="folder to write")
+  parser.add_argument("--model-type", choices=sorted(CONFIGS), default="llama")
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args()
+  torch.manual_seed(args.seed)
+  model = transformers.AutoModelForCausalLM.from_config(CONFIGS[args.model_type](**SHAPES))
+  model.save_pretrained(args.out)
+  n = sum(p.numel() for p in model.parameters())
+  print(f"wrote a random {args.model_type} with {n} parameters to {args.out}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,175 @@
+"""run.py: overrides, what lands in --workdir, --resume, and one clear error per bad input."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import run
+from bdlm_jax import loop
+from tests.test_train import StopAfter
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(REPO, "configs", "quickstart.py")
+TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
+        "model.head_dim=16", "model.d_ff=64", "data.seq_len=32", "objective.block_size=8",
+        "train.batch_size=4", "train.warmup_steps=1", "train.log_every=2", "train.ckpt_every=2"]
+STEPS = 4
+
+
+def argv(*overrides, workdir=None, flags=()):
+  args = ["--config", QUICKSTART, "--no-progress", *flags]
+  if workdir is not None:
+    args += ["--workdir", str(workdir)]
+  for item in [*TINY, *overrides]:
+    args += ["--set", item]
+  return args
+
+
+def rows(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def snapshot(workdir):
+  """{relative path: sha256} of every file under `workdir`."""
+  out = {}
+  for root, _, files in os.walk(workdir):
+    for name in files:
+      path = os.path.join(root, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, workdir)] = hashlib.sha256(f.read()).hexdigest()
+  return out
+
+
+def checkpoint_steps(workdir):
+  return sorted(int(d) for d in os.listdir(workdir) if d.isdigit())
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A workdir after `STEPS` steps with train.peak_tflops set (so MFU is computed)."""
+  workdir = tmp_path_factory.mktemp("cli") / "run"
+  assert run.main(argv(f"train.steps={STEPS}", "train.peak_tflops=1", workdir=workdir)) == 0
+  return str(workdir)
+
+
+def test_run_writes_metrics_tensorboard_and_checkpoints(trained):
+  assert [row["step"] for row in rows(trained)] == [2, 4]
+  for row in rows(trained):
+    for key in ("loss", "tokens_per_s", "step_time_s", "lr", "grad_norm"):
+      assert isinstance(row[key], float), (key, row)
+    assert isinstance(row["mfu"], float) and 0 < row["mfu"]
+  assert any(name.startswith("events.out.tfevents") for name in os.listdir(f"{trained}/tb"))
+  assert checkpoint_steps(trained) == [2, 4]
+  with open(os.path.join(trained, "4", "config", "metadata")) as f:
+    assert json.load(f)["model"]["d_model"] == 32  # --set reached the saved config
+
+
+def test_resume_continues_from_the_last_checkpoint(trained, tmp_path):
+  """A run that died after logging step 4 but before checkpointing it redoes step 4 alike."""
+  workdir = str(tmp_path / "run")
+  shutil.copytree(trained, workdir)
+  shutil.rmtree(os.path.join(workdir, str(STEPS)))
+  before = rows(workdir)
+  assert run.main(argv(f"train.steps={STEPS}", "train.peak_tflops=1", workdir=workdir,
+                       flags=["--resume"])) == 0
+  after = rows(workdir)
+  assert after[:2] == before and [row["step"] for row in after] == [2, 4, 4]
+  assert after[2]["loss"] == pytest.approx(before[1]["loss"], rel=1e-6)
+  assert checkpoint_steps(workdir) == [2, 4]
+
+
+def test_resume_of_a_finished_run_says_there_is_nothing_to_train(trained, capsys):
+  before = snapshot(trained)
+  assert run.main(argv(f"train.steps={STEPS}", workdir=trained, flags=["--resume"])) == 0
+  assert f"nothing to train: {trained} is already at train.steps={STEPS}" in capsys.readouterr().out
+  after = snapshot(trained)
+  assert {path: after.get(path) for path in before} == before
+
+
+def test_reusing_a_workdir_without_resume_is_refused_and_keeps_it(trained, capsys):
+  before = snapshot(trained)
+  assert run.main(argv(f"train.steps={STEPS}", workdir=trained)) == 2
+  assert "already holds checkpoints (latest step 4); pass --resume" in error_line(capsys)
+  assert snapshot(trained) == before
+
+
+def error_line(capsys) -> str:
+  """The one error line run.py printed; fails on tracebacks or several errors."""
+  err = capsys.readouterr().err
+  assert "Traceback" not in err, err
+  lines = [line for line in err.splitlines() if line.startswith(("error:", "config error:"))]
+  assert len(lines) == 1, err
+  return lines[0]
+
+
+def test_ctrl_c_keeps_the_checkpoints_and_says_how_to_resume(tmp_path, capsys, monkeypatch):
+  make_dataset = loop.make_dataset
+  monkeypatch.setattr(loop, "make_dataset",
+                      lambda *a, **kw: StopAfter(make_dataset(*a, **kw), 3, KeyboardInterrupt))
+  workdir = tmp_path / "run"
+  code = run.main(argv(f"train.steps={STEPS}", "train.async_checkpoint=true", workdir=workdir))
+  assert code == 130
+  assert f"interrupted; checkpoints in {workdir} are kept, continue with --resume" in (
+      capsys.readouterr().err)
+  assert checkpoint_steps(workdir) == [2]
+
+
+# Each case runs with --resume on the trained workdir: the error must come before anything
+# in it changes. train.steps=6 so that the resumed run would train.
+BAD_INPUTS = {
+    "unknown key": (["model.dmodel=32"], ["unknown config key 'model.dmodel'", "model.d_model"]),
+    "wrong type": (["train.steps=abc"], ["'train.steps' expects int, got 'abc'"]),
+    "seq_len vs block": (["data.seq_len=36"], ["data.seq_len=36 is not a multiple of "
+                                               "objective.block_size=8"]),
+    "missing data file": (["data.source=text", "data.path=/nonexistent/corpus.txt"],
+                          ["data.path='/nonexistent/corpus.txt' matches no file"]),
+    "tokenizer beyond vocab": (["model.vocab_size=200", "objective.mask_token_id=199"],
+                               ["vocab size 260 but model.vocab_size=200"]),
+    "mask id in data": (["objective.mask_token_id=257"],
+                        ["token id 257 is objective.mask_token_id", "appears in the data"]),
+    "incompatible checkpoint": (["model.d_model=64"],
+                                ["model.d_model=32, current config has 64"]),
+    "unknown strategy": (["parallel.strategy=zigzag"],
+                         ["parallel.strategy='zigzag' is not one of"]),
+    "mesh beyond devices": (["parallel.data=16", "train.batch_size=16"],
+                            ["needs 16 devices, but only 8 are visible"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_gives_one_clear_error_and_loses_nothing(trained, capsys, case):
+  overrides, expected = BAD_INPUTS[case]
+  before = snapshot(trained)
+  code = run.main(argv("train.steps=6", *overrides, workdir=trained, flags=["--resume"]))
+  line = error_line(capsys)
+  assert code == 2
+  for text in expected:
+    assert text in line, line
+  after = snapshot(trained)
+  assert {path: after.get(path) for path in before} == before  # new files (tb events) are fine
+
+
+def test_an_unwritable_workdir_is_named(tmp_path, capsys):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("keep me")
+  assert run.main(argv(workdir=blocker / "run")) == 2
+  assert f"checkpoint workdir {blocker / 'run'} is not writable" in error_line(capsys)
+  assert blocker.read_text() == "keep me"
+
+
+def test_command_line_trains_data_parallel_with_accumulation(tmp_path):
+  """End to end in a fresh process: run.py simulates the 2 CPU devices the mesh needs."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+  cmd = [sys.executable, os.path.join(REPO, "run.py"),
+         *argv("train.steps=2", "parallel.data=2", "train.grad_accum=2", workdir=tmp_path / "run")]
+  out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr
+  assert "trained 2 steps: loss" in out.stdout and str(tmp_path / "run") in out.stdout
+  assert [row["step"] for row in rows(tmp_path / "run")] == [2]
+  assert checkpoint_steps(tmp_path / "run") == [2]

@@ -1,0 +1,131 @@
+"""Config: override parsing, config files, `replace`, and errors that name the bad key."""
+
+import os
+import textwrap
+
+import pytest
+
+from bdlm_jax.config import Config, ConfigError, all_keys, load_config, override, replace
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(REPO, "configs", "quickstart.py")
+
+
+def test_overrides_parse_with_the_type_of_their_field():
+  cfg = override(Config(), ["model.qk_norm=yes", "train.async_checkpoint=off", "train.steps=1_000",
+                            "model.vocab_size=0x200", "train.warmup_steps=1e2", "train.lr=3e-4",
+                            "train.grad_clip=2", "parallel.strategy=csbp_ring",
+                            "data.path= spaced name.txt", "seed=-3"])
+  assert cfg.model.qk_norm is True and cfg.train.async_checkpoint is False
+  assert cfg.train.steps == 1000 and cfg.model.vocab_size == 512
+  assert cfg.train.warmup_steps == 100 and type(cfg.train.warmup_steps) is int
+  assert cfg.train.lr == 3e-4 and cfg.train.grad_clip == 2.0 and type(cfg.train.grad_clip) is float
+  assert cfg.parallel.strategy == "csbp_ring" and cfg.data.path == " spaced name.txt"
+  assert cfg.seed == -3
+
+
+@pytest.mark.parametrize("value", ["true", "True", "1", "on", "YES"])
+def test_true_spellings_parse_as_true(value):
+  assert override(Config(), [f"model.qk_norm={value}"]).model.qk_norm is True
+
+
+@pytest.mark.parametrize("item, expected", [
+    ("train.steps=abc", "'train.steps' expects int, got 'abc'"),
+    ("train.steps=2.5", "'train.steps' expects int"),  # not silently truncated to 2
+    ("train.steps=True", "'train.steps' expects int"),
+    ("train.lr=fast", "'train.lr' expects float, got 'fast'"),
+    ("model.qk_norm=maybe", "'model.qk_norm' expects bool, got 'maybe'"),
+])
+def test_a_value_of_the_wrong_type_names_the_key_and_the_type(item, expected):
+  with pytest.raises(ConfigError, match=expected.replace(".", r"\.")):
+    override(Config(), [item])
+
+
+def test_an_unknown_key_is_refused_with_the_valid_keys():
+  with pytest.raises(ConfigError) as e:
+    override(Config(), ["model.dmodel=64"])
+  assert "unknown config key 'model.dmodel'" in str(e.value)
+  assert all(key in str(e.value) for key in all_keys())
+
+
+def test_an_override_without_equals_sign_shows_the_syntax():
+  with pytest.raises(ConfigError, match="must look like key=value"):
+    override(Config(), ["train.steps"])
+
+
+def test_seq_len_must_be_a_multiple_of_the_block_size():
+  with pytest.raises(ConfigError, match="data.seq_len=40 is not a multiple of "
+                                        "objective.block_size=16"):
+    override(Config(), ["data.seq_len=40"])
+
+
+def test_an_unknown_strategy_lists_the_strategies():
+  with pytest.raises(ConfigError, match=r"parallel.strategy='zigzag' is not one of .*csbp_ring"):
+    override(Config(), ["parallel.strategy=zigzag"])
+
+
+def test_override_does_not_touch_the_config_it_was_given():
+  cfg = Config()
+  override(cfg, ["train.steps=7"])
+  assert cfg.train.steps == Config().train.steps
+
+
+def test_load_config_runs_get_config_then_applies_overrides():
+  cfg = load_config(QUICKSTART, ["train.steps=3"])
+  assert cfg.train.steps == 3 and cfg.data.source == "arithmetic"
+
+
+@pytest.mark.parametrize("body", [
+    "from bdlm_jax.config import Config, TrainConfig\n"
+    "def get_config():\n  return Config(train=TrainConfig(steps=5))\n",
+    "def get_config():\n  return {'train': {'steps': 5}}\n",
+])
+def test_load_config_accepts_a_config_or_a_dict(tmp_path, body):
+  path = tmp_path / "exp.py"
+  path.write_text(body)
+  assert load_config(str(path)).train.steps == 5
+
+
+def test_a_dict_config_is_checked_like_an_override(tmp_path):
+  path = tmp_path / "exp.py"
+  path.write_text("def get_config():\n  return {'train': {'stepz': 5}}\n")
+  with pytest.raises(ConfigError, match=r"unknown config key 'train.stepz'; valid keys: .*'steps'"):
+    load_config(str(path))
+
+
+def test_a_config_file_without_get_config_is_refused(tmp_path):
+  path = tmp_path / "exp.py"
+  path.write_text("CONFIG = {}\n")
+  with pytest.raises(ConfigError, match="does not define get_config()"):
+    load_config(str(path))
+
+
+def test_a_missing_config_file_is_named(tmp_path):
+  with pytest.raises(ConfigError, match="config file not found: .*nope.py"):
+    load_config(str(tmp_path / "nope.py"))
+
+
+def test_get_config_must_return_a_config(tmp_path):
+  path = tmp_path / "exp.py"
+  path.write_text(textwrap.dedent("""
+      def get_config():
+        return 42
+  """))
+  with pytest.raises(ConfigError, match="must return a bdlm_jax Config"):
+    load_config(str(path))
+
+
+def test_replace_updates_sections_functionally_and_validates():
+  cfg = Config()
+  new = replace(cfg, model=dict(n_layers=4), train=dict(steps=9))
+  assert (new.model.n_layers, new.train.steps, new.model.d_model) == (4, 9, cfg.model.d_model)
+  assert cfg.model.n_layers == Config().model.n_layers
+  with pytest.raises(ConfigError, match="is not a multiple of objective.block_size"):
+    replace(cfg, data=dict(seq_len=100))
+  with pytest.raises(ConfigError, match=r"unknown config key 'model.layers'; valid.*n_layers"):
+    replace(cfg, model=dict(layers=4))
+
+
+def test_a_config_round_trips_through_a_dict():
+  cfg = load_config(QUICKSTART, ["model.qk_norm=true", "parallel.strategy=bp"])
+  assert Config.from_dict(cfg.to_dict()) == cfg
