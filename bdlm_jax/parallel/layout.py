@@ -67,16 +67,17 @@ def zigzag(n_rows: int, num_ranks: int, offset: int = 0) -> np.ndarray:
 def assign_blocks(n_blocks: int, num_ranks: int) -> list[list[int]]:
   """Corrupted blocks per rank, balanced by attention work (block b costs b+1).
 
-  With N >= 2P, dual-end pairs (i, N-1-i) all cost N+1 and are split contiguously over the
-  ranks. With P <= N < 2P there are too few pairs, so blocks are placed greedily, largest
-  first, on the least-loaded rank.
+  When N is a multiple of 2P, dual-end pairs (i, N-1-i) all cost N+1 and are split
+  contiguously, the same number per rank. Otherwise (P <= N < 2P, or pairs that do not
+  divide evenly) blocks are placed greedily, largest first, on the least-loaded rank:
+  contiguous pairs would give one rank a whole extra pair (up to 1.44x the mean work).
   """
   if n_blocks < num_ranks:
     raise ConfigError(
         f"{n_blocks} blocks cannot be split over parallel.seq={num_ranks} ranks: every rank "
         f"needs a corrupted block. Use a smaller objective.block_size (at most "
         f"data.seq_len/parallel.seq) or fewer seq ranks")
-  if n_blocks >= 2 * num_ranks:
+  if n_blocks % (2 * num_ranks) == 0:
     pairs = [sorted({i, n_blocks - 1 - i}) for i in range((n_blocks + 1) // 2)]
     groups = np.array_split(np.arange(len(pairs)), num_ranks)
     return [sorted(b for p in g for b in pairs[p]) for g in groups]
