@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bdlm_jax.config import Config, ConfigError
-from bdlm_jax.objectives import bd3lm, get_objective
+from bdlm_jax.objectives import ar, bd3lm, fast_dllm_v2, get_objective
 from bdlm_jax.params import merge
 from bdlm_jax.parallel.mesh import row_sharding
 from bdlm_jax.parallel.strategies import make_attend, plan_for
@@ -41,20 +41,23 @@ def loss_fn(params, batch, key, cfg: Config, mesh=None):
   model = merge(cfg, params)
   if mesh is not None:
     batch = jax.lax.with_sharding_constraint(batch, row_sharding(mesh))
+  n_valid = jnp.sum(batch.labels >= 0)  # before fast_dllm_v2 doubles the batch
   if objective is bd3lm:
     inputs, masked, weight = bd3lm.corrupt(key, batch, cfg.data.seq_len, cfg.objective)
+  elif objective is fast_dllm_v2:  # two complementary copies: 2S sequences, unit weights
+    batch, inputs, masked = fast_dllm_v2.corrupt(key, batch, cfg.data.seq_len, cfg.objective)
+    weight = jnp.ones(masked.shape)
   else:
     inputs, masked, weight = batch.tokens, batch.labels >= 0, jnp.ones(batch.labels.shape)
   hidden = model(inputs, batch.pos, batch.meta, make_attend(cfg, mesh))
   slot = objective.LOSS_SLOT
   logits = model.logits(_slot_rows(hidden, plan, slot))
   labels = _slot_rows(batch.labels, plan, slot)
-  if objective is bd3lm:
+  if objective is not ar:
     total = bd3lm.subs_loss(logits, labels, _slot_rows(masked, plan, slot),
                             _slot_rows(weight, plan, slot), cfg.objective.mask_token_id)
   else:
     total = objective.nll_loss(logits, labels)
-  n_valid = jnp.sum(batch.labels >= 0)
   loss = total / jnp.maximum(n_valid, 1)
   metrics = dict(loss=loss, valid_tokens=n_valid,
                  masked_tokens=jnp.sum(masked & (batch.labels >= 0)))

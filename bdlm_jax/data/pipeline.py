@@ -13,6 +13,7 @@ import grain
 import numpy as np
 
 from bdlm_jax.config import ConfigError, DataConfig
+from bdlm_jax.data import chat
 from bdlm_jax.data.packing import pack
 from bdlm_jax.data.sources import DataError, make_source
 from bdlm_jax.data.tokenizers import EOS_NAMES, Tokenizer, make_tokenizer
@@ -40,8 +41,12 @@ def _check_tokenizer(tokenizer: Tokenizer, data_cfg: DataConfig, vocab_size: int
 
 
 def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size: int,
-                 process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
+                 process_index: int = 0, process_count: int = 1,
+                 block_size: int = 1) -> grain.DatasetIterator:
   """This process's batches {"tokens", "segment_ids"}: int32 [batch_size, L], forever.
+
+  With `data.format="chat"` batches also hold "protected" bool [batch_size, L] (the prompts)
+  and every conversation is padded to whole blocks of `block_size` (see data/chat.py).
 
   Process p reads documents p, p + P, p + 2P, ... of the source (disjoint shards); each
   epoch is reshuffled from `seed` when `data.shuffle`. Padding is `tokenizer.pad_id` with
@@ -53,7 +58,9 @@ def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size
     raise ConfigError(f"batch_size={batch_size} must be >= 1")
   tokenizer = make_tokenizer(data_cfg)
   _check_tokenizer(tokenizer, data_cfg, vocab_size)
-  source = make_source(data_cfg, seed)
+  is_chat = data_cfg.format == "chat"
+  source = chat.ChatSource(data_cfg.path, data_cfg.chat_template) if is_chat else make_source(
+      data_cfg, seed)
   docs = grain.MapDataset.source(source)[process_index::process_count]
   if not len(docs):
     raise DataError(
@@ -61,8 +68,11 @@ def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size
         f"{process_count} processes one")
   if data_cfg.shuffle:
     docs = docs.shuffle(seed)
-  docs = docs.repeat().map(functools.partial(_tokenize, tokenizer))  # reshuffled every epoch
+  encode = (functools.partial(chat.encode, tokenizer, block_size, data_cfg.seq_len) if is_chat
+            else functools.partial(_tokenize, tokenizer))
+  docs = docs.repeat().map(encode)  # reshuffled every epoch
   docs = docs.to_iter_dataset(grain.ReadOptions(
       num_threads=data_cfg.num_threads, prefetch_buffer_size=_PREFETCH))
-  rows = pack(docs, seq_len=data_cfg.seq_len, pad_id=tokenizer.pad_id, num_bins=batch_size)
+  rows = (chat.pack_chat if is_chat else pack)(
+      docs, seq_len=data_cfg.seq_len, pad_id=tokenizer.pad_id, num_bins=batch_size)
   return iter(rows.batch(batch_size, drop_remainder=True))

@@ -1,0 +1,80 @@
+"""Fast-dLLM v2 (AR -> BDLM conversion): token shift and complementary masks.
+
+Same `[x_t ; x_0]` stream and block mask as BD3-LM (DESIGN.md section 2), with two changes:
+* token shift: the logit of noisy row i predicts token i+1. If the *input* at i+1 is
+  [MASK], the hidden state at i (which sees it: same block, or the last row of the block
+  before) is scored on x_{i+1}. This keeps the AR model's "hidden i -> token i+1" head.
+* complementary masks: each sequence is run twice, once with mask m and once with its
+  complement on the maskable tokens, so every supervised token is scored exactly once per
+  step; weights are 1 and the sum is divided by the number of supervised tokens.
+
+Labels are built on the host in logical coordinates: the label of the last row of a block
+is the first token of the next block, which a layout may put on another rank. Whether that
+label is scored depends on the noise of position i+1, which every row reads from the
+logical noise tables by its position (so the corruption is the same under every layout).
+The batch is doubled inside `corrupt`, not by `make_batch`: the two copies must share one
+noise draw, and the host batch keeps the shape the data pipeline and `put_batch` expect.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bdlm_jax.config import ObjectiveConfig
+from bdlm_jax.kernels.mask import NOISY
+from bdlm_jax.objectives.bd3lm import sample_t
+from bdlm_jax.objectives.streams import logical_stream
+
+LOSS_SLOT = "noisy"
+
+
+def supervised_positions(seg_SL, protected_SL) -> np.ndarray:
+  """bool [S, L]: tokens that are masked in one copy and scored from their predecessor.
+
+  A token needs a predecessor in its own document (the first token of a document has no
+  row to predict it) and must be neither padding nor protected (prompt).
+  """
+  same_doc_as_prev = np.zeros(seg_SL.shape, bool)
+  same_doc_as_prev[:, 1:] = seg_SL[:, 1:] == seg_SL[:, :-1]
+  return same_doc_as_prev & (seg_SL > 0) & ~protected_SL
+
+
+def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
+  """Noisy row i: maskable if position i is supervised; label x_{i+1} if i+1 is."""
+  rows = logical_stream(tokens_SL, seg_SL)
+  sup_SL = supervised_positions(seg_SL, protected_SL)
+  labels_SL = np.full(tokens_SL.shape, -1, np.int32)
+  labels_SL[:, :-1] = np.where(sup_SL[:, 1:], tokens_SL[:, 1:], -1)
+  clean = np.zeros(tokens_SL.shape, bool)
+  rows.update(block=rows["pos"] // cfg.block_size,
+              maskable=np.concatenate([sup_SL, clean], 1),
+              labels=np.concatenate([labels_SL, np.full_like(labels_SL, -1)], 1))
+  return rows
+
+
+def _interleave(a_SR, b_SR):
+  """[S, R] x 2 -> [2S, R] as (a_0, b_0, a_1, b_1, ...): each data shard keeps its rows."""
+  return jnp.stack([a_SR, b_SR], axis=1).reshape(-1, *a_SR.shape[1:])
+
+
+def corrupt(key, batch, seq_len: int, cfg: ObjectiveConfig):
+  """Both complementary copies: (batch2, inputs, scored), each with 2S sequences.
+
+  `hit` = "position p is masked in the first copy" = u_p < t_block(p), drawn in logical
+  coordinates. Row r's input is masked when its own position hits (copy 1) or misses
+  (copy 2); its logit is scored when position pos+1 does, for rows that have a label.
+  """
+  k_t, k_u = jax.random.split(key)
+  s = batch.tokens.shape[0]
+  t_SN = sample_t(k_t, s, seq_len // cfg.block_size, cfg.eps_min, cfg.eps_max)
+  u_SL = jax.random.uniform(k_u, (s, seq_len))
+  hit_SL = u_SL < jnp.repeat(t_SN, cfg.block_size, axis=1)
+  hit_here = jnp.take_along_axis(hit_SL, batch.pos, axis=1)
+  nxt = jnp.minimum(batch.pos + 1, seq_len - 1)
+  hit_next = jnp.take_along_axis(hit_SL, nxt, axis=1)
+  has_label = (batch.labels >= 0) & (batch.stream == NOISY)
+  masked = _interleave(batch.maskable & hit_here, batch.maskable & ~hit_here)
+  inputs = jnp.where(masked, cfg.mask_token_id, _interleave(batch.tokens, batch.tokens))
+  scored = _interleave(has_label & hit_next, has_label & ~hit_next)
+  batch2 = jax.tree.map(lambda x: _interleave(x, x), batch)
+  return batch2, inputs, scored

@@ -1,0 +1,253 @@
+"""Block-wise semi-autoregressive sampling from a BDLM (`bd3lm` or `fast_dllm_v2`).
+
+Generation proceeds one block of B tokens at a time. A new block starts all-[MASK] and is
+run as the *noisy* rows of the training stream: bidirectional inside the block, attending
+to the clean rows of every earlier block. Each step reveals some masked positions:
+
+* `confidence`: predict every masked position (argmax, or a sample at `temperature`) and
+  reveal the most confident ones (probability of the predicted token); `steps_per_block`
+  steps split the block evenly (0: B steps, one token each).
+* `first_hitting`: the first-hitting sampler of Zheng et al. (2024), used by BD3-LM. Under
+  the linear schedule a masked token's unmasking time is uniform on (0, 1), so each
+  position draws a time tau and positions are revealed in decreasing tau. With
+  steps_per_block = 0 that is one token per step, which is exactly first hitting (the model
+  has no time input, so only the order of the hitting times matters); with S steps, step s
+  reveals the positions whose tau falls in (1 - (s+1)/S, 1 - s/S].
+
+When the block is complete its clean rows are committed: their keys/values enter a KV
+cache, so a denoising step costs O(B x context) and never recomputes the context
+(`use_cache=False` recomputes the whole context every step: the reference). Generation
+stops after the block holding EOS. The prompt is placed so that it ends on a block
+boundary (like SFT data, data/chat.py); the positions before it are padding (segment 0).
+
+For `fast_dllm_v2` (token shift) position j is predicted by row j-1: inside the block by
+the noisy row before it, and for the block's first token by the last committed clean row.
+The model is run through its own modules (`Block.project`, `Block.finish`); only attention
+is re-wired over [cache ; block]. Sampling uses the `xla` attention on one device.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bdlm_jax.config import Config, ConfigError
+from bdlm_jax.kernels import xla
+from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta
+from bdlm_jax.params import merge
+
+
+class KVCache(NamedTuple):
+  """Clean keys/values by absolute position: k, v [layers, 1, C, Hkv, D]; seg int32 [1, C]."""
+
+  k: jax.Array
+  v: jax.Array
+  seg: jax.Array  # 1 where a position is filled, 0 = empty or padding (never attended)
+
+
+def _meta(stream: int, pos_1R, seg_1R, block_size: int) -> RowMeta:
+  return RowMeta(jnp.full_like(pos_1R, stream), pos_1R // block_size, seg_1R.astype(jnp.int32))
+
+
+def _rows_forward(model, tokens_1R, pos_1R, meta: RowMeta, cache: KVCache, block_size: int,
+                  chunk: int):
+  """Hidden states of rows attending to [cache ; themselves], and the rows' K/V per layer."""
+  cache_pos = jnp.arange(cache.seg.shape[1])[None]
+  kv_meta = _meta(CLEAN, cache_pos, cache.seg, block_size).concat(meta)
+  x = model.embed(tokens_1R)
+  ks, vs = [], []
+  for layer, block in enumerate(model.layers):
+    q, k, v = block.project(x, pos_1R)
+    k_all = jnp.concatenate([cache.k[layer], k], axis=1)
+    v_all = jnp.concatenate([cache.v[layer], v], axis=1)
+    out, _ = xla.attend(q, k_all, v_all, meta, kv_meta, chunk)
+    x = block.finish(x, out)
+    ks.append(k)
+    vs.append(v)
+  return model.final_norm(x), jnp.stack(ks), jnp.stack(vs)
+
+
+class _Steps(NamedTuple):
+  """The jitted pieces of one model/objective configuration."""
+
+  commit: Callable  # (params, cache, tokens_1B, seg_1B, start) -> (cache, last-row logits [V])
+  denoise: Callable  # (params, cache, tokens_1B, start) -> logits [B, V]
+  denoise_full: Callable  # (params, ctx_1C, seg_1C, tokens_1B, start) -> ([B, V], row start-1)
+  reveal: Callable  # (logits, tokens, masked, n, key, temperature, priority, by_confidence)
+
+
+@functools.lru_cache(maxsize=8)
+def _steps(cfg_json: str) -> _Steps:
+  cfg = Config.from_dict(json.loads(cfg_json))
+  bs, mask_id = cfg.objective.block_size, cfg.objective.mask_token_id
+  chunk = cfg.model.attention_chunk
+
+  def block_pos(start):
+    return start + jnp.arange(bs)[None]
+
+  def commit(params, cache, tokens_1B, seg_1B, start):
+    model = merge(cfg, params)
+    pos = block_pos(start)
+    h, k, v = _rows_forward(model, tokens_1B, pos, _meta(CLEAN, pos, seg_1B, bs), cache, bs,
+                            chunk)
+    at = (0, 0, start, 0, 0)
+    cache = KVCache(jax.lax.dynamic_update_slice(cache.k, k, at),
+                    jax.lax.dynamic_update_slice(cache.v, v, at),
+                    jax.lax.dynamic_update_slice(cache.seg, seg_1B.astype(jnp.int32), (0, start)))
+    return cache, model.logits(h[:, -1])[0]
+
+  def denoise(params, cache, tokens_1B, start):
+    model = merge(cfg, params)
+    pos = block_pos(start)
+    meta = _meta(NOISY, pos, jnp.ones_like(pos), bs)
+    return model.logits(_rows_forward(model, tokens_1B, pos, meta, cache, bs, chunk)[0])[0]
+
+  def denoise_full(params, ctx_1C, seg_1C, tokens_1B, start):
+    model = merge(cfg, params)
+    c = ctx_1C.shape[1]
+    ctx_pos, pos = jnp.arange(c)[None], block_pos(start)
+    meta = _meta(CLEAN, ctx_pos, seg_1C, bs).concat(_meta(NOISY, pos, jnp.ones_like(pos), bs))
+    h = model(jnp.concatenate([ctx_1C, tokens_1B], 1), jnp.concatenate([ctx_pos, pos], 1), meta,
+              functools.partial(xla.attend, chunk=chunk))
+    prev = jax.lax.dynamic_slice_in_dim(h, start - 1, 1, axis=1)
+    return model.logits(h[:, c:])[0], model.logits(prev)[0, 0]
+
+  def reveal(logits_BV, tokens_B, masked_B, n, key, temperature, priority_B, by_confidence):
+    logits = logits_BV.at[:, mask_id].set(-jnp.inf)  # [MASK] is never a prediction
+    noisy = logits / jnp.maximum(temperature, 1e-6) + jax.random.gumbel(key, logits.shape)
+    pred = jnp.where(temperature > 0, jnp.argmax(noisy, -1), jnp.argmax(logits, -1))
+    if by_confidence:
+      priority_B = jnp.take_along_axis(jax.nn.softmax(logits), pred[:, None], 1)[:, 0]
+    rank = jnp.argsort(jnp.argsort(-jnp.where(masked_B, priority_B, -jnp.inf)))
+    now = masked_B & (rank < n)
+    return jnp.where(now, pred, tokens_B), masked_B & ~now
+
+  return _Steps(jax.jit(commit), jax.jit(denoise), jax.jit(denoise_full),
+                jax.jit(reveal, static_argnames="by_confidence"))
+
+
+def _schedule(strategy: str, block_size: int, steps: int, key) -> tuple[list[int], np.ndarray]:
+  """(tokens revealed at each step, priority per position; unused for `confidence`)."""
+  if strategy == "confidence":
+    s = min(steps or block_size, block_size)
+    counts = [block_size // s + (i < block_size % s) for i in range(s)]
+    return counts, np.zeros(block_size, np.float32)
+  tau = np.asarray(jax.random.uniform(key, (block_size,)))  # unmasking times, linear schedule
+  if not steps:
+    return [1] * block_size, tau
+  step_of = np.minimum(((1.0 - tau) * steps).astype(int), steps - 1)  # tau in (1-(s+1)/S, 1-s/S]
+  return np.bincount(step_of, minlength=steps).tolist(), tau
+
+
+def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | None = None,
+           steps_per_block: int | None = None, strategy: str | None = None,
+           temperature: float | None = None, use_cache: bool | None = None,
+           eos_id: int | None = None) -> np.ndarray:
+  """Tokens generated after `prompt_tokens` (int [T]): int32 [<= max_new_tokens].
+
+  Options default to `cfg.sample`; `eos_id` defaults to the EOS of `data.tokenizer`. The
+  result ends with EOS if generation stopped there. Same key, same tokens, with or without
+  the KV cache.
+  """
+  o = cfg.sample
+  max_new_tokens = o.max_new_tokens if max_new_tokens is None else max_new_tokens
+  steps = o.steps_per_block if steps_per_block is None else steps_per_block
+  strategy = o.strategy if strategy is None else strategy
+  temperature = o.temperature if temperature is None else temperature
+  use_cache = o.use_cache if use_cache is None else use_cache
+  eos_id = _tokenizer(cfg).eos_id if eos_id is None else eos_id
+  if cfg.objective.name not in ("bd3lm", "fast_dllm_v2"):
+    raise ConfigError(f"sampling needs a block diffusion objective (bd3lm or fast_dllm_v2), "
+                      f"got objective.name={cfg.objective.name!r}")
+  if strategy not in ("confidence", "first_hitting"):
+    raise ConfigError(f"sample strategy {strategy!r} is not 'confidence' or 'first_hitting'")
+  prompt = np.asarray(prompt_tokens, np.int32).reshape(-1)
+  if not prompt.size or max_new_tokens < 1 or steps < 0:
+    raise ConfigError(f"need a non-empty prompt, max_new_tokens >= 1 and steps_per_block >= 0; "
+                      f"got {prompt.size} prompt tokens, {max_new_tokens}, {steps}")
+  m, bs = cfg.model, cfg.objective.block_size
+  d = cfg.to_dict()
+  fns = _steps(json.dumps(dict(model=d["model"], objective=d["objective"]), sort_keys=True))
+  shift = cfg.objective.name == "fast_dllm_v2"  # position j is predicted by row j-1
+  first = -prompt.size % bs + prompt.size  # the prompt ends on a block boundary
+  n_blocks = -(-max_new_tokens // bs)
+  ctx = np.zeros((1, first + n_blocks * bs), np.int32)
+  seg = np.zeros_like(ctx)
+  ctx[0, first - prompt.size:first], seg[0, first - prompt.size:first] = prompt, 1
+  if use_cache:
+    shape = (m.n_layers, 1, ctx.shape[1], m.n_kv_heads, m.head_dim)
+    cache = KVCache(jnp.zeros(shape, m.compute_dtype), jnp.zeros(shape, m.compute_dtype),
+                    jnp.zeros_like(seg))
+    for start in range(0, first, bs):
+      cache, prev = fns.commit(params, cache, ctx[:, start:start + bs], seg[:, start:start + bs],
+                               start)
+  out = []
+  for b in range(n_blocks):
+    start = first + b * bs
+    block_key = jax.random.fold_in(key, b)
+    counts, priority = _schedule(strategy, bs, steps, block_key)
+    tokens, masked = jnp.full((bs,), cfg.objective.mask_token_id, jnp.int32), jnp.ones(bs, bool)
+    for step, n in enumerate(counts):
+      if not n:
+        continue
+      if use_cache:
+        logits = fns.denoise(params, cache, tokens[None], start)
+      else:
+        logits, prev = fns.denoise_full(params, ctx, seg, tokens[None], start)
+      if shift:
+        logits = jnp.concatenate([prev[None], logits[:-1]])
+      tokens, masked = fns.reveal(logits, tokens, masked, n, jax.random.fold_in(block_key, step),
+                                  temperature, priority, by_confidence=strategy == "confidence")
+    tokens = np.asarray(tokens)
+    out.extend(tokens.tolist())
+    if eos_id in tokens:
+      break
+    ctx[0, start:start + bs], seg[0, start:start + bs] = tokens, 1
+    if use_cache:
+      cache, prev = fns.commit(params, cache, tokens[None], seg[:, start:start + bs], start)
+  out = out[:max_new_tokens]
+  if eos_id in out:
+    out = out[:out.index(eos_id) + 1]
+  return np.asarray(out, np.int32)
+
+
+def _tokenizer(cfg: Config):
+  from bdlm_jax.data.pipeline import _check_tokenizer  # the data package imports grain
+  from bdlm_jax.data.tokenizers import make_tokenizer
+  tokenizer = make_tokenizer(cfg.data)
+  _check_tokenizer(tokenizer, cfg.data, cfg.model.vocab_size)
+  return tokenizer
+
+
+def sample_checkpoint(cfg: Config, workdir: str) -> tuple[int, str, str]:
+  """mode=sample: (step, prompt, completion) from checkpoint `sample.checkpoint_step` (-1:
+  latest) of `workdir`, prompted by `sample.prompt` or the text of `sample.prompt_file`."""
+  from bdlm_jax.checkpoint import Checkpointer
+  from bdlm_jax.data.chat import prompt_text
+  from bdlm_jax.parallel.mesh import make_mesh
+  from bdlm_jax.train import abstract_state
+  o = cfg.sample
+  if bool(o.prompt) == bool(o.prompt_file):
+    raise ConfigError("mode=sample needs exactly one of sample.prompt or sample.prompt_file, "
+                      "e.g. --set sample.prompt='12+7='")
+  if o.prompt_file:
+    with open(o.prompt_file, encoding="utf-8") as f:
+      prompt = f.read()
+  else:
+    prompt = o.prompt
+  tokenizer = _tokenizer(cfg)
+  shown = prompt_text(prompt, cfg.data.chat_template) if cfg.data.format == "chat" else prompt
+  mesh = make_mesh(cfg)
+  want = o.checkpoint_step if o.checkpoint_step >= 0 else None
+  with Checkpointer(workdir, cfg, save_every=cfg.train.ckpt_every,
+                    max_to_keep=cfg.train.max_to_keep, async_save=False) as ckpt:
+    step, state, _ = ckpt.restore(abstract_state(cfg, mesh), step=want)
+  params = jax.device_get(state.params)  # sampling runs on one device
+  tokens = sample(params, cfg, tokenizer.encode(shown), jax.random.key(cfg.seed),
+                  eos_id=tokenizer.eos_id)
+  return step, shown, tokenizer.decode(tokens)

@@ -1,0 +1,89 @@
+"""Block-wise sampling: the KV cache changes nothing, EOS stops it, training makes it right."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import run
+from bdlm_jax import init_params, load_config, make_mesh, sample
+from bdlm_jax.checkpoint import Checkpointer
+from bdlm_jax.config import Config, replace
+from bdlm_jax.data import ArithmeticSource, ByteTokenizer, check_arithmetic
+from bdlm_jax.train import abstract_state
+
+PROMPT = list(b"12+7=")
+
+
+def _tiny(objective):
+  return replace(Config(), model=dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                      head_dim=8, d_ff=64),
+                 data=dict(seq_len=32), objective=dict(name=objective, block_size=4))
+
+
+@pytest.mark.parametrize("objective", ["bd3lm", "fast_dllm_v2"])
+def test_kv_cache_sampler_equals_full_recompute_token_for_token(objective):
+  cfg = _tiny(objective)
+  params = init_params(cfg, jax.random.key(0))
+  for options in (dict(strategy="confidence", steps_per_block=0, temperature=0.0),
+                  dict(strategy="first_hitting", steps_per_block=3, temperature=1.0)):
+    cached, full = (sample(params, cfg, PROMPT, jax.random.key(1), max_new_tokens=14,
+                           use_cache=use_cache, eos_id=-1, **options)
+                    for use_cache in (True, False))
+    assert len(cached) == 14
+    np.testing.assert_array_equal(cached, full)
+
+
+def test_generation_stops_after_the_first_eos():
+  cfg = _tiny("bd3lm")
+  params = init_params(cfg, jax.random.key(0))
+  free = sample(params, cfg, PROMPT, jax.random.key(1), max_new_tokens=16, eos_id=-1)
+  eos = int(free[5])  # pretend the token generated at position 5 is EOS
+  stopped = sample(params, cfg, PROMPT, jax.random.key(1), max_new_tokens=16, eos_id=eos)
+  first = list(free).index(eos)
+  np.testing.assert_array_equal(stopped, free[:first + 1])
+
+
+def _first_statement_correct(prompt: str, completion: str) -> bool:
+  return check_arithmetic((prompt + completion).split(" ")[0]) == (1, 1)
+
+
+@pytest.mark.skipif(not os.environ.get("BDLM_SLOW_TESTS"),
+                    reason="trains a model for minutes on CPU; set BDLM_SLOW_TESTS=1")
+def test_trained_model_answers_arithmetic_far_above_chance(tmp_path, capsys):
+  """Trains on the embedded arithmetic data, then completes held-out "a+b=" prompts.
+
+  Chance is measured, not assumed: the same completions scored against other prompts
+  (answers of the right form and size, but unrelated to the operands). Measured so far
+  (2-core CPU): this config reaches 5% vs 0-2.5% chance, so the bar below is NOT yet met;
+  a model this small needs more training than a CPU test can afford.
+  """
+  sets = ["objective.name=fast_dllm_v2", "objective.block_size=4", "data.seq_len=64",
+          "model.d_model=64", "model.head_dim=16", "model.d_ff=192", "train.steps=1200",
+          "train.batch_size=16", "train.lr=3e-3", "train.ckpt_every=1200",
+          "train.log_every=300"]
+  config = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.py")
+  workdir = str(tmp_path / "run")
+  assert run.main(["--config", config, "--workdir", workdir, "--no-progress",
+                   *(a for s in sets for a in ("--set", s))]) == 0
+  assert run.main(["--config", config, "--workdir", workdir, "--set", "mode=sample",
+                   "--set", "sample.prompt=3*4=", "--set", "sample.max_new_tokens=8",
+                   *(a for s in sets for a in ("--set", s))]) == 0
+  assert capsys.readouterr().out.strip()  # the CLI printed a completion
+
+  cfg = load_config(config, sets)
+  with Checkpointer(workdir, cfg, save_every=1, max_to_keep=1, async_save=False) as ckpt:
+    _, state, _ = ckpt.restore(abstract_state(cfg, make_mesh(cfg)))
+  params = jax.device_get(state.params)
+  held_out = ArithmeticSource(seed=12345)
+  prompts = [held_out[i].split(" ")[0].split("=")[0] + "=" for i in range(100)]
+  tok = ByteTokenizer()
+  completions = [tok.decode(sample(params, cfg, tok.encode(p), jax.random.key(i),
+                                   max_new_tokens=4, eos_id=tok.eos_id))
+                 for i, p in enumerate(prompts)]
+  accuracy = np.mean([_first_statement_correct(p, c) for p, c in zip(prompts, completions)])
+  chance = np.mean([_first_statement_correct(p, completions[(i + 1) % len(prompts)])
+                    for i, p in enumerate(prompts)])
+  print(f"arithmetic accuracy {accuracy:.2f}, chance {chance:.2f}")
+  assert accuracy >= max(5 * chance, 0.1)
