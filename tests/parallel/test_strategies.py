@@ -98,8 +98,8 @@ def test_strategy_that_cannot_run_the_objective_is_an_error():
     _cfg("csbp_ring", objective="ar", seq=8)
 
 
-def test_batch_from_another_layout_is_rejected():
-  batch = make_batch(_cfg("none"), *_logical_batch())
-  cfg = _cfg("csbp_ring", seq=8)
+def test_batch_laid_out_for_another_strategy_is_rejected():
+  batch = make_batch(_cfg("none"), *_logical_batch())  # 2L rows; bp replicates clean rows
+  cfg = _cfg("bp", seq=8)
   with pytest.raises(ConfigError, match="build it with make_batch"):
     loss_fn(init_params(cfg, jax.random.key(0)), batch, jax.random.key(0), cfg, make_mesh(cfg))
