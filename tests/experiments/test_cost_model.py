@@ -1,0 +1,118 @@
+"""The cost model reproduces its own inputs: the plans' attention work, the model's FLOPs and
+parameter count, zero traffic on one rank, and the overlap rule of its ring."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from bdlm_jax.config import Config, replace
+from bdlm_jax.metrics import model_flops_per_step
+from bdlm_jax.params import abstract_params
+from bdlm_jax.parallel.layout import make_plan
+from experiments import cost_model as cm
+
+SMALL = dict(vocab_size=260, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+             d_ff=128)
+ONE_GPU = cm.Hardware(nodes=1, gpus_per_node=1)
+
+
+def _model(**kw):
+  return replace(Config(), model=dict(SMALL, **kw)).model
+
+
+@pytest.mark.parametrize("strategy", cm.STRATEGIES)
+@pytest.mark.parametrize("block_size", [4, 16, 24])  # N > 2P, N = 2P, P < N < 2P (P = 4)
+def test_pairs_split_by_kv_owner_sum_to_attention_work(strategy, block_size):
+  work = cm.plan_work(strategy, 96, block_size, 4)
+  per_rank = work.stay_pairs + work.travel_pairs.sum(axis=1)
+  np.testing.assert_array_equal(per_rank, work.plan.attention_work())
+
+
+def test_attention_pairs_are_L_times_L_plus_B():
+  """Noisy and clean streams each hold B^2 N(N+1)/2 pairs, so pairs = L(L+B): doubling L
+  quadruples attention FLOPs only up to the in-block term, pairs(2L) = 4 pairs(L) - 2LB."""
+  pairs = lambda L, B: int(make_plan("none", L, B, 1).attention_work().sum())
+  for L, B in [(64, 4), (256, 16), (1024, 256)]:
+    assert pairs(L, B) == L * (L + B)
+    assert pairs(2 * L, B) == 4 * pairs(L, B) - 2 * L * B
+
+
+def test_useful_flops_equal_model_flops_per_step():
+  cfg = replace(Config(), model=SMALL, data=dict(seq_len=128), objective=dict(block_size=16),
+                train=dict(batch_size=1))
+  assert math.isclose(cm.useful_flops(cfg.model, 128, 16), model_flops_per_step(cfg),
+                      rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_param_count_equals_the_flax_model(tie):
+  cfg = replace(Config(), model=dict(SMALL, tie_embeddings=tie))
+  real = sum(x.size for x in jax.tree.leaves(abstract_params(cfg)))
+  assert cm.param_count(cfg.model) == real
+
+
+@pytest.mark.parametrize("strategy", cm.STRATEGIES)
+def test_one_rank_sends_nothing_and_only_computes(strategy):
+  m = _model()
+  work = cm.plan_work(strategy, 256, 16, 1)
+  t = cm.step_time(m, work, ONE_GPU, cm.Assumptions())
+  assert cm.step_comm_bytes(work, m, cm.Assumptions()) == 0
+  assert math.isclose(t["total_s"], t["attention_busy_s"] + t["linear_s"], rel_tol=1e-12)
+
+
+def test_csbp_sends_half_the_kv_of_cp_and_bp_none():
+  m, a = _model(), cm.Assumptions()
+  sent = {s: cm.step_comm_bytes(cm.plan_work(s, 1024, 16, 8), m, a) for s in cm.STRATEGIES}
+  assert sent["csbp_ring"] == sent["cp_ring"] / 2
+  assert sent["csbp_allgather"] == sent["cp_allgather"] / 2
+  assert sent["bp"] == 0
+
+
+def test_csbp_ring_steps_are_balanced_cp_ring_steps_are_not():
+  """Zigzag over the whole [x_t; x_0] stream balances each rank's total but not each ring
+  step; CSBP's clean zigzag balances both."""
+  def step_imbalance(strategy, p=8):
+    t = cm.plan_work(strategy, 2048, 16, p).travel_pairs
+    steps = np.stack([t[np.arange(p), (np.arange(p) - s) % p] for s in range(p)], axis=1)
+    return steps.max(axis=0).sum() / steps.sum(axis=1).max()
+
+  assert step_imbalance("csbp_ring") == pytest.approx(1.0)
+  assert step_imbalance("cp_ring") > 1.8
+
+
+def test_ring_hides_a_hop_under_a_longer_step_and_waits_for_a_slower_one():
+  p, c = 4, 1.0
+  busy = np.full((p, p), c)
+  start = np.zeros(p)
+  assert cm._ring_s(start, busy, kv_hop=0.5, grad_hop=0.0, overlap=True) == p * c
+  assert cm._ring_s(start, busy, kv_hop=3.0, grad_hop=0.0, overlap=True) == (p - 1) * 3.0 + c
+  assert cm._ring_s(start, busy, kv_hop=0.5, grad_hop=0.0, overlap=False) == p * c + 3 * 0.5
+  uneven = busy.copy()
+  uneven[0, 1] = 5.0  # one slow rank-step holds up its neighbours' next step
+  assert cm._ring_s(start, uneven, kv_hop=0.5, grad_hop=0.0, overlap=True) == 5.0 + 3 * c
+
+
+def test_projection_reports_speedups_and_memory_on_a_small_setting():
+  rows = cm.project(cm.Hardware(), {"default": cm.Assumptions()}, seq_lens=(16384,),
+                    block_sizes=(64,))["default"]
+  assert len(rows) == len(cm.MODELS) * len(cm.STRATEGIES)
+  assert all(r["total_s"] > 0 and r["total_bytes"] > 0 for r in rows)
+  (spd, _) = cm.speedups(rows)
+  assert spd["csbp"] in ("csbp_ring", "csbp_allgather") and spd["speedup"] > 0
+
+
+def test_kernel_csv_sets_attention_tflops(tmp_path):
+  path = tmp_path / "kernel_bench.csv"
+  path.write_text("impl,seq_len,fwd_bwd_TFLOPs\npallas,1024,100\npallas,2048,300\nxla,64,200\n")
+  hw, note = cm.calibrate(cm.Hardware(), str(path), None)
+  assert hw.attention_tflops == 200 and "fwd_bwd_TFLOPs" in note
+  assert cm.calibrate(cm.Hardware(), None, None)[0] == cm.Hardware()
+
+
+def test_results_readme_joins_the_sections_in_order(tmp_path):
+  (tmp_path / "cost_model.md").write_text("COST")
+  (tmp_path / "parallel_bench.md").write_text("BENCH")
+  text = open(cm.write_results_readme(str(tmp_path))).read()
+  assert text.index("BENCH") < text.index("COST")

@@ -1,0 +1,78 @@
+"""The bench's tiny grid runs end to end (one compile per strategy) and its CSV shows what
+the strategies promise: bp sends no K/V, CSBP sends half of CP's, the weight-gradient
+all-reduce is the same for all."""
+
+import csv
+import os
+
+import pytest
+
+from experiments import cost_model as cm
+from experiments import parallel_bench as pb
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+  out = tmp_path_factory.mktemp("bench")
+  pb.run(pb.GRIDS["tiny"], str(out), "float32", progress=lambda *_: None)
+  with open(out / "parallel_bench.csv") as f:
+    rows = {r["strategy"]: r for r in csv.DictReader(f)}
+  return out, rows
+
+
+def _f(row, column):
+  return float(row[column])
+
+
+def test_tiny_bench_writes_one_row_per_strategy_and_its_reports(bench):
+  out, rows = bench
+  assert sorted(rows) == sorted(pb.STRATEGIES)
+  for name in ("parallel_bench.md", "README_results.md", "parallel_bench_traffic.png",
+               "parallel_bench_memory.png", "parallel_bench_time.png"):
+    assert os.path.getsize(out / name) > 0
+  assert "| 8 | 64 | csbp_ring |" in (out / "parallel_bench.md").read_text()
+
+
+def test_values_are_measured_and_positive(bench):
+  _, rows = bench
+  for row in rows.values():
+    for column in ("temp_bytes", "argument_bytes", "xla_flops", "model_flops_per_device",
+                   "step_ms"):
+      assert _f(row, column) > 0, (row["strategy"], column)
+  assert _f(rows["cp_ring"], "time_vs_cp_ring") == 1.0
+
+
+def test_bp_and_one_device_send_no_attention_traffic(bench):
+  _, rows = bench
+  assert _f(rows["bp"], "attn_wire_bytes") == 0
+  assert _f(rows["none"], "attn_wire_bytes") == 0 and _f(rows["none"], "all_reduce_bytes") == 0
+
+
+def test_csbp_sends_half_the_attention_bytes_of_cp(bench):
+  _, rows = bench
+  for transport in ("ring", "allgather"):
+    cp, csbp = rows[f"cp_{transport}"], rows[f"csbp_{transport}"]
+    assert _f(csbp, "attn_wire_bytes") == pytest.approx(0.5 * _f(cp, "attn_wire_bytes"))
+
+
+def test_weight_gradient_all_reduce_is_the_same_for_every_sharded_strategy(bench):
+  _, rows = bench
+  sharded = {_f(r, "all_reduce_bytes") for s, r in rows.items() if s != "none"}
+  assert len(sharded) == 1 and sharded.pop() > 0
+
+
+def test_bp_holds_more_rows_than_csbp(bench):
+  _, rows = bench
+  assert _f(rows["bp"], "rows_per_rank") > _f(rows["csbp_ring"], "rows_per_rank")
+
+
+def test_cost_model_predicts_the_measured_attention_bytes(bench):
+  """The analytical traffic of every strategy equals what the compiled step sends (f32)."""
+  _, rows = bench
+  grid = pb.GRIDS["tiny"]
+  (seq_len,), (seq,) = grid.seq_lens, grid.seqs
+  model = pb.bench_config(grid, "cp_ring", seq, seq_len, "float32").model
+  for strategy in cm.STRATEGIES:
+    work = cm.plan_work(strategy, seq_len, grid.block_size, seq)
+    predicted = cm.step_comm_bytes(work, model, cm.Assumptions(compute_bytes=4))
+    assert predicted == pytest.approx(_f(rows[strategy], "attn_wire_bytes")), strategy
