@@ -33,6 +33,7 @@ import sys
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
 sys.path.insert(0, ROOT)
 
 from bdlm_jax.config import ModelConfig  # noqa: E402
@@ -525,15 +526,37 @@ def write_results_readme(results_dir: str) -> str:
     if os.path.exists(path):
       with open(path) as f:
         parts.append(f.read())
+  text = "\n".join(parts)
   path = os.path.join(results_dir, "README_results.md")
   with open(path, "w") as f:
-    f.write("\n".join(parts))
+    f.write(text)
+  if os.path.abspath(results_dir) == RESULTS_DIR:  # not for scratch runs (tests, --out)
+    body = text.replace("# Results\n", "", 1)
+    _splice_into_readme(body.replace("\n### ", "\n#### ").replace("\n## ", "\n### "))
   return path
+
+
+RESULTS_START, RESULTS_END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def _splice_into_readme(text: str) -> None:
+  """The project README shows the same generated tables between its results markers."""
+  readme = os.path.join(ROOT, "README.md")
+  if not os.path.exists(readme):
+    return
+  with open(readme) as f:
+    current = f.read()
+  if RESULTS_START not in current or RESULTS_END not in current:
+    return
+  head, rest = current.split(RESULTS_START, 1)
+  tail = rest.split(RESULTS_END, 1)[1]
+  with open(readme, "w") as f:
+    f.write(f"{head}{RESULTS_START}\n{text.strip()}\n{RESULTS_END}{tail}")
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results"))
+  parser.add_argument("--out", default=RESULTS_DIR)
   parser.add_argument("--kernel-csv", default=None,
                       help="CSV from experiments/kernel_bench.py to calibrate attention TFLOP/s")
   parser.add_argument("--tflops-column", default=None)

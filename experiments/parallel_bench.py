@@ -45,7 +45,7 @@ from bdlm_jax.parallel import hlo_stats  # noqa: E402
 from bdlm_jax.parallel.mesh import row_sharding  # noqa: E402
 from bdlm_jax.parallel.strategies import plan_for  # noqa: E402
 from bdlm_jax.train import state_shardings  # noqa: E402
-from experiments.cost_model import write_results_readme  # noqa: E402
+from experiments.cost_model import RESULTS_DIR, write_results_readme  # noqa: E402
 
 STRATEGIES = ("none", "cp_allgather", "cp_ring", "bp", "csbp_allgather", "csbp_ring")
 BASELINE = "cp_ring"
@@ -320,7 +320,7 @@ def main(argv=None):
   size = parser.add_mutually_exclusive_group()
   size.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores")
   size.add_argument("--tiny", action="store_true", help="CI smoke run (< 60 s)")
-  parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results"))
+  parser.add_argument("--out", default=RESULTS_DIR)
   parser.add_argument("--dtype", default=None,
                       help="compute dtype; default float32 on CPU (XLA:CPU runs bf16 "
                            "collectives in f32), bfloat16 on accelerators")
