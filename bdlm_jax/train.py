@@ -89,7 +89,7 @@ def make_train_step(cfg: Config, mesh):
     grads, metrics = _accumulated_grads(cfg, mesh, state.params, batch, key)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics, grad_norm=optax.global_norm(grads), lr=schedule(state.step))
+    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(state.step))
     return TrainState(state.step + 1, params, opt_state), metrics
 
   state_sh = state_shardings(cfg, mesh)
