@@ -21,7 +21,9 @@ stops after the block holding EOS. The prompt is placed so that it ends on a blo
 boundary (like SFT data, data/chat.py); the positions before it are padding (segment 0).
 
 For `fast_dllm_v2` (token shift) position j is predicted by row j-1: inside the block by
-the noisy row before it, and for the block's first token by the last committed clean row.
+the noisy row before it, and for the block's first token by the last row of the finished
+previous block, run as noisy rows without masks, which is how training scores it (noisy
+rows carry the labels; clean rows never do).
 The model is run through its own modules (`Block.project`, `Block.finish`); only attention
 is re-wired over [cache ; block]. Sampling uses the `xla` attention on one device.
 """
@@ -75,7 +77,7 @@ def _rows_forward(model, tokens_1R, pos_1R, meta: RowMeta, cache: KVCache, block
 class _Steps(NamedTuple):
   """The jitted pieces of one model/objective configuration."""
 
-  commit: Callable  # (params, cache, tokens_1B, seg_1B, start) -> (cache, last-row logits [V])
+  commit: Callable  # (params, cache, tokens_1B, seg_1B, start) -> (cache, next-token logits [V])
   denoise: Callable  # (params, cache, tokens_1B, start) -> logits [B, V]
   denoise_full: Callable  # (params, ctx_1C, seg_1C, tokens_1B, start) -> ([B, V], row start-1)
   reveal: Callable  # (logits, tokens, masked, n, key, temperature, priority, by_confidence)
@@ -86,6 +88,7 @@ def _steps(cfg_json: str) -> _Steps:
   cfg = Config.from_dict(json.loads(cfg_json))
   bs, mask_id = cfg.objective.block_size, cfg.objective.mask_token_id
   chunk = cfg.model.attention_chunk
+  shift = cfg.objective.name == "fast_dllm_v2"
 
   def block_pos(start):
     return start + jnp.arange(bs)[None]
@@ -96,10 +99,15 @@ def _steps(cfg_json: str) -> _Steps:
     h, k, v = _rows_forward(model, tokens_1B, pos, _meta(CLEAN, pos, seg_1B, bs), cache, bs,
                             chunk)
     at = (0, 0, start, 0, 0)
+    nxt = None
+    if shift:  # the finished block as unmasked noisy rows: its last row predicts the next token
+      h, _, _ = _rows_forward(model, tokens_1B, pos, _meta(NOISY, pos, seg_1B, bs), cache, bs,
+                              chunk)
+      nxt = model.logits(h[:, -1])[0]
     cache = KVCache(jax.lax.dynamic_update_slice(cache.k, k, at),
                     jax.lax.dynamic_update_slice(cache.v, v, at),
                     jax.lax.dynamic_update_slice(cache.seg, seg_1B.astype(jnp.int32), (0, start)))
-    return cache, model.logits(h[:, -1])[0]
+    return cache, nxt
 
   def denoise(params, cache, tokens_1B, start):
     model = merge(cfg, params)
@@ -108,14 +116,19 @@ def _steps(cfg_json: str) -> _Steps:
     return model.logits(_rows_forward(model, tokens_1B, pos, meta, cache, bs, chunk)[0])[0]
 
   def denoise_full(params, ctx_1C, seg_1C, tokens_1B, start):
+    """Rows: the clean context, the previous block as unmasked noisy rows (whose last row
+    predicts this block's first token under the shift), this block's noisy rows."""
     model = merge(cfg, params)
     c = ctx_1C.shape[1]
-    ctx_pos, pos = jnp.arange(c)[None], block_pos(start)
-    meta = _meta(CLEAN, ctx_pos, seg_1C, bs).concat(_meta(NOISY, pos, jnp.ones_like(pos), bs))
-    h = model(jnp.concatenate([ctx_1C, tokens_1B], 1), jnp.concatenate([ctx_pos, pos], 1), meta,
+    ctx_pos, prev_pos, pos = jnp.arange(c)[None], block_pos(start - bs), block_pos(start)
+    prev_tokens = jax.lax.dynamic_slice_in_dim(ctx_1C, start - bs, bs, axis=1)
+    prev_seg = jax.lax.dynamic_slice_in_dim(seg_1C, start - bs, bs, axis=1)
+    meta = _meta(CLEAN, ctx_pos, seg_1C, bs).concat(
+        _meta(NOISY, prev_pos, prev_seg, bs)).concat(_meta(NOISY, pos, jnp.ones_like(pos), bs))
+    h = model(jnp.concatenate([ctx_1C, prev_tokens, tokens_1B], 1),
+              jnp.concatenate([ctx_pos, prev_pos, pos], 1), meta,
               functools.partial(xla.attend, chunk=chunk))
-    prev = jax.lax.dynamic_slice_in_dim(h, start - 1, 1, axis=1)
-    return model.logits(h[:, c:])[0], model.logits(prev)[0, 0]
+    return model.logits(h[:, c + bs:])[0], model.logits(h[:, c + bs - 1])[0]
 
   def reveal(logits_BV, tokens_B, masked_B, n, key, temperature, priority_B, by_confidence):
     logits = logits_BV.at[:, mask_id].set(-jnp.inf)  # [MASK] is never a prediction

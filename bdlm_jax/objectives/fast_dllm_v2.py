@@ -2,8 +2,10 @@
 
 Same `[x_t ; x_0]` stream and block mask as BD3-LM (DESIGN.md section 2), with two changes:
 * token shift: the logit of noisy row i predicts token i+1. If the *input* at i+1 is
-  [MASK], the hidden state at i (which sees it: same block, or the last row of the block
-  before) is scored on x_{i+1}. This keeps the AR model's "hidden i -> token i+1" head.
+  [MASK], the hidden state at i is scored on x_{i+1}: inside a block row i sees the
+  [MASK] at i+1; the last row of a block sees only its own block and earlier clean blocks,
+  so it predicts the next block's first token as an AR model would. This keeps the AR
+  model's "hidden i -> token i+1" head (the sampler uses the same rows, see sample.py).
 * complementary masks: each sequence is run twice, once with mask m and once with its
   complement on the maskable tokens, so every supervised token is scored exactly once per
   step; weights are 1 and the sum is divided by the number of supervised tokens.
