@@ -48,8 +48,6 @@ def main(argv=None) -> int:
       print(f"step {step} of {workdir}; prompt {prompt!r}; completion:", file=sys.stderr)
       print(completion)
       return 0
-    if cfg.mode != "train":
-      raise ConfigError(f"mode={cfg.mode!r} is not available; valid: 'train'")
     history = train(cfg, workdir, resume=args.resume, progress=not args.no_progress)
   except (ConfigError, DataError, CheckpointError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)

@@ -33,9 +33,9 @@ class Batch(NamedTuple):
 
 
 def _check_tokens(cfg: Config, tokens: np.ndarray) -> None:
-  if tokens.ndim != 2 or tokens.shape[1] != cfg.data.seq_len:
-    raise ConfigError(f"tokens must be int [S, data.seq_len={cfg.data.seq_len}], got shape "
-                      f"{tokens.shape}")
+  if tokens.ndim != 2 or tokens.shape[1] != cfg.data.seq_len or tokens.shape[0] == 0:
+    raise ConfigError(f"tokens must be int [S >= 1, data.seq_len={cfg.data.seq_len}], got "
+                      f"shape {tokens.shape}")
   if not np.issubdtype(tokens.dtype, np.integer):
     raise ConfigError(f"tokens must be integers, got dtype {tokens.dtype}")
   lo, hi = int(tokens.min()), int(tokens.max())

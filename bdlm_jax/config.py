@@ -287,6 +287,8 @@ def validate(cfg: Config) -> None:
       "objective.block_size": o.block_size, "parallel.data": p.data, "parallel.fsdp": p.fsdp,
       "parallel.seq": p.seq, "parallel.tensor": p.tensor, "train.steps": t.steps,
       "train.batch_size": t.batch_size, "train.grad_accum": t.grad_accum,
+      "train.log_every": t.log_every, "train.ckpt_every": t.ckpt_every,
+      "train.max_to_keep": t.max_to_keep,
   }
   for key, value in positive.items():
     if value < 1:
@@ -323,13 +325,18 @@ def validate(cfg: Config) -> None:
     raise ConfigError(
         f"parallel.strategy={p.strategy!r} splits corrupted blocks and cannot run the 'ar' "
         f"objective, which has no corrupted stream; use none, cp_ring or cp_allgather")
+  # The layout (block count vs ranks, divisibility) fails here, not at the first batch.
+  from bdlm_jax.parallel.strategies import plan_for  # late: strategies imports this module
+  plan_for(cfg)
 
 
 def replace(cfg: Config, **sections: dict) -> Config:
   """Functional update by section: replace(cfg, model=dict(n_layers=4))."""
   d = cfg.to_dict()
   for section, values in sections.items():
-    if isinstance(values, dict):
+    if dataclasses.is_dataclass(values):
+      values = dataclasses.asdict(values)
+    if isinstance(values, dict) and isinstance(d.get(section), dict):
       d[section].update(values)
     else:
       d[section] = values
@@ -339,5 +346,6 @@ def replace(cfg: Config, **sections: dict) -> Config:
 
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "DataConfig", "ObjectiveConfig",
-           "ParallelConfig", "TrainConfig", "SampleConfig", "ExportConfig", "load_config", "override", "validate", "all_keys",
+           "ParallelConfig", "TrainConfig", "SampleConfig", "ExportConfig", "load_config",
+           "override", "validate", "all_keys",
            "replace"]

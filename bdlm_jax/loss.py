@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bdlm_jax.config import Config, ConfigError
+from bdlm_jax.batch import make_batch
+from bdlm_jax.config import Config, ConfigError, replace
 from bdlm_jax.objectives import ar, bd3lm, fast_dllm_v2, get_objective
 from bdlm_jax.params import merge
 from bdlm_jax.parallel.mesh import row_sharding
@@ -65,9 +66,10 @@ def loss_fn(params, batch, key, cfg: Config, mesh=None):
 
 
 def ar_logits(params, cfg: Config, tokens) -> jax.Array:
-  """Plain causal forward of logical tokens [S, L] -> float32 logits [S, L, vocab]."""
-  from bdlm_jax.batch import make_batch
-  from bdlm_jax.config import replace
+  """Plain causal forward of logical tokens [S, L] -> float32 logits [S, L, vocab].
+
+  For interop and evaluation: the layout is built on the host, so `tokens` is concrete
+  (jit the model inside, not this function over `tokens`)."""
   ar_cfg = replace(cfg, objective=dict(name="ar"), parallel=dict(strategy="none", seq=1),
                    data=dict(seq_len=int(np.shape(tokens)[1])))
   batch = make_batch(ar_cfg, np.asarray(tokens))

@@ -8,7 +8,6 @@ import numpy as np
 
 from bdlm_jax.config import Config
 from bdlm_jax.parallel.layout import make_plan
-from bdlm_jax.parallel.strategies import plan_for
 
 # Dense bf16 peak per device, for the MFU estimate when train.peak_tflops is not set.
 _PEAK_TFLOPS = {"h200": 989.0, "h100": 989.0, "a100": 312.0, "tpu v5": 197.0, "tpu v4": 275.0}
@@ -21,17 +20,18 @@ def model_flops_per_step(cfg: Config) -> float:
   clean copies); attention counts only allowed (query, key) pairs of the mask.
   """
   m = cfg.model
-  plan = plan_for(cfg)
-  rows = 2 * cfg.data.seq_len if cfg.objective.name != "ar" else cfg.data.seq_len
+  diffusion = cfg.objective.name != "ar"
+  rows = 2 * cfg.data.seq_len if diffusion else cfg.data.seq_len
   per_layer = 2 * m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim  # qkv
   per_layer += 2 * m.n_heads * m.head_dim * m.d_model + 3 * 2 * m.d_model * m.d_ff  # o, mlp
   linear = rows * m.n_layers * per_layer + 2 * cfg.data.seq_len * m.d_model * m.vocab_size
   # Pairs of the logical stream, as one device computes them: redundant work that a
   # strategy adds (bp's replicated clean prefix) is not useful work.
-  pairs = make_plan("none", cfg.data.seq_len, plan.block_size, 1, plan.n_noisy > 0 or
-                    cfg.objective.name != "ar").attention_work().sum()
+  block_size = cfg.objective.block_size if diffusion else 1
+  pairs = make_plan("none", cfg.data.seq_len, block_size, 1, diffusion).attention_work().sum()
   attention = m.n_layers * 4 * float(pairs) * m.n_heads * m.head_dim
-  return 3.0 * cfg.train.batch_size * (linear + attention)
+  copies = 2 if cfg.objective.name == "fast_dllm_v2" else 1  # complementary masks
+  return 3.0 * cfg.train.batch_size * copies * (linear + attention)
 
 
 def peak_flops(cfg: Config) -> float:

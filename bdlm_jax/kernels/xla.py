@@ -31,7 +31,7 @@ def _chunked_keys(k, v, k_meta, chunk):
     x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     return jnp.moveaxis(x.reshape(x.shape[0], n, chunk, *x.shape[2:]), 1, 0)
 
-  return split(k), split(v), RowMeta(*(split(m) for m in k_meta)), n
+  return split(k), split(v), RowMeta(*(split(m) for m in k_meta))
 
 
 def _scores(q5, k_c, q_meta, km_c, scale):
@@ -50,9 +50,8 @@ def attend_fwd(q, k, v, q_meta: RowMeta, k_meta: RowMeta, chunk: int = 512):
   hkv = k.shape[2]
   scale = q.shape[-1] ** -0.5
   q5 = _split_heads(q, hkv)
-  k_n, v_n, km_n, _ = _chunked_keys(k, v, k_meta, min(chunk, k.shape[1]))
+  k_n, v_n, km_n = _chunked_keys(k, v, k_meta, min(chunk, k.shape[1]))
   s, rq, hq, d = q.shape
-  g = hq // hkv
 
   def step(carry, xs):
     m, l, acc = carry
@@ -95,7 +94,7 @@ def attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse=None, chunk: int = 
   if dlse is not None:
     delta = delta - heads_first(dlse.astype(jnp.float32))
   lse4 = heads_first(lse)
-  k_n, v_n, km_n, n = _chunked_keys(k, v, k_meta, min(chunk, rk))
+  k_n, v_n, km_n = _chunked_keys(k, v, k_meta, min(chunk, rk))
 
   def step(dq, xs):
     k_c, v_c, km_c = xs
@@ -150,5 +149,5 @@ def attend_dense(q, k, v, q_meta, k_meta):
   out = jnp.einsum("shgqk,skhd->sqhgd", p / jnp.where(l > 0, l, 1.0), v.astype(jnp.float32))
   lse = jnp.where(l[..., 0] > 0, m[..., 0] + jnp.log(jnp.where(l[..., 0] > 0, l[..., 0], 1.0)),
                   NEG_INF)
-  s, rq, hq, d = q.shape
+  s, rq, hq, _ = q.shape
   return out.reshape(q.shape).astype(q.dtype), jnp.moveaxis(lse, 3, 1).reshape(s, rq, hq)

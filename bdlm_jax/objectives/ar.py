@@ -1,10 +1,10 @@
 """Plain autoregressive next-token loss on the clean stream (sanity and AR baselines)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bdlm_jax.config import ObjectiveConfig
+from bdlm_jax.objectives.bd3lm import token_nll
 from bdlm_jax.objectives.streams import logical_stream
 
 LOSS_SLOT = "clean"
@@ -27,6 +27,4 @@ def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
 
 
 def nll_loss(logits_SNV, labels_SN):
-  logp = jax.nn.log_softmax(logits_SNV, axis=-1)
-  nll = -jnp.take_along_axis(logp, jnp.maximum(labels_SN, 0)[..., None], axis=-1)[..., 0]
-  return jnp.sum(jnp.where(labels_SN >= 0, nll, 0.0))
+  return jnp.sum(jnp.where(labels_SN >= 0, token_nll(logits_SNV, labels_SN), 0.0))

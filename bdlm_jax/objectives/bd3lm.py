@@ -29,16 +29,20 @@ def sample_t(key, num_seqs: int, num_blocks: int, eps_min: float, eps_max: float
   return (t * (eps_max - eps_min) + eps_min).reshape(num_seqs, num_blocks)
 
 
+def draw_noise(key, num_seqs: int, seq_len: int, cfg: ObjectiveConfig):
+  """Logical noise tables: t [S, N] per (sequence, block), a uniform u [S, L] per position."""
+  k_t, k_u = jax.random.split(key)
+  t_SN = sample_t(k_t, num_seqs, seq_len // cfg.block_size, cfg.eps_min, cfg.eps_max)
+  return t_SN, jax.random.uniform(k_u, (num_seqs, seq_len))
+
+
 def corrupt(key, batch, seq_len: int, cfg: ObjectiveConfig):
   """Masks rows in *logical* coordinates, so every layout sees the same corruption.
 
   t is drawn per (sequence, block) and a uniform per (sequence, position); each row reads
   its own values through its position and block. Returns (inputs, masked, weight) per row.
   """
-  k_t, k_u = jax.random.split(key)
-  s = batch.tokens.shape[0]
-  t_SN = sample_t(k_t, s, seq_len // cfg.block_size, cfg.eps_min, cfg.eps_max)
-  u_SL = jax.random.uniform(k_u, (s, seq_len))
+  t_SN, u_SL = draw_noise(key, batch.tokens.shape[0], seq_len, cfg)
   t_row = jnp.take_along_axis(t_SN, batch.block, axis=1)
   u_row = jnp.take_along_axis(u_SL, batch.pos, axis=1)
   masked = batch.maskable & (u_row < t_row)
@@ -47,10 +51,14 @@ def corrupt(key, batch, seq_len: int, cfg: ObjectiveConfig):
   return inputs, masked, weight
 
 
+def token_nll(logits_SNV, labels_SN):
+  """-log p(label) per row [S, N]; rows without a label (-1) give a finite don't-care."""
+  logp = jax.nn.log_softmax(logits_SNV, axis=-1)
+  return -jnp.take_along_axis(logp, jnp.maximum(labels_SN, 0)[..., None], axis=-1)[..., 0]
+
+
 def subs_loss(logits_SNV, labels_SN, masked_SN, weight_SN, mask_token_id: int):
   """Sum over masked rows of w(t) * CE with the [MASK] logit removed (SUBS)."""
-  logits = logits_SNV.at[..., mask_token_id].set(-jnp.inf)
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  nll = -jnp.take_along_axis(logp, jnp.maximum(labels_SN, 0)[..., None], axis=-1)[..., 0]
+  nll = token_nll(logits_SNV.at[..., mask_token_id].set(-jnp.inf), labels_SN)
   take = masked_SN & (labels_SN >= 0)
   return jnp.sum(jnp.where(take, weight_SN * nll, 0.0))

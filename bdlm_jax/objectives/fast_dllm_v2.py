@@ -24,7 +24,7 @@ import numpy as np
 
 from bdlm_jax.config import ObjectiveConfig
 from bdlm_jax.kernels.mask import NOISY
-from bdlm_jax.objectives.bd3lm import sample_t
+from bdlm_jax.objectives.bd3lm import draw_noise
 from bdlm_jax.objectives.streams import logical_stream
 
 LOSS_SLOT = "noisy"
@@ -66,10 +66,7 @@ def corrupt(key, batch, seq_len: int, cfg: ObjectiveConfig):
   coordinates. Row r's input is masked when its own position hits (copy 1) or misses
   (copy 2); its logit is scored when position pos+1 does, for rows that have a label.
   """
-  k_t, k_u = jax.random.split(key)
-  s = batch.tokens.shape[0]
-  t_SN = sample_t(k_t, s, seq_len // cfg.block_size, cfg.eps_min, cfg.eps_max)
-  u_SL = jax.random.uniform(k_u, (s, seq_len))
+  t_SN, u_SL = draw_noise(key, batch.tokens.shape[0], seq_len, cfg)
   hit_SL = u_SL < jnp.repeat(t_SN, cfg.block_size, axis=1)
   hit_here = jnp.take_along_axis(hit_SL, batch.pos, axis=1)
   nxt = jnp.minimum(batch.pos + 1, seq_len - 1)

@@ -78,7 +78,7 @@ def assign_blocks(n_blocks: int, num_ranks: int) -> list[list[int]]:
         f"needs a corrupted block. Use a smaller objective.block_size (at most "
         f"data.seq_len/parallel.seq) or fewer seq ranks")
   if n_blocks % (2 * num_ranks) == 0:
-    pairs = [sorted({i, n_blocks - 1 - i}) for i in range((n_blocks + 1) // 2)]
+    pairs = [[i, n_blocks - 1 - i] for i in range(n_blocks // 2)]
     groups = np.array_split(np.arange(len(pairs)), num_ranks)
     return [sorted(b for p in g for b in pairs[p]) for g in groups]
   owned: list[list[int]] = [[] for _ in range(num_ranks)]
