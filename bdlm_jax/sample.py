@@ -230,10 +230,10 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
 
 
 def _tokenizer(cfg: Config):
-  from bdlm_jax.data.pipeline import _check_tokenizer  # the data package imports grain
+  from bdlm_jax.data.pipeline import check_tokenizer  # the data package imports grain
   from bdlm_jax.data.tokenizers import make_tokenizer
   tokenizer = make_tokenizer(cfg.data)
-  _check_tokenizer(tokenizer, cfg.data, cfg.model.vocab_size)
+  check_tokenizer(tokenizer, cfg.data, cfg.model.vocab_size)
   return tokenizer
 
 

@@ -28,7 +28,7 @@ def _tokenize(tokenizer: Tokenizer, text: str) -> np.ndarray:
   return np.asarray(tokenizer.encode(text) + [tokenizer.eos_id], dtype=np.int32)
 
 
-def _check_tokenizer(tokenizer: Tokenizer, data_cfg: DataConfig, vocab_size: int) -> None:
+def check_tokenizer(tokenizer: Tokenizer, data_cfg: DataConfig, vocab_size: int) -> None:
   if tokenizer.vocab_size > vocab_size:
     raise ConfigError(
         f"data.tokenizer={data_cfg.tokenizer!r} has vocab size {tokenizer.vocab_size} but "
@@ -57,7 +57,7 @@ def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size
   if batch_size < 1:
     raise ConfigError(f"batch_size={batch_size} must be >= 1")
   tokenizer = make_tokenizer(data_cfg)
-  _check_tokenizer(tokenizer, data_cfg, vocab_size)
+  check_tokenizer(tokenizer, data_cfg, vocab_size)
   is_chat = data_cfg.format == "chat"
   source = chat.ChatSource(data_cfg.path, data_cfg.chat_template) if is_chat else make_source(
       data_cfg, seed)
