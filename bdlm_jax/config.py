@@ -46,9 +46,14 @@ class ModelConfig:
   norm_eps: float = 1e-6
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
-  remat: str = "none"  # "full": recompute everything but the attention core
+  # "full": a layer keeps only its input and the attention core's output + LSE for the
+  # backward, and recomputes projections, norms and the MLP; "none" keeps everything.
+  remat: str = "none"
   attention_impl: str = "xla"
   attention_chunk: int = 512  # keys per step of the flash-style loop
+  # Rows per rank whose [rows, vocab] logits exist at once in the loss (recomputed in the
+  # backward); 0 computes all rows' logits at once.
+  logits_chunk: int = 1024
 
 
 @dataclasses.dataclass
@@ -83,6 +88,9 @@ class ParallelConfig:
   fsdp: int = 1
   seq: int = 1
   tensor: int = 1  # reserved axis; only 1 is supported today
+  # dtype of the travelling dK/dV (ring accumulators, all-gather's reduce-scatter); K/V
+  # themselves travel in model.compute_dtype.
+  kv_grad_dtype: str = "float32"
   # Multi-host: left empty, jax.distributed.initialize reads the environment (SLURM, ...).
   coordinator_address: str = ""
   num_processes: int = 0
@@ -280,6 +288,7 @@ def validate(cfg: Config) -> None:
   _choice("mode", cfg.mode, MODES)
   _choice("sample.strategy", cfg.sample.strategy, ("confidence", "first_hitting"))
   _choice("export.dtype", cfg.export.dtype, DTYPES)
+  _choice("parallel.kv_grad_dtype", p.kv_grad_dtype, DTYPES)
   positive = {
       "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.n_layers": m.n_layers,
       "model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads, "model.head_dim": m.head_dim,
@@ -293,6 +302,8 @@ def validate(cfg: Config) -> None:
   for key, value in positive.items():
     if value < 1:
       raise ConfigError(f"{key} must be >= 1, got {value}")
+  if m.logits_chunk < 0:
+    raise ConfigError(f"model.logits_chunk must be >= 0 (0: no chunking), got {m.logits_chunk}")
   if m.n_heads % m.n_kv_heads:
     raise ConfigError(
         f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={m.n_kv_heads}")

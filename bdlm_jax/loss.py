@@ -5,9 +5,12 @@ slot where logits are computed; the corruption is drawn in logical coordinates, 
 same (params, batch, key) gives the same loss under every layout.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from bdlm_jax.batch import make_batch
 from bdlm_jax.config import Config, ConfigError, replace
@@ -34,12 +37,63 @@ def _check_batch(cfg, batch, plan):
                       f"with make_batch(cfg, ...) using the same config")
 
 
+def compute_weights(cfg: Config, mesh=None):
+  """The hook that prepares weights where they are used (one layer at a time in the scan).
+
+  Matrices are cast to the compute dtype *before* they are gathered from their fsdp*seq
+  shards, so the all-gather moves compute-dtype bytes while the master copy stays in
+  `param_dtype`; the gradient comes back through the cast and is reduce-scattered to the
+  shards. Vectors (norm scales) keep their dtype.
+  """
+  compute = jnp.dtype(cfg.model.compute_dtype)
+  whole = None if mesh is None else NamedSharding(mesh, P())
+
+  def prepare(weights):
+    def one(w):
+      w = w.astype(compute) if w.ndim >= 2 else w
+      return w if whole is None else jax.lax.with_sharding_constraint(w, whole)
+    return jax.tree.map(one, weights)
+
+  return prepare
+
+
+def chunked_loss(logits_fn, score_fn, chunk: int, num_ranks: int, h_SND, labels_SN, take_SN,
+                 weight_SN):
+  """`score_fn(logits, labels, take, weight)` summed over chunks of `chunk` rows per rank.
+
+  Only one chunk's float32 logits [S, P, chunk, vocab] exist at a time, never [rows, vocab]:
+  the chunks run as a `lax.scan` whose body is rematerialised, so the backward recomputes
+  each chunk's logits instead of saving them. The rank axis P stays whole, so every rank
+  scores its own rows (no resharding). `chunk <= 0` scores all rows at once.
+  """
+  s, n = h_SND.shape[:2]
+  per_rank = n // num_ranks
+  c = per_rank if chunk <= 0 else min(chunk, per_rank)
+  k = -(-per_rank // c)
+
+  def split(x, pad_value):  # [S, P * per_rank, ...] -> [k, S, P, c, ...]
+    x = x.reshape(s, num_ranks, per_rank, *x.shape[2:])
+    x = jnp.pad(x, [(0, 0), (0, 0), (0, k * c - per_rank)] + [(0, 0)] * (x.ndim - 3),
+                constant_values=pad_value)
+    return jnp.moveaxis(x.reshape(s, num_ranks, k, c, *x.shape[3:]), 2, 0)
+
+  @jax.checkpoint
+  def body(total, xs):
+    h, labels, take, weight = xs
+    return total + score_fn(logits_fn(h), labels, take, weight), None
+
+  xs = (split(h_SND, 0), split(labels_SN, -1), split(take_SN, False), split(weight_SN, 0))
+  return jax.lax.scan(body, jnp.zeros((), jnp.float32), xs)[0]
+
+
 def loss_fn(params, batch, key, cfg: Config, mesh=None):
   """(loss, metrics): weighted masked-token CE summed over the batch / valid tokens."""
   plan = plan_for(cfg)
   _check_batch(cfg, batch, plan)
   objective = get_objective(cfg.objective.name)
-  model = merge(cfg, params)
+  prepare = compute_weights(cfg, mesh)
+  model = merge(cfg, {**prepare({k: v for k, v in params.items() if k != "layers"}),
+                      "layers": params["layers"]})
   if mesh is not None:
     batch = jax.lax.with_sharding_constraint(batch, row_sharding(mesh))
   n_valid = jnp.sum(batch.labels >= 0)  # before fast_dllm_v2 doubles the batch
@@ -50,15 +104,13 @@ def loss_fn(params, batch, key, cfg: Config, mesh=None):
     weight = jnp.ones(masked.shape)
   else:
     inputs, masked, weight = batch.tokens, batch.labels >= 0, jnp.ones(batch.labels.shape)
-  hidden = model(inputs, batch.pos, batch.meta, make_attend(cfg, mesh))
-  slot = objective.LOSS_SLOT
-  logits = model.logits(_slot_rows(hidden, plan, slot))
-  labels = _slot_rows(batch.labels, plan, slot)
-  if objective is not ar:
-    total = bd3lm.subs_loss(logits, labels, _slot_rows(masked, plan, slot),
-                            _slot_rows(weight, plan, slot), cfg.objective.mask_token_id)
+  hidden = model(inputs, batch.pos, batch.meta, make_attend(cfg, mesh), layer_weights=prepare)
+  if objective is ar:
+    score = lambda logits, labels, take, weight: ar.nll_loss(logits, labels)
   else:
-    total = objective.nll_loss(logits, labels)
+    score = functools.partial(bd3lm.subs_loss, mask_token_id=cfg.objective.mask_token_id)
+  rows = [_slot_rows(x, plan, objective.LOSS_SLOT) for x in (hidden, batch.labels, masked, weight)]
+  total = chunked_loss(model.logits, score, cfg.model.logits_chunk, plan.num_ranks, *rows)
   loss = total / jnp.maximum(n_valid, 1)
   metrics = dict(loss=loss, valid_tokens=n_valid,
                  masked_tokens=jnp.sum(masked & (batch.labels >= 0)))

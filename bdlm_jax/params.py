@@ -9,7 +9,7 @@ from flax import nnx
 
 from bdlm_jax.config import Config, ModelConfig
 from bdlm_jax.models.transformer import Transformer
-from bdlm_jax.parallel.mesh import param_shardings
+from bdlm_jax.parallel.mesh import zero3_shardings
 
 
 @functools.lru_cache(maxsize=16)
@@ -43,4 +43,4 @@ def init_params(cfg: Config, key, mesh=None):
 
   if mesh is None:
     return jax.jit(init)(key)
-  return jax.jit(init, out_shardings=param_shardings(mesh, abstract_params(cfg)))(key)
+  return jax.jit(init, out_shardings=zero3_shardings(mesh, abstract_params(cfg)))(key)

@@ -61,17 +61,16 @@ def _rows_forward(model, tokens_1R, pos_1R, meta: RowMeta, cache: KVCache, block
   """Hidden states of rows attending to [cache ; themselves], and the rows' K/V per layer."""
   cache_pos = jnp.arange(cache.seg.shape[1])[None]
   kv_meta = _meta(CLEAN, cache_pos, cache.seg, block_size).concat(meta)
-  x = model.embed(tokens_1R)
-  ks, vs = [], []
-  for layer, block in enumerate(model.layers):
+
+  def layer(block, x, k_cache, v_cache):
     q, k, v = block.project(x, pos_1R)
-    k_all = jnp.concatenate([cache.k[layer], k], axis=1)
-    v_all = jnp.concatenate([cache.v[layer], v], axis=1)
+    k_all = jnp.concatenate([k_cache, k], axis=1)
+    v_all = jnp.concatenate([v_cache, v], axis=1)
     out, _ = xla.attend(q, k_all, v_all, meta, kv_meta, chunk)
-    x = block.finish(x, out)
-    ks.append(k)
-    vs.append(v)
-  return model.final_norm(x), jnp.stack(ks), jnp.stack(vs)
+    return block.finish(x, out), (k, v)
+
+  x, (ks, vs) = model.scan_layers(layer, model.embed(tokens_1R), cache.k, cache.v)
+  return model.final_norm(x), ks, vs
 
 
 class _Steps(NamedTuple):

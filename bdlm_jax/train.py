@@ -14,7 +14,7 @@ from bdlm_jax.config import Config
 from bdlm_jax.loss import loss_fn
 from bdlm_jax.optimizer import learning_rate, make_optimizer
 from bdlm_jax.params import abstract_params, init_params
-from bdlm_jax.parallel.mesh import param_spec, row_sharding
+from bdlm_jax.parallel.mesh import row_sharding, zero3_shardings
 
 
 class TrainState(NamedTuple):
@@ -24,10 +24,8 @@ class TrainState(NamedTuple):
 
 
 def state_shardings(cfg: Config, mesh):
-  """Parameters and every optimiser moment sharded alike over `fsdp`; scalars replicated."""
-  fsdp = mesh.shape["fsdp"]
-  return jax.tree.map(lambda x: NamedSharding(mesh, param_spec(x.shape, fsdp)),
-                      _state_shapes(cfg))
+  """Parameters and every optimiser moment sharded alike over fsdp*seq; scalars replicated."""
+  return zero3_shardings(mesh, _state_shapes(cfg))
 
 
 def abstract_state(cfg: Config, mesh) -> TrainState:

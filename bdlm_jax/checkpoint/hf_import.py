@@ -22,7 +22,7 @@ from bdlm_jax.checkpoint.hf_names import (IGNORED_SUFFIXES, SHAPE_KEYS, get_path
                                           model_config_from_hf, set_path, tensor_map)
 from bdlm_jax.config import Config, ConfigError, replace
 from bdlm_jax.params import abstract_params
-from bdlm_jax.parallel.mesh import param_shardings
+from bdlm_jax.parallel.mesh import zero3_shardings
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -84,7 +84,7 @@ def _read_params(path: str, cfg: Config, mesh) -> dict:
   if mesh is None:
     shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
   else:
-    shardings = param_shardings(mesh, abstract)
+    shardings = zero3_shardings(mesh, abstract)
   names = tensor_map(cfg.model)
   params = {}
   with _TensorFiles(path) as files:

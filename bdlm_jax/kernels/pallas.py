@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from bdlm_jax.config import ConfigError
+from bdlm_jax.kernels import residuals
 from bdlm_jax.kernels.mask import RowMeta, allowed
 from bdlm_jax.kernels.tiles import pad_meta, tile_kinds, tile_list
 from bdlm_jax.kernels.xla import NEG_INF
@@ -328,7 +329,7 @@ def attend(q, k, v, q_meta, k_meta, chunk=512, tiles=None):
 
 
 def _attend_fwd_rule(q, k, v, q_meta, k_meta, chunk, tiles):
-  out, lse = _forward(q, k, v, q_meta, k_meta, q.dtype, tiles)
+  out, lse = residuals.keep(*_forward(q, k, v, q_meta, k_meta, q.dtype, tiles))
   return (out, lse), (q, k, v, q_meta, k_meta, out, lse)
 
 

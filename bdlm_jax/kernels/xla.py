@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from bdlm_jax.kernels import residuals
 from bdlm_jax.kernels.mask import RowMeta, allowed
 
 NEG_INF = -1e30  # finite: exp() of it is 0 and it never makes NaN through an untaken branch
@@ -124,7 +125,7 @@ def attend(q, k, v, q_meta, k_meta, chunk=512):
 
 def _attend_fwd_rule(q, k, v, q_meta, k_meta, chunk):
   out, lse = attend_fwd(q, k, v, q_meta, k_meta, chunk)
-  out = out.astype(q.dtype)
+  out, lse = residuals.keep(out.astype(q.dtype), lse)
   return (out, lse), (q, k, v, q_meta, k_meta, out, lse)
 
 

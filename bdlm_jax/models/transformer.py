@@ -6,6 +6,7 @@ handed in by the caller, `attend(q, k, v, q_meta, k_meta) -> (out, lse)`, so the
 module runs on one device or inside any sequence-parallel strategy.
 """
 
+import functools
 from typing import Callable
 
 import jax
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bdlm_jax.config import ModelConfig
+from bdlm_jax.kernels import residuals
 from bdlm_jax.kernels.mask import RowMeta
 
 AttendFn = Callable[..., tuple[jax.Array, jax.Array]]
@@ -101,11 +103,24 @@ class Block(nnx.Module):
     x_BRD = x_BRD + self.attn.o_proj(attn_BRHD.reshape(b, r, -1))
     return x_BRD + self.mlp(self.mlp_norm(x_BRD))
 
+  def __call__(self, x_BRD, pos_BR, meta: RowMeta, attend: AttendFn):
+    q, k, v = self.project(x_BRD, pos_BR)
+    attn_BRHD, _ = attend(q, k, v, meta, meta)
+    return self.finish(x_BRD, attn_BRHD)
 
-def _maybe_remat(fn, remat: str):
-  # "full" recomputes projections and MLP but never the attention core: a ring inside it
-  # would re-run its collectives (DESIGN.md section 3); its out/lse are kept instead.
-  return nnx.remat(fn) if remat == "full" else fn
+
+def remat_policy(remat: str):
+  """What a layer keeps for its backward: `full` saves only the layer input (the scan carry)
+  and the attention core's output and LSE, and recomputes projections, norms and the MLP.
+
+  The attention core is never recomputed: a ring inside it would re-run its collectives
+  (DESIGN.md section 3). Its output and LSE are named inside every attention `custom_vjp`
+  (`kernels.residuals`), which is what lets the policy keep them and drop the rest.
+  """
+  if remat == "none":
+    return lambda fn: fn
+  return functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names(
+      *residuals.NAMES))
 
 
 class Transformer(nnx.Module):
@@ -114,20 +129,43 @@ class Transformer(nnx.Module):
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=_dtype(cfg.compute_dtype),
                            param_dtype=_dtype(cfg.param_dtype),
                            embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
-    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+
+    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def stacked_blocks(rngs):
+      return Block(cfg, rngs)
+
+    # One Block whose every parameter has a leading layer axis (`kernel_LDF`): the layers run
+    # as one lax.scan, so compile time and program size do not grow with depth.
+    self.layers = stacked_blocks(rngs)
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
     if not cfg.tie_embeddings:
       self.lm_head = _linear(cfg.d_model, cfg.vocab_size, cfg, rngs)
 
-  def __call__(self, tokens_BR, pos_BR, meta: RowMeta, attend: AttendFn) -> jax.Array:
+  def scan_layers(self, fn, x, *xs, remat: str = "none", layer_weights=None):
+    """(x, ys) of `fn(block, x, *xs_l) -> (x, y)` run over the layers as one `lax.scan`.
+
+    `xs` are per-layer inputs with a leading layer axis. `layer_weights` maps one layer's
+    weights before use (the caller's hook to cast and gather sharded weights per layer).
+    """
+    graphdef, stacked = nnx.split(self.layers)
+
+    def body(x, per_layer):
+      weights, *rest = per_layer
+      if layer_weights is not None:
+        weights = layer_weights(weights)
+      return fn(nnx.merge(graphdef, weights), x, *rest)
+
+    return jax.lax.scan(remat_policy(remat)(body), x, (stacked, *xs))
+
+  def __call__(self, tokens_BR, pos_BR, meta: RowMeta, attend: AttendFn,
+               layer_weights=None) -> jax.Array:
     """Final hidden states [B, R, D] of every row."""
-    project = _maybe_remat(Block.project, self.cfg.remat)
-    finish = _maybe_remat(Block.finish, self.cfg.remat)
-    x_BRD = self.embed(tokens_BR)
-    for block in self.layers:
-      q, k, v = project(block, x_BRD, pos_BR)
-      attn_BRHD, _ = attend(q, k, v, meta, meta)
-      x_BRD = finish(block, x_BRD, attn_BRHD)
+    def layer(block, x_BRD):
+      return block(x_BRD, pos_BR, meta, attend), None
+
+    x_BRD, _ = self.scan_layers(layer, self.embed(tokens_BR), remat=self.cfg.remat,
+                                layer_weights=layer_weights)
     return self.final_norm(x_BRD)
 
   def logits(self, h_BRD) -> jax.Array:

@@ -7,6 +7,7 @@ backward re-circulates the travelling K/V together with their gradient accumulat
 no rank ever holds more than one visiting shard: activation memory stays O(L/P). Each
 step issues the next `ppermute` before its own compute so XLA can overlap the two.
 Forward: P-1 K/V hops. Backward: P-1 K/V hops and P dK/dV hops (the last brings them home).
+The dK/dV accumulators travel in `grad_dtype` (float32 unless configured otherwise).
 """
 
 import functools
@@ -14,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from bdlm_jax.kernels import residuals
 from bdlm_jax.kernels.xla import NEG_INF
 
 
@@ -38,20 +40,20 @@ def _grads(kernel, chunk, q, k, v, q_meta, k_meta, out, lse, dout, dlse):
   return kernel.attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse, chunk)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def ring_attend(kernel, axis, num_ranks, chunk, q, k_stay, v_stay, k_tr, v_tr, q_meta,
-                stay_meta, tr_meta):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def ring_attend(kernel, axis, num_ranks, chunk, grad_dtype, q, k_stay, v_stay, k_tr, v_tr,
+                q_meta, stay_meta, tr_meta):
   """(out, lse) of local queries against the local stay K/V and every rank's travel K/V."""
-  return _ring_fwd(kernel, axis, num_ranks, chunk, q, k_stay, v_stay, k_tr, v_tr, q_meta,
-                   stay_meta, tr_meta)[0]
+  return _ring_fwd(kernel, axis, num_ranks, chunk, grad_dtype, q, k_stay, v_stay, k_tr, v_tr,
+                   q_meta, stay_meta, tr_meta)[0]
 
 
 def _shift(x, axis, num_ranks):
   return jax.lax.ppermute(x, axis, [(i, (i + 1) % num_ranks) for i in range(num_ranks)])
 
 
-def _ring_fwd(kernel, axis, num_ranks, chunk, q, k_stay, v_stay, k_tr, v_tr, q_meta, stay_meta,
-              tr_meta):
+def _ring_fwd(kernel, axis, num_ranks, chunk, grad_dtype, q, k_stay, v_stay, k_tr, v_tr, q_meta,
+              stay_meta, tr_meta):
   out, lse = _partial(kernel, chunk, q, k_stay, v_stay, q_meta, stay_meta)
 
   def step(carry, _):
@@ -62,11 +64,11 @@ def _ring_fwd(kernel, axis, num_ranks, chunk, q, k_stay, v_stay, k_tr, v_tr, q_m
 
   (out, lse, kv), _ = jax.lax.scan(step, (out, lse, (k_tr, v_tr, tr_meta)), length=num_ranks - 1)
   out, lse = _merge(out, lse, *_partial(kernel, chunk, q, *kv[:2], q_meta, kv[2]))
-  out = out.astype(q.dtype)
+  out, lse = residuals.keep(out.astype(q.dtype), lse)
   return (out, lse), (q, k_stay, v_stay, k_tr, v_tr, q_meta, stay_meta, tr_meta, out, lse)
 
 
-def _ring_bwd(kernel, axis, num_ranks, chunk, res, cts):
+def _ring_bwd(kernel, axis, num_ranks, chunk, grad_dtype, res, cts):
   q, k_stay, v_stay, k_tr, v_tr, q_meta, stay_meta, tr_meta, out, lse = res
   dout, dlse = cts
   grads = functools.partial(_grads, kernel, chunk, q, out=out, lse=lse, dout=dout, dlse=dlse)
@@ -74,7 +76,8 @@ def _ring_bwd(kernel, axis, num_ranks, chunk, res, cts):
 
   def visit(dq, kv, dkv):
     dq_i, dk_i, dv_i = grads(k=kv[0], v=kv[1], q_meta=q_meta, k_meta=kv[2])
-    return dq + dq_i, _shift((dkv[0] + dk_i, dkv[1] + dv_i), axis, num_ranks)
+    dkv = (dkv[0] + dk_i).astype(grad_dtype), (dkv[1] + dv_i).astype(grad_dtype)
+    return dq + dq_i, _shift(dkv, axis, num_ranks)
 
   def step(carry, _):
     dq, kv, dkv = carry
@@ -82,7 +85,7 @@ def _ring_bwd(kernel, axis, num_ranks, chunk, res, cts):
     dq, dkv = visit(dq, kv, dkv)
     return (dq, kv_next, dkv), None
 
-  zeros = (jnp.zeros_like(k_tr, jnp.float32), jnp.zeros_like(v_tr, jnp.float32))
+  zeros = (jnp.zeros_like(k_tr, grad_dtype), jnp.zeros_like(v_tr, grad_dtype))
   (dq, kv, dkv), _ = jax.lax.scan(step, (dq, (k_tr, v_tr, tr_meta), zeros), length=num_ranks - 1)
   dq, (dk_tr, dv_tr) = visit(dq, kv, dkv)
   return (dq.astype(q.dtype), dk_stay.astype(k_stay.dtype), dv_stay.astype(v_stay.dtype),

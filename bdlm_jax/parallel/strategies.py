@@ -2,8 +2,8 @@
 
 Only attention needs `shard_map`; embeddings, norms, MLPs and the loss run as ordinary jit
 code on row-sharded arrays. The transport decides how the plan's travelling K/V reach the
-other ranks: a `ppermute` ring or one all-gather (whose transpose, a reduce-scatter, returns
-their gradients).
+other ranks: a `ppermute` ring (ring.py) or one all-gather (allgather.py); both take the
+same arguments and return the travelling K/V gradients to their owners.
 """
 
 import functools
@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from bdlm_jax.config import Config, ConfigError
 from bdlm_jax.kernels import get_kernel
 from bdlm_jax.kernels.mask import RowMeta
+from bdlm_jax.parallel.allgather import allgather_attend
 from bdlm_jax.parallel.layout import LayoutPlan, make_plan
 from bdlm_jax.parallel.mesh import BATCH_AXES
 from bdlm_jax.parallel.ring import ring_attend
@@ -38,26 +39,21 @@ def plan_for(cfg: Config) -> LayoutPlan:
   return _cached_plan(cfg.parallel.strategy, cfg.data.seq_len, block, cfg.parallel.seq, noisy)
 
 
-def _local_attend(plan: LayoutPlan, transport: str, kernel, chunk: int, num_ranks: int):
+def _local_attend(plan: LayoutPlan, transport: str, kernel, chunk: int, num_ranks: int,
+                  grad_dtype):
   """Attention over one rank's rows; runs inside shard_map (or alone on one device)."""
   attend = functools.partial(kernel.attend, chunk=chunk)
   if transport == "local":
     return attend
   split = plan.n_noisy if plan.travel == "clean" else 0
+  if transport == "ring":
+    move = functools.partial(ring_attend, kernel, "seq", num_ranks, chunk, grad_dtype)
+  else:
+    move = functools.partial(allgather_attend, kernel, "seq", chunk, grad_dtype)
 
   def body(q, k, v, q_meta: RowMeta, k_meta: RowMeta):
-    k_stay, k_tr = k[:, :split], k[:, split:]
-    v_stay, v_tr = v[:, :split], v[:, split:]
-    stay_meta = k_meta.slice_rows(0, split)
-    tr_meta = k_meta.slice_rows(split, k.shape[1])
-    if transport == "ring":
-      return ring_attend(kernel, "seq", num_ranks, chunk, q, k_stay, v_stay, k_tr, v_tr, q_meta,
-                         stay_meta, tr_meta)
-    gather = lambda x: jax.lax.all_gather(x, "seq", axis=1, tiled=True)
-    k_all = jnp.concatenate([k_stay, gather(k_tr)], axis=1)
-    v_all = jnp.concatenate([v_stay, gather(v_tr)], axis=1)
-    meta_all = stay_meta.concat(RowMeta(*(gather(m) for m in tr_meta)))
-    return attend(q, k_all, v_all, q_meta, meta_all)
+    return move(q, k[:, :split], v[:, :split], k[:, split:], v[:, split:], q_meta,
+                k_meta.slice_rows(0, split), k_meta.slice_rows(split, k.shape[1]))
 
   return body
 
@@ -67,7 +63,8 @@ def make_attend(cfg: Config, mesh=None):
   plan = plan_for(cfg)
   kernel = get_kernel(cfg.model.attention_impl)
   transport = TRANSPORTS[cfg.parallel.strategy]
-  body = _local_attend(plan, transport, kernel, cfg.model.attention_chunk, plan.num_ranks)
+  body = _local_attend(plan, transport, kernel, cfg.model.attention_chunk, plan.num_ranks,
+                       jnp.dtype(cfg.parallel.kv_grad_dtype))
   if mesh is None:
     if plan.num_ranks != 1:
       raise ConfigError(f"strategy {cfg.parallel.strategy!r} with parallel.seq="

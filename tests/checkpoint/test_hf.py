@@ -19,7 +19,7 @@ from bdlm_jax.checkpoint.hf_import import import_hf, params_from_hf
 from bdlm_jax.config import Config, ConfigError, replace
 from bdlm_jax.loss import ar_logits
 from bdlm_jax.params import abstract_params
-from bdlm_jax.parallel.mesh import make_mesh, param_shardings
+from bdlm_jax.parallel.mesh import make_mesh, zero3_shardings
 from bdlm_jax.train import init_state
 
 TOL = 1e-4
@@ -146,7 +146,7 @@ def test_import_onto_an_fsdp_mesh_keeps_values_and_shards_params(exported):
   cfg, params, folder = exported
   mesh = make_mesh(replace(cfg, parallel=dict(fsdp=8)))
   _, sharded = import_hf(folder, mesh=mesh)
-  expected = param_shardings(mesh, abstract_params(cfg))
+  expected = zero3_shardings(mesh, abstract_params(cfg))
   assert jax.tree.map(lambda x: x.sharding, sharded) == expected
   assert any("fsdp" in s.spec for s in jax.tree.leaves(expected))
   jax.tree.map(np.testing.assert_array_equal, sharded, params)
