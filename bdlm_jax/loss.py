@@ -10,7 +10,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from bdlm_jax.batch import make_batch
 from bdlm_jax.config import Config, ConfigError, replace
@@ -18,6 +17,7 @@ from bdlm_jax.objectives import ar, bd3lm, fast_dllm_v2, get_objective
 from bdlm_jax.params import merge
 from bdlm_jax.parallel.mesh import row_sharding
 from bdlm_jax.parallel.strategies import make_attend, plan_for
+from bdlm_jax.parallel.zero3 import compute_weights
 
 
 def _slot_rows(x_SR, plan, slot: str):
@@ -35,26 +35,6 @@ def _check_batch(cfg, batch, plan):
     raise ConfigError(f"batch has {rows} rows but strategy {cfg.parallel.strategy!r} with "
                       f"L={cfg.data.seq_len}, seq={plan.num_ranks} lays out {want}: build it "
                       f"with make_batch(cfg, ...) using the same config")
-
-
-def compute_weights(cfg: Config, mesh=None):
-  """The hook that prepares weights where they are used (one layer at a time in the scan).
-
-  Matrices are cast to the compute dtype *before* they are gathered from their fsdp*seq
-  shards, so the all-gather moves compute-dtype bytes while the master copy stays in
-  `param_dtype`; the gradient comes back through the cast and is reduce-scattered to the
-  shards. Vectors (norm scales) keep their dtype.
-  """
-  compute = jnp.dtype(cfg.model.compute_dtype)
-  whole = None if mesh is None else NamedSharding(mesh, P())
-
-  def prepare(weights):
-    def one(w):
-      w = w.astype(compute) if w.ndim >= 2 else w
-      return w if whole is None else jax.lax.with_sharding_constraint(w, whole)
-    return jax.tree.map(one, weights)
-
-  return prepare
 
 
 def chunked_loss(logits_fn, score_fn, chunk: int, num_ranks: int, h_SND, labels_SN, take_SN,

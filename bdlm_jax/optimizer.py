@@ -4,6 +4,7 @@ import jax
 import optax
 
 from bdlm_jax.config import TrainConfig
+from bdlm_jax.models.transformer import is_stacked
 
 
 def learning_rate(cfg: TrainConfig) -> optax.Schedule:
@@ -13,8 +14,9 @@ def learning_rate(cfg: TrainConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-  # Norm scales and other vectors are not decayed.
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  # Norm scales and other vectors (per layer, for stacked layer weights) are not decayed.
+  decay_mask = lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, p: p.ndim - is_stacked(path) >= 2, params)
   return optax.chain(
       optax.clip_by_global_norm(cfg.grad_clip),
       optax.adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,

@@ -9,7 +9,7 @@ from flax import nnx
 
 from bdlm_jax.config import Config, ModelConfig
 from bdlm_jax.models.transformer import Transformer
-from bdlm_jax.parallel.mesh import zero3_shardings
+from bdlm_jax.parallel.zero3 import zero3_shardings
 
 
 @functools.lru_cache(maxsize=16)

@@ -14,7 +14,8 @@ from bdlm_jax.config import Config
 from bdlm_jax.loss import loss_fn
 from bdlm_jax.optimizer import learning_rate, make_optimizer
 from bdlm_jax.params import abstract_params, init_params
-from bdlm_jax.parallel.mesh import row_sharding, zero3_shardings
+from bdlm_jax.parallel.mesh import row_sharding
+from bdlm_jax.parallel.zero3 import zero3_shardings
 
 
 class TrainState(NamedTuple):

@@ -33,8 +33,12 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
   Sharded params are gathered to the host one tensor at a time; only process 0 writes.
   """
   dtype = jax.numpy.dtype(cfg.export.dtype)
-  tensors = {name: _to_host(get_path(params, where), transposed, dtype)
-             for name, where, transposed in tensor_map(cfg.model)}
+  host, tensors = {}, {}
+  for t in tensor_map(cfg.model):
+    if t.path not in host:  # a stacked weight is gathered once for all its layers
+      host[t.path] = _to_host(get_path(params, t.path), dtype)
+    x = host[t.path] if t.layer is None else host[t.path][t.layer]
+    tensors[t.name] = np.ascontiguousarray(x.T if t.transposed else x)
   if jax.process_index() != 0:
     return
   os.makedirs(out_dir, exist_ok=True)
@@ -69,11 +73,10 @@ def export_checkpoint(cfg: Config, workdir: str) -> tuple[int, str]:
   return step, cfg.export.out_dir
 
 
-def _to_host(x: jax.Array, transposed: bool, dtype) -> np.ndarray:
+def _to_host(x: jax.Array, dtype) -> np.ndarray:
   if not x.is_fully_addressable:
     x = multihost_utils.process_allgather(x, tiled=True)
-  x = np.asarray(x).astype(dtype)
-  return np.ascontiguousarray(x.T if transposed else x)
+  return np.asarray(x).astype(dtype)
 
 
 def _split(tensors: dict, max_bytes: int) -> list[dict]:

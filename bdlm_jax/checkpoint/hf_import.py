@@ -22,7 +22,7 @@ from bdlm_jax.checkpoint.hf_names import (IGNORED_SUFFIXES, SHAPE_KEYS, get_path
                                           model_config_from_hf, set_path, tensor_map)
 from bdlm_jax.config import Config, ConfigError, replace
 from bdlm_jax.params import abstract_params
-from bdlm_jax.parallel.mesh import zero3_shardings
+from bdlm_jax.parallel.zero3 import zero3_shardings
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -86,17 +86,24 @@ def _read_params(path: str, cfg: Config, mesh) -> dict:
   else:
     shardings = zero3_shardings(mesh, abstract)
   names = tensor_map(cfg.model)
+  by_path: dict[tuple, list] = {}
+  for t in names:
+    by_path.setdefault(t.path, []).append(t)  # a stacked weight: one HF tensor per layer
   params = {}
   with _TensorFiles(path) as files:
-    for name, where, transposed in names:
+    for where, tensors in by_path.items():
       want = get_path(abstract, where)
-      tensor = files.get_slice(name)
-      hf_shape = tuple(want.shape[::-1] if transposed else want.shape)
-      if tuple(tensor.get_shape()) != hf_shape:
-        raise ConfigError(f"{path}: tensor {name!r} has shape {tuple(tensor.get_shape())}, but "
-                          f"config.json implies {hf_shape}")
-      set_path(params, where, _place(tensor, transposed, want, get_path(shardings, where)))
-    used = {n for n, _, _ in names}
+      stacked = tensors[0].layer is not None
+      shape = want.shape[1:] if stacked else want.shape
+      hf_shape = tuple(shape[::-1] if tensors[0].transposed else shape)
+      slices = [files.get_slice(t.name) for t in tensors]
+      for t, tensor in zip(tensors, slices):
+        if tuple(tensor.get_shape()) != hf_shape:
+          raise ConfigError(f"{path}: tensor {t.name!r} has shape {tuple(tensor.get_shape())}, "
+                            f"but config.json implies {hf_shape}")
+      set_path(params, where, _place(slices, stacked, tensors[0].transposed, want,
+                                     get_path(shardings, where)))
+    used = {t.name for t in names}
     unused = sorted(n for n in files.names - used if not n.endswith(IGNORED_SUFFIXES)
                     and not (n == "lm_head.weight" and cfg.model.tie_embeddings))
     if unused:
@@ -104,12 +111,19 @@ def _read_params(path: str, cfg: Config, mesh) -> dict:
   return params
 
 
-def _place(tensor, transposed: bool, want, sharding) -> jax.Array:
-  """One global array; each device reads only its own slice from the file."""
+def _place(slices: list, stacked: bool, transposed: bool, want, sharding) -> jax.Array:
+  """One global array; each device reads only its own slice from the files (for a stacked
+  weight: its slice of every layer it holds, one HF tensor per layer)."""
+  def read_one(tensor, index):
+    return tensor[index[::-1]].T if transposed else tensor[index]
+
   def read(index):
-    if transposed:
-      return np.ascontiguousarray(tensor[index[::-1]].T.astype(want.dtype))
-    return np.ascontiguousarray(tensor[index].astype(want.dtype))
+    if stacked:
+      layers = range(*index[0].indices(len(slices)))
+      x = np.stack([read_one(slices[i], index[1:]) for i in layers])
+    else:
+      x = read_one(slices[0], index)
+    return np.ascontiguousarray(x.astype(want.dtype))
 
   return jax.make_array_from_callback(want.shape, sharding, read)
 

@@ -9,6 +9,8 @@ before RoPE. HF `nn.Linear` weights are [out, in]; our flax kernels are [in, out
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from bdlm_jax.config import ConfigError, ModelConfig
 
 MODEL_TYPES = ("llama", "qwen3")
@@ -29,7 +31,7 @@ SHAPE_KEYS = {
     "tie_embeddings": "tie_word_embeddings",
 }
 
-_LAYER = {  # HF name inside `model.layers.{i}.` -> (our path inside `layers[i]`, transposed)
+_LAYER = {  # HF name inside `model.layers.{i}.` -> (our path inside `layers`, transposed)
     "input_layernorm.weight": (("attn_norm", "scale"), False),
     "self_attn.q_proj.weight": (("attn", "q_proj", "kernel"), True),
     "self_attn.k_proj.weight": (("attn", "k_proj", "kernel"), True),
@@ -46,16 +48,29 @@ _QK_NORM = {
 }
 
 
-def tensor_map(m: ModelConfig) -> list[tuple[str, tuple, bool]]:
-  """(HF tensor name, path in our params pytree, transposed) for every parameter of `m`."""
-  out = [("model.embed_tokens.weight", ("embed", "embedding"), False)]
+class Tensor(NamedTuple):
+  """Where one HF tensor lives in our params pytree.
+
+  Layer weights are stacked (`layers` holds one array per weight with a leading layer
+  axis), so HF's `model.layers.{i}.X` is slice `layer` = i of the array at `path`.
+  """
+
+  name: str  # HF tensor name
+  path: tuple  # keys into our params pytree
+  transposed: bool  # HF nn.Linear [out, in] vs our kernel [in, out]
+  layer: int | None  # index on the stacked layer axis, None for unstacked weights
+
+
+def tensor_map(m: ModelConfig) -> list[Tensor]:
+  """Every HF tensor of `m`, with where it lives in our params pytree."""
+  out = [Tensor("model.embed_tokens.weight", ("embed", "embedding"), False, None)]
   per_layer = {**_LAYER, **(_QK_NORM if m.qk_norm else {})}
   for i in range(m.n_layers):
-    out += [(f"model.layers.{i}.{name}", ("layers", i, *path), t)
+    out += [Tensor(f"model.layers.{i}.{name}", ("layers", *path), t, i)
             for name, (path, t) in per_layer.items()]
-  out.append(("model.norm.weight", ("final_norm", "scale"), False))
+  out.append(Tensor("model.norm.weight", ("final_norm", "scale"), False, None))
   if not m.tie_embeddings:
-    out.append(("lm_head.weight", ("lm_head", "kernel"), True))
+    out.append(Tensor("lm_head.weight", ("lm_head", "kernel"), True, None))
   return out
 
 

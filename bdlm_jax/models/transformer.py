@@ -109,6 +109,12 @@ class Block(nnx.Module):
     return self.finish(x_BRD, attn_BRHD)
 
 
+def is_stacked(path) -> bool:
+  """Whether a params-pytree path (from `jax.tree_util.tree_map_with_path`) is a stacked
+  layer weight, whose leading axis is the layer axis."""
+  return any(getattr(k, "key", None) == "layers" for k in path)
+
+
 def remat_policy(remat: str):
   """What a layer keeps for its backward: `full` saves only the layer input (the scan carry)
   and the attention core's output and LSE, and recomputes projections, norms and the MLP.
@@ -160,12 +166,18 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BR, pos_BR, meta: RowMeta, attend: AttendFn,
                layer_weights=None) -> jax.Array:
-    """Final hidden states [B, R, D] of every row."""
-    def layer(block, x_BRD):
-      return block(x_BRD, pos_BR, meta, attend), None
+    """Final hidden states [B, R, D] of every row.
 
-    x_BRD, _ = self.scan_layers(layer, self.embed(tokens_BR), remat=self.cfg.remat,
-                                layer_weights=layer_weights)
+    Positions and row metadata ride in the scan carry, unchanged: as constants of the loop,
+    JAX would hoist everything computed from them alone out of it, including the attention
+    mask of every key chunk (and ring step) at once, O(rows^2) bytes.
+    """
+    def layer(block, carry):
+      x_BRD, pos_BR, meta = carry
+      return (block(x_BRD, pos_BR, meta, attend), pos_BR, meta), None
+
+    (x_BRD, _, _), _ = self.scan_layers(layer, (self.embed(tokens_BR), pos_BR, meta),
+                                        remat=self.cfg.remat, layer_weights=layer_weights)
     return self.final_norm(x_BRD)
 
   def logits(self, h_BRD) -> jax.Array:

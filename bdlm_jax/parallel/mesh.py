@@ -2,8 +2,7 @@
 
 Axes: `data` (replicas), `fsdp` (replicas whose parameters and optimiser state are sharded),
 `seq` (one sequence split over ranks). Sequences are split over data*fsdp; rows over seq.
-Parameters, gradients and optimiser moments are sharded over fsdp*seq (ZeRO-3): every seq
-rank computes with all weights, so each layer's weights are gathered when the layer runs.
+Parameters, gradients and optimiser moments are sharded over fsdp*seq (zero3.py).
 """
 
 import jax
@@ -14,7 +13,6 @@ from bdlm_jax.config import Config, ConfigError
 
 AXES = ("data", "fsdp", "seq")
 BATCH_AXES = ("data", "fsdp")
-STATE_AXES = ("fsdp", "seq")  # model state is sharded over these, replicated over `data`
 
 
 def make_mesh(cfg: Config) -> jax.sharding.Mesh:
@@ -36,40 +34,6 @@ def make_mesh(cfg: Config) -> jax.sharding.Mesh:
 def row_sharding(mesh) -> NamedSharding:
   """[S, R] batch arrays: sequences over data*fsdp, rows over seq."""
   return NamedSharding(mesh, P(BATCH_AXES, "seq"))
-
-
-def state_ways(mesh) -> int:
-  """Devices one copy of the model state is split over: every device of a data replica."""
-  return int(np.prod([mesh.shape[a] for a in STATE_AXES]))
-
-
-def param_spec(shape: tuple[int, ...], ways: int, stacked: bool = False) -> P:
-  """ZeRO-3 placement of one parameter (or gradient, or optimiser moment).
-
-  Shards the largest axis that `ways` = fsdp*seq divides over both axes; (per-layer) vectors
-  and indivisible tensors stay replicated. The layer axis of stacked layer weights is never
-  sharded: the layer scan slices it, and each layer's weights are gathered when used.
-  """
-  if ways == 1 or len(shape) - stacked < 2:
-    return P()
-  axes = range(1 if stacked else 0, len(shape))
-  for axis in sorted(axes, key=lambda a: -shape[a]):
-    if shape[axis] % ways == 0:
-      spec = [None] * len(shape)
-      spec[axis] = STATE_AXES
-      return P(*spec)
-  return P()
-
-
-def _is_stacked(path) -> bool:
-  return any(getattr(k, "key", None) == "layers" for k in path)
-
-
-def zero3_shardings(mesh, tree):
-  """NamedShardings for a params-shaped pytree (params, grads, optimiser state)."""
-  ways = state_ways(mesh)
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: NamedSharding(mesh, param_spec(x.shape, ways, _is_stacked(path))), tree)
 
 
 def initialize_distributed(cfg: Config) -> None:

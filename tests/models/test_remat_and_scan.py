@@ -1,0 +1,89 @@
+"""The layer scan and the remat policy: what a layer keeps for its backward, and what that
+buys in *compiled* memory (DESIGN.md section 9)."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax._src.ad_checkpoint import saved_residuals
+
+from bdlm_jax import init_params, loss_fn, make_batch, make_mesh
+from bdlm_jax.config import Config, replace
+
+L, D, HEADS, KV_HEADS, HEAD_DIM = 256, 64, 4, 2, 16
+
+
+def _cfg(remat="full", n_layers=4, strategy="none", **parallel):
+  return replace(Config(), model=dict(d_model=D, n_layers=n_layers, n_heads=HEADS,
+                                      n_kv_heads=KV_HEADS, head_dim=HEAD_DIM, d_ff=256,
+                                      attention_chunk=64, remat=remat),
+                 data=dict(seq_len=L), objective=dict(block_size=16),
+                 parallel=dict(strategy=strategy, **parallel), train=dict(batch_size=2))
+
+
+def _loss(cfg, mesh=None):
+  batch = make_batch(cfg, np.random.default_rng(0).integers(0, 250, (2, L)))
+  return lambda p: loss_fn(p, batch, jax.random.key(1), cfg, mesh)[0]
+
+
+def _saved_per_layer(cfg, mesh=None):
+  """(dtype kind, shape) of the residuals saved by the layer scan (layer axis in front)."""
+  params = init_params(cfg, jax.random.key(0), mesh)
+  return sorted((a.dtype.kind, tuple(a.shape))
+                for a, source in saved_residuals(_loss(cfg, mesh), params)
+                if a.shape[:1] == (cfg.model.n_layers,) and a.ndim >= 3
+                and not source.startswith("from the argument"))
+
+
+def test_full_remat_saves_only_layer_input_and_attention_output_and_lse():
+  rows = 2 * L  # [x_t ; x_0]
+  assert _saved_per_layer(_cfg("full")) == sorted([
+      ("f", (4, 2, rows, D)),  # the layer input (the scan carry)
+      ("f", (4, 2, rows, HEADS, HEAD_DIM)),  # attention output
+      ("f", (4, 2, rows, HEADS)),  # its log-sum-exp
+      *[("i", (4, 2, rows))] * 4,  # positions and row metadata, 16 bytes a row
+  ])
+
+
+def test_full_remat_never_recomputes_the_ring():
+  """A recomputed ring forward would add a loop of K/V `collective-permute`s to the program;
+  remat=full has exactly the permutes of remat=none (the forward ring and the backward's)."""
+  permutes = {}
+  for remat in ("none", "full"):
+    cfg = _cfg(remat, strategy="csbp_ring", seq=8)
+    mesh = make_mesh(cfg)
+    params = init_params(cfg, jax.random.key(0), mesh)
+    text = jax.jit(jax.grad(_loss(cfg, mesh))).lower(params).compile().as_text()
+    permutes[remat] = sorted(re.findall(r"= (\S+) collective-permute(?:-start)?\(", text))
+  assert permutes["full"] == permutes["none"]
+  assert len(permutes["full"]) >= 4  # K and V, forward and backward
+
+
+def _compiled_temp(cfg):
+  params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+  return jax.jit(jax.grad(_loss(cfg))).lower(params).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_full_remat_lowers_compiled_temp_memory():
+  none, full = _compiled_temp(_cfg("none", n_layers=8)), _compiled_temp(_cfg("full", n_layers=8))
+  assert full < 0.5 * none, (full, none)
+
+
+def test_layers_compile_to_one_loop_whatever_the_depth():
+  """Program size does not grow with depth: the layers are one lax.scan."""
+  def hlo_lines(n_layers):
+    cfg = _cfg(n_layers=n_layers)
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    return len(jax.jit(jax.grad(_loss(cfg))).lower(params).as_text().splitlines())
+  assert hlo_lines(16) == hlo_lines(2)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_remat_keeps_loss_and_grads(remat):
+  ref_cfg, cfg = _cfg("none", n_layers=2), _cfg(remat, n_layers=2)
+  params = init_params(cfg, jax.random.key(0))
+  (l0, g0), (l1, g1) = (jax.value_and_grad(_loss(c))(params) for c in (ref_cfg, cfg))
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
