@@ -42,6 +42,10 @@ def main(argv=None) -> int:
       step, out_dir = export_checkpoint(cfg, workdir)
       print(f"exported step {step} of {workdir} to {out_dir} (Hugging Face format)")
       return 0
+    if cfg.mode == "plan":
+      from bdlm_jax.parallel.step_report import plan_report
+      print(plan_report(cfg, progress=lambda line: print(line, file=sys.stderr)))
+      return 0
     if cfg.mode == "sample":
       from bdlm_jax.sample import sample_checkpoint
       step, prompt, completion = sample_checkpoint(cfg, workdir)

@@ -6,6 +6,7 @@ make XLA all-gather whole activations (DESIGN.md section 3).
 
 from typing import NamedTuple
 
+import jax
 import numpy as np
 
 from bdlm_jax.config import Config, ConfigError
@@ -13,6 +14,7 @@ from bdlm_jax.kernels.mask import RowMeta
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.objectives.streams import PAD_VALUES
 from bdlm_jax.parallel.layout import apply_layout
+from bdlm_jax.parallel.mesh import row_sharding
 from bdlm_jax.parallel.strategies import plan_for
 
 
@@ -60,3 +62,12 @@ def make_batch(cfg: Config, tokens, segment_ids=None, protected=None) -> Batch:
   rows = get_objective(cfg.objective.name).logical_rows(tokens, seg, prot, cfg.objective)
   rows = apply_layout(plan_for(cfg), rows, PAD_VALUES)
   return Batch(**{f: rows[f] for f in Batch._fields})
+
+
+def abstract_batch(cfg: Config, mesh) -> Batch:
+  """Shapes, dtypes and shardings of the `Batch` that `make_batch` gives for `cfg`'s global
+  batch (`train.batch_size` sequences), without data: for compile-only probes."""
+  rows = plan_for(cfg).rows.size
+  spec = lambda dtype: jax.ShapeDtypeStruct((cfg.train.batch_size, rows), dtype,
+                                            sharding=row_sharding(mesh))
+  return Batch(*(spec(np.bool_ if f == "maskable" else np.int32) for f in Batch._fields))

@@ -25,7 +25,7 @@ OBJECTIVES = ("bd3lm", "fast_dllm_v2", "ar")
 ATTENTION_IMPLS = ("xla", "pallas")
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full")
-MODES = ("train", "sample", "export")
+MODES = ("train", "sample", "export", "plan")
 DATA_SOURCES = ("arithmetic", "text", "jsonl", "array_record")
 DATA_FORMATS = ("text", "chat")
 CHAT_TEMPLATES = ("plain", "chatml")  # defined in bdlm_jax/data/chat.py
@@ -139,6 +139,12 @@ class ExportConfig:
 
 
 @dataclasses.dataclass
+class PlanConfig:
+  """mode=plan: compile (never run) the train step under every strategy and compare."""
+  device_memory_gb: float = 0.0  # per device; 0: what the device reports, else 141 (an H200)
+
+
+@dataclasses.dataclass
 class Config:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -147,8 +153,9 @@ class Config:
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
   sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
   export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
+  plan: PlanConfig = dataclasses.field(default_factory=PlanConfig)
   seed: int = 0
-  mode: str = "train"  # train | sample | export
+  mode: str = "train"  # train | sample | export | plan
   init_from: str = ""  # a Hugging Face folder whose weights initialise training (conversion)
 
   def to_dict(self) -> dict:
@@ -302,6 +309,9 @@ def validate(cfg: Config) -> None:
   for key, value in positive.items():
     if value < 1:
       raise ConfigError(f"{key} must be >= 1, got {value}")
+  if cfg.plan.device_memory_gb < 0:
+    raise ConfigError(f"plan.device_memory_gb must be >= 0 (0: what the device reports), got "
+                      f"{cfg.plan.device_memory_gb}")
   if m.logits_chunk < 0:
     raise ConfigError(f"model.logits_chunk must be >= 0 (0: no chunking), got {m.logits_chunk}")
   if m.n_heads % m.n_kv_heads:
@@ -357,6 +367,7 @@ def replace(cfg: Config, **sections: dict) -> Config:
 
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "DataConfig", "ObjectiveConfig",
-           "ParallelConfig", "TrainConfig", "SampleConfig", "ExportConfig", "load_config",
+           "ParallelConfig", "TrainConfig", "SampleConfig", "ExportConfig", "PlanConfig",
+           "load_config",
            "override", "validate", "all_keys",
            "replace"]

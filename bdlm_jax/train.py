@@ -61,11 +61,14 @@ def _accumulated_grads(cfg, mesh, params, batch, key):
   micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1),
                        batch)
 
+  shards = zero3_shardings(mesh, params)
+
   def body(carry, xs):
     grads_sum, total, count, masked = carry
     i, mb = xs
     mb = jax.lax.with_sharding_constraint(mb, row_sharding(mesh))
     (loss, m), g = grad_fn(params, mb, jax.random.fold_in(key, i))
+    g = jax.lax.with_sharding_constraint(g, shards)  # accumulate shards, never whole grads
     w = m["valid_tokens"].astype(jnp.float32)
     grads_sum = jax.tree.map(lambda a, b: a + w * b, grads_sum, g)
     return (grads_sum, total + w * loss, count + w, masked + m["masked_tokens"]), None

@@ -16,9 +16,14 @@ A plain model, not a simulator. Per rank and per step:
   step hides its K/V hop under its compute, but each hop is a matched send/receive between
   neighbours, so a rank with little work at one step waits for its neighbours: the ring is
   timed step by step from each rank's work at that step. All-gather and reduce-scatter are
-  exposed (attention needs the gathered K/V).
-* Memory = model states (ZeRO-3 over all GPUs) + activations saved for the backward (full
-  remat: layer inputs and the attention core's q, k, v, out, lse) + the largest transient.
+  exposed (attention needs the gathered K/V; the backward gathers them again). The bytes are
+  what the transports issue (`bdlm_jax.parallel.step_report.attention_traffic`).
+* Memory, where `experiments/scale_probe.py` compiled the setting (`--probe-csv`): the
+  compiled per-device peak of the real train step. Elsewhere it is *assumed*: model states
+  (ZeRO-3 over all GPUs) + what full remat saves per layer (the layer input, the attention
+  output and its LSE) + the largest transient (one layer's backward, or one loss chunk of
+  `model.logits_chunk` rows). The report prints both figures and their ratio where both
+  exist, and marks each fits / OOM verdict as compiled or assumed.
 
 Every constant is in `Hardware` / `Assumptions` and is printed with the results.
 """
@@ -37,7 +42,9 @@ RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
 sys.path.insert(0, ROOT)
 
 from bdlm_jax.config import ModelConfig  # noqa: E402
+from bdlm_jax.parallel.hlo_stats import wire_bytes  # noqa: E402
 from bdlm_jax.parallel.layout import PAD, LayoutPlan, make_plan  # noqa: E402
+from bdlm_jax.parallel.step_report import attention_traffic  # noqa: E402
 
 STRATEGIES = ("cp_allgather", "cp_ring", "bp", "csbp_allgather", "csbp_ring")
 BASELINES = ("cp_allgather", "cp_ring", "bp")
@@ -72,23 +79,23 @@ class Assumptions:
   ring_overlap: bool = True  # a ring hop hides under the same step's compute
   balanced_ring_steps: bool = False  # True: every rank's ring step takes its mean step time
   compute_bytes: int = 2  # bf16 activations, q/k/v and the all-gather/reduce-scatter payloads
-  ring_grad_bytes: int = 4  # our ring carries dK/dV accumulators in f32
+  kv_grad_bytes: int = 4  # dK/dV travel in f32 (parallel.kv_grad_dtype), ring or all-gather
   meta_bytes_per_row: int = 12  # stream, block, segment (int32) travel with each K/V row
   state_bytes_per_param: int = 16  # f32 params + f32 grads + Adam m and v
   attention_bwd_factor: float = 2.5  # flash backward = 2.5x forward (recomputes the scores)
   remat_forward: int = 1  # full remat re-runs each layer's linear forward once in the backward
-  loss_chunk_rows: int = 8192  # logits/CE computed in chunks of this many rows
 
 
-# Shapes of the paper-class models (all layers global attention; Gemma 3's 5:1 sliding
-# windows are not modelled). mask_token_id only has to be a valid id.
+# Shapes of the paper-class models in bdlm_jax's Llama-style block, all layers global attention
+# (Gemma 3 27B's dimensions, qk_norm and vocabulary; its 5:1 sliding windows, GeGLU and
+# sandwich norms are not modelled). mask_token_id only has to be a valid id.
 MODELS = {
     "llama3-8b": ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
-                             n_kv_heads=8, head_dim=128, d_ff=14336, tie_embeddings=False,
-                             compute_dtype="bfloat16"),
-    "gemma3-27b": ModelConfig(vocab_size=262144, d_model=5376, n_layers=62, n_heads=32,
-                              n_kv_heads=16, head_dim=128, d_ff=21504, tie_embeddings=True,
-                              compute_dtype="bfloat16"),
+                             n_kv_heads=8, head_dim=128, d_ff=14336, rope_theta=500000.0,
+                             tie_embeddings=False, compute_dtype="bfloat16"),
+    "gemma3-27b": ModelConfig(vocab_size=262208, d_model=5376, n_layers=62, n_heads=32,
+                              n_kv_heads=16, head_dim=128, d_ff=21504, rope_theta=1e6,
+                              qk_norm=True, tie_embeddings=True, compute_dtype="bfloat16"),
 }
 SEQ_LENS = (128 * 1024, 256 * 1024, 512 * 1024, 1024 * 1024)
 BLOCK_SIZES = (16, 64, 256)
@@ -226,14 +233,17 @@ def step_time(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) -> d
     if a.balanced_ring_steps:
       compute = np.repeat(compute.mean(axis=1, keepdims=True), p, axis=1)
     kv_hop = _hop_s(kv_bytes, hw, p)
-    grad_hop = _hop_s(work.n_travel * kv_row * a.ring_grad_bytes, hw, p)
+    grad_hop = _hop_s(work.n_travel * kv_row * a.kv_grad_bytes, hw, p)
     attn_fwd = _ring_s(stay_s, compute, kv_hop, 0.0, a.ring_overlap)
     attn_bwd = _ring_s(bwd * stay_s, bwd * compute, kv_hop, grad_hop, a.ring_overlap)
     busy = (stay_s + compute.sum(axis=1)).max()
   else:
     busy = (stay_s + travel.sum(axis=1) * attn_s_per_pair).max()
-    comm = (p - 1) * _hop_s(kv_bytes, hw, p) if transport == "allgather" else 0.0
-    attn_fwd, attn_bwd = busy + comm, bwd * busy + comm  # NCCL ring gather/scatter, exposed
+    gather = scatter = 0.0
+    if transport == "allgather":  # NCCL ring gather / scatter, exposed
+      gather = (p - 1) * _hop_s(kv_bytes, hw, p)
+      scatter = (p - 1) * _hop_s(work.n_travel * kv_row * a.kv_grad_bytes, hw, p)
+    attn_fwd, attn_bwd = busy + gather, bwd * busy + gather + scatter
   rows = work.plan.rows_per_rank  # padding rows run through the linear layers too
   linear = rows * layer_flops_per_row(m) * (3 + a.remat_forward) / (hw.matmul_tflops * 1e12)
   logits = 3 * 2 * work.plan.n_noisy * m.d_model * m.vocab_size / (hw.matmul_tflops * 1e12)
@@ -245,20 +255,14 @@ def step_time(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) -> d
 
 
 def step_comm_bytes(work: PlanWork, m: ModelConfig, a: Assumptions) -> float:
-  """Bytes each rank sends for attention in one step, as ring algorithms move them: per
-  layer, the ring shifts K/V + metadata P-1 times forward and P-1 times backward and the
-  dK/dV accumulators P times; an all-gather sends its shard P-1 times and the reduce-scatter
-  (P-1)/P of the gradients. The all-gathered metadata is the same for every layer (once)."""
-  p = work.plan.num_ranks
-  kv = work.n_travel * 2 * m.n_kv_heads * m.head_dim
-  meta = work.n_travel * a.meta_bytes_per_row
-  transport = TRANSPORT[work.plan.strategy]
-  if p == 1 or transport == "local":
-    return 0.0
-  if transport == "ring":
-    per_layer = 2 * (p - 1) * (kv * a.compute_bytes + meta) + p * kv * a.ring_grad_bytes
-    return m.n_layers * per_layer
-  return m.n_layers * 2 * (p - 1) * kv * a.compute_bytes + (p - 1) * meta
+  """Bytes each rank sends for attention in one step: what the transport issues per layer
+  (`attention_traffic`: the ring shifts K/V + metadata P-1 times forward and P-1 times
+  backward and the dK/dV P times; the all-gather gathers K/V + metadata forward and again
+  backward and reduce-scatters the dK/dV), as ring algorithms send it (`wire_bytes`)."""
+  kv_row = 2 * m.n_kv_heads * m.head_dim
+  traffic = attention_traffic(work.plan, kv_row * a.compute_bytes, kv_row * a.kv_grad_bytes,
+                              a.meta_bytes_per_row, m.n_layers)
+  return wire_bytes(traffic, work.plan.num_ranks)
 
 
 def param_traffic_s(m: ModelConfig, hw: Hardware, a: Assumptions) -> float:
@@ -271,40 +275,52 @@ def param_traffic_s(m: ModelConfig, hw: Hardware, a: Assumptions) -> float:
 # ----------------------------------------------------------------------------- memory
 
 def peak_memory(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) -> dict:
-  """Bytes per rank: states + saved activations + the largest transient buffer."""
+  """Bytes per rank, assumed: states + saved activations + the largest transient buffer."""
   e = a.compute_bytes
   rows = work.plan.rows_per_rank
   kv_row = 2 * m.n_kv_heads * m.head_dim
   q_row = m.n_heads * m.head_dim
   states = param_count(m) * a.state_bytes_per_param / hw.num_gpus
-  # Saved per layer (full remat): the layer input, q, out, lse and the attention's K/V
-  # inputs. An all-gather transport's attention keeps the gathered K/V (its custom_vjp
-  # residuals); a ring keeps only its own.
-  gathered = work.plan.num_ranks * work.n_travel if TRANSPORT[work.plan.strategy] == "allgather" \
-      else work.n_travel
-  saved_layer = rows * ((m.d_model + 2 * q_row) * e + 4 * m.n_heads) \
-      + (work.n_stay + gathered) * kv_row * e
+  # Saved per layer (full remat, `models.transformer.remat_policy`): the layer input and the
+  # attention core's output and LSE; q, K/V and any gathered K/V are recomputed.
+  saved_layer = rows * ((m.d_model + q_row) * e + 4 * m.n_heads)
   # Transient while one layer runs its backward: recomputed MLP/projections and their
   # gradients, the f32 dq, and the K/V buffers in flight with their f32 gradients.
   linear_tmp = 2 * rows * (3 * m.d_ff + m.d_model + q_row + kv_row // 2) * e + rows * q_row * 4
   if TRANSPORT[work.plan.strategy] == "ring":
-    kv_tmp = 2 * work.n_travel * kv_row * (e + a.ring_grad_bytes)  # current + next, kv + dkv
-  else:
-    kv_tmp = (work.n_stay + gathered) * kv_row * 4  # the f32 dK/dV of every visible key
-  logits_tmp = 2 * min(a.loss_chunk_rows, work.plan.n_noisy) * m.vocab_size * 4
+    kv_tmp = 2 * work.n_travel * kv_row * (e + a.kv_grad_bytes)  # current + next, kv + dkv
+  else:  # every visible key's K/V and f32 dK/dV (the all-gather gathers all ranks' part)
+    gathered = work.plan.num_ranks * work.n_travel
+    kv_tmp = (work.n_stay + gathered) * kv_row * (e + 4)
+  chunk = min(m.logits_chunk or work.plan.n_noisy, work.plan.n_noisy)  # loss.chunked_loss
+  logits_tmp = 2 * chunk * m.vocab_size * 4
   transient = max(linear_tmp + kv_tmp, logits_tmp)
   total = states + m.n_layers * saved_layer + transient
   return dict(total_bytes=total, states_bytes=states, saved_bytes=m.n_layers * saved_layer,
-              transient_bytes=transient,
-              fits=total <= hw.hbm_gb * GB * hw.usable_fraction)
+              transient_bytes=transient)
 
 
 # ----------------------------------------------------------------------------- projection
 
+def load_probe(path: str, hw: Hardware) -> dict:
+  """{(model, L, B, strategy): compiled peak bytes} from a scale_probe CSV: full-depth rows
+  of this cost model's models on `hw.num_gpus` devices that compiled."""
+  with open(path) as f:
+    rows = list(csv.DictReader(f))
+  return {(r["model"], int(r["seq_len"]), int(r["block_size"]), r["strategy"]):
+          float(r["peak_bytes"]) for r in rows
+          if r["model"] in MODELS and not r["error"] and not r["depth_check"]
+          and int(r["devices"]) == hw.num_gpus and r["remat"] == "full"
+          and int(r["layers"]) == MODELS[r["model"]].n_layers}
+
+
 def project(hw: Hardware, scenarios: dict, models=MODELS, seq_lens=SEQ_LENS,
-            block_sizes=BLOCK_SIZES, strategies=STRATEGIES) -> dict:
+            block_sizes=BLOCK_SIZES, strategies=STRATEGIES, compiled=None) -> dict:
   """{scenario: one row per (model, L, B, strategy)}; each plan is built once. `mfu` is the
-  useful FLOPs (`useful_flops`) over the step time at peak on every GPU."""
+  useful FLOPs (`useful_flops`) over the step time at peak on every GPU. `memory_bytes` (and
+  the fits verdict) is the compiled peak where `compiled` (`load_probe`) has the setting,
+  else the assumed `total_bytes`."""
+  compiled = compiled or {}
   out = {name: [] for name in scenarios}
   for seq_len in seq_lens:
     for block_size in block_sizes:
@@ -315,6 +331,9 @@ def project(hw: Hardware, scenarios: dict, models=MODELS, seq_lens=SEQ_LENS,
           for name, m in models.items():
             row = dict(model=name, seq_len=seq_len, block_size=block_size, strategy=s,
                        **step_time(m, work, hw, a), **peak_memory(m, work, hw, a))
+            row["compiled_bytes"] = compiled.get((name, seq_len, block_size, s))
+            row["memory_bytes"] = row["compiled_bytes"] or row["total_bytes"]
+            row["fits"] = row["memory_bytes"] <= hw.hbm_gb * GB * hw.usable_fraction
             row["mfu"] = useful[name] / (row["total_s"] * hw.num_gpus * hw.peak_tflops * 1e12)
             out[scenario].append(row)
   return out
@@ -339,7 +358,7 @@ def speedups(rows: list[dict]) -> list[dict]:
                     baseline=base["strategy"] if base else None,
                     csbp=csbp["strategy"] if csbp else None,
                     speedup=base["total_s"] / csbp["total_s"] if base and csbp else None,
-                    memory_ratio=csbp["total_bytes"] / base["total_bytes"]
+                    memory_ratio=csbp["memory_bytes"] / base["memory_bytes"]
                     if base and csbp else None,
                     baseline_idle=_idle_fraction(base), csbp_idle=_idle_fraction(csbp),
                     csbp_mfu=csbp["mfu"] if csbp else None))
@@ -396,6 +415,7 @@ def _strategy_table(rows: list[dict], spd: list[dict]) -> list[str]:
   head = ("| model | L | B | " + " | ".join(STRATEGIES)
           + " | best baseline | CSBP speedup | CSBP MFU |")
   lines = ["Step time in s / peak memory in GB per GPU (one sequence of L tokens over 16 GPUs; "
+           "memory compiled by scale_probe where it ran, else assumed and marked *a*; "
            "**OOM** = over the usable HBM, excluded from *best*).", "", head,
            "|" + "---|" * (6 + len(STRATEGIES))]
   for s in spd:
@@ -404,7 +424,8 @@ def _strategy_table(rows: list[dict], spd: list[dict]) -> list[str]:
       r = next(r for r in rows if (r["model"], r["seq_len"], r["block_size"], r["strategy"])
                == (s["model"], s["seq_len"], s["block_size"], name))
       oom = "" if r["fits"] else " **OOM**"
-      cells.append(f"{r['total_s']:.2f} / {r['total_bytes'] / GB:.0f}{oom}")
+      assumed = "" if r["compiled_bytes"] else " *a*"
+      cells.append(f"{r['total_s']:.2f} / {r['memory_bytes'] / GB:.0f}{assumed}{oom}")
     speed = "—" if s["speedup"] is None else f"{s['speedup']:.2f}x ({s['csbp']})"
     mfu = "—" if s["csbp_mfu"] is None else f"{s['csbp_mfu']:.0%}"
     lines.append(f"| {s['model']} | {_k(s['seq_len'])} | {s['block_size']} | "
@@ -485,19 +506,43 @@ def _ring_table(rows: list[dict], hw: Hardware, a: Assumptions, block_size: int)
   return lines + [""]
 
 
-def report(hw: Hardware, calibration: str) -> tuple[str, list[dict]]:
-  rows_by = project(hw, SCENARIOS)
+def _memory_table(rows: list[dict], hw: Hardware, probe: str) -> list[str]:
+  """The assumed memory next to the compiled one, and where each verdict came from."""
+  limit = hw.hbm_gb * hw.usable_fraction
+  both = [r for r in rows if r["compiled_bytes"]]
+  lines = [f"Fits / OOM against {limit:.0f} GB usable: {len(both)} of {len(rows)} verdicts "
+           f"compiled (the real train step's per-device peak, read from `{probe}`), the "
+           f"other {len(rows) - len(both)} assumed (this model's estimate).", ""]
+  if not both:
+    return lines + ["No compiled figures: run `experiments/scale_probe.py` (16 devices, "
+                    "block size 64, full depth) for compiled verdicts.", ""]
+  lines += ["| model | L | B | strategy | assumed GB | compiled GB | assumed ÷ compiled | "
+            "verdict |", "|---|---|---|---|---|---|---|---|"]
+  for r in both:
+    lines.append(f"| {r['model']} | {_k(r['seq_len'])} | {r['block_size']} | {r['strategy']} | "
+                 f"{r['total_bytes'] / GB:.1f} | {r['compiled_bytes'] / GB:.1f} | "
+                 f"{r['total_bytes'] / r['compiled_bytes']:.3f} | "
+                 f"{'fits' if r['fits'] else 'OOM'} (compiled) |")
+  return lines + [""]
+
+
+def report(hw: Hardware, calibration: str, compiled=None,
+           probe: str = "scale_probe.csv") -> tuple[str, list[dict]]:
+  rows_by = project(hw, SCENARIOS, compiled=compiled)
   results = {name: speedups(rows) for name, rows in rows_by.items()}
   default = SCENARIOS["default"]
   lines = ["## Cost model: projected step time and memory (16 H200)", "",
            "Produced by `experiments/cost_model.py`: an analytical model, not a measurement. "
            "Work per rank comes from the strategies' real layout plans; time from achieved "
-           "TFLOP/s and an alpha-beta network; memory from states, saved activations and the "
-           "largest transient. CSBP speedup = best fitting baseline (cp_ring, cp_allgather, bp) "
-           "over the best fitting CSBP transport.", ""]
+           "TFLOP/s and an alpha-beta network; memory from the compiled train step where "
+           "`experiments/scale_probe.py` compiled it, else assumed from states, saved "
+           "activations and the largest transient. CSBP speedup = best fitting baseline "
+           "(cp_ring, cp_allgather, bp) over the best fitting CSBP transport.", ""]
   lines += _constants(hw, default, calibration)
   lines += ["### Default scenario (tile skipping, ring overlap)", ""]
   lines += _strategy_table(rows_by["default"], results["default"])
+  lines += ["### Memory: assumed vs compiled", ""]
+  lines += _memory_table(rows_by["default"], hw, probe)
   lines += _ring_table(rows_by["default"], hw, default, 64)
   lines += ["### Projection next to the paper", "",
             "Ranges run over both models and block sizes " + ", ".join(map(str, BLOCK_SIZES))
@@ -519,9 +564,10 @@ def write_results_readme(results_dir: str) -> str:
   """README_results.md = the sections the experiment scripts wrote, in a fixed order."""
   parts = ["# Results", "",
            "Generated; do not edit. Regenerate with "
-           "`python experiments/parallel_bench.py --quick && python experiments/cost_model.py`.",
+           "`python experiments/parallel_bench.py --quick && python experiments/scale_probe.py "
+           "--models llama3-8b --lens 262144 524288 1048576 && python experiments/cost_model.py`.",
            ""]
-  for name in ("parallel_bench.md", "cost_model.md"):
+  for name in ("parallel_bench.md", "scale_probe.md", "cost_model.md"):
     path = os.path.join(results_dir, name)
     if os.path.exists(path):
       with open(path) as f:
@@ -560,9 +606,12 @@ def main(argv=None):
   parser.add_argument("--kernel-csv", default=None,
                       help="CSV from experiments/kernel_bench.py to calibrate attention TFLOP/s")
   parser.add_argument("--tflops-column", default=None)
+  parser.add_argument("--probe-csv", default=os.path.join(RESULTS_DIR, "scale_probe.csv"),
+                      help="compiled memory from experiments/scale_probe.py (used if present)")
   args = parser.parse_args(argv)
   hw, calibration = calibrate(Hardware(), args.kernel_csv, args.tflops_column)
-  text, rows = report(hw, calibration)
+  compiled = load_probe(args.probe_csv, hw) if os.path.exists(args.probe_csv) else {}
+  text, rows = report(hw, calibration, compiled, os.path.relpath(args.probe_csv, ROOT))
   print(text)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "cost_model.md"), "w") as f:

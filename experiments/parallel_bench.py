@@ -14,9 +14,10 @@ devices: bytes, memory and FLOPs are exact for that program, wall times are comp
 as ratios. Writes parallel_bench.{csv,md} and parallel_bench_*.png under --out and refreshes
 README_results.md there.
 
-Traffic is split in two: the all-reduce is the weight-gradient reduction (the same program
-for every strategy), everything else moves attention K/V and their gradients. `attn_wire_bytes`
-converts the HLO operand bytes to bytes each device sends with ring algorithms (all-gather
+Traffic is split in two: the collectives issued inside the attention `shard_map` move K/V
+and their gradients; the rest (parameter all-gathers, gradient reductions) is weight traffic,
+the same program for every strategy. `attn_wire_bytes` converts the attention's HLO operand
+bytes to bytes each device sends with ring algorithms (`hlo_stats.wire_bytes`: all-gather
 shard x (P-1), reduce-scatter input x (P-1)/P, collective-permute as is), so all-gather and
 ring transports compare on one scale.
 """
@@ -91,12 +92,6 @@ def bench_config(grid: Grid, strategy: str, seq: int, seq_len: int, dtype: str) 
                  parallel=dict(strategy=strategy, seq=seq), train=dict(batch_size=1))
 
 
-def _wire_bytes(by_kind: dict, p: int) -> float:
-  """Bytes one device sends for the attention collectives, with ring algorithms."""
-  return (by_kind["all-gather"] * (p - 1) + by_kind["reduce-scatter"] * (p - 1) / p
-          + by_kind["collective-permute"] + by_kind["all-to-all"] * (p - 1) / p)
-
-
 @dataclasses.dataclass
 class _Compiled:
   """One configuration, compiled and ready to step."""
@@ -123,7 +118,7 @@ def compile_config(cfg: Config, host_state, tokens: np.ndarray) -> _Compiled:
       strategy=cfg.parallel.strategy, seq=p, seq_len=cfg.data.seq_len,
       block_size=cfg.objective.block_size, rows_per_rank=plan.rows_per_rank,
       max_rank_pairs=int(plan.attention_work().max()),
-      attn_wire_bytes=_wire_bytes(by_kind, p),
+      attn_wire_bytes=hlo_stats.wire_bytes(hlo_stats.collective_bytes(compiled, "shard_map"), p),
       all_gather_bytes=by_kind["all-gather"], reduce_scatter_bytes=by_kind["reduce-scatter"],
       collective_permute_bytes=by_kind["collective-permute"],
       all_to_all_bytes=by_kind["all-to-all"], all_reduce_bytes=by_kind["all-reduce"],
@@ -212,11 +207,11 @@ def markdown(rows, grid: Grid, dtype: str) -> str:
       f"{grid.block_size}; one sequence per step; {dtype}; backend `{backend}` "
       f"({jax.device_count()} devices). Produced by `experiments/parallel_bench.py`.", "",
       "Per device and step. *attn MiB*: bytes each device sends for attention K/V and their "
-      "gradients (HLO collectives other than the all-reduce, converted to ring-algorithm wire "
-      "bytes); *all-reduce MiB*: the weight-gradient reduction (HLO operand bytes), the same "
-      "program for every strategy. *max pairs*: allowed (query, key) pairs on the busiest rank. "
-      "*XLA GFLOP* counts each while-loop body once (scans over key chunks and ring steps are "
-      "undercounted); *model GFLOP* is the useful work per device. "
+      "gradients (HLO collectives inside the attention `shard_map`, converted to "
+      "ring-algorithm wire bytes); *all-reduce MiB*: the weight-gradient reduction (HLO "
+      "operand bytes), the same program for every strategy. *max pairs*: allowed (query, key) "
+      "pairs on the busiest rank. *XLA GFLOP* counts each while-loop body once (scans over key "
+      "chunks and ring steps are undercounted); *model GFLOP* is the useful work per device. "
       f"*step ms*: median of {grid.steps} steps after {grid.warmup} warm-up, the strategies of "
       f"one (P, L) stepped in turn ({timing}); *÷ cp_ring*: same P and L, same run.",
       "",

@@ -173,3 +173,25 @@ def test_command_line_trains_data_parallel_with_accumulation(tmp_path):
   assert "trained 2 steps: loss" in out.stdout and str(tmp_path / "run") in out.stdout
   assert [row["step"] for row in rows(tmp_path / "run")] == [2]
   assert checkpoint_steps(tmp_path / "run") == [2]
+
+
+def test_plan_mode_compiles_every_strategy_and_names_the_one_to_use(capsys):
+  """ar: the strategies that split corrupted blocks say why they cannot run (no compile)."""
+  code = run.main(argv("mode=plan", "objective.name=ar", "parallel.strategy=cp_ring",
+                       "parallel.seq=2", "plan.device_memory_gb=80"))
+  out = capsys.readouterr().out
+  assert code == 0
+  for strategy in ("cp_allgather", "cp_ring", "bp", "csbp_allgather", "csbp_ring"):
+    assert f"| {strategy} |" in out
+  assert "| none |" not in out and "fits 80 GB" in out
+  assert "cannot run the 'ar' objective" in out
+  assert out.strip().splitlines()[-1].startswith(("chosen: cp_allgather", "chosen: cp_ring"))
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["plan.device_memory_gb=-1"], "plan.device_memory_gb must be >= 0"),
+    (["parallel.strategy=cp_ring", "parallel.seq=16"], "needs 16 devices, but only 8"),
+])
+def test_plan_mode_config_errors_print_one_line_and_no_traceback(capsys, overrides, expected):
+  assert run.main(argv("mode=plan", *overrides)) == 2
+  assert expected in error_line(capsys)

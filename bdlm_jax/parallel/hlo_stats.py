@@ -8,6 +8,8 @@ tested.
 * :func:`collective_bytes` -- bytes moved per step, by collective kind, read from
   the optimized HLO text.
 * :func:`total_collective_bytes` -- the sum of the above.
+* :func:`wire_bytes` -- those operand bytes converted to what a device sends with ring
+  algorithms, so all-gather and collective-permute transports compare on one scale.
 * :func:`memory_stats` -- per-device buffer sizes from ``compiled.memory_analysis()``.
 * :func:`flops` -- ``compiled.cost_analysis()['flops']``.
 
@@ -56,6 +58,8 @@ How the HLO text is read
   A loop without a known trip count whose body holds collectives raises
   ``ValueError`` rather than guessing.
 * Conditional branches are all counted, as if each ran once (an upper bound).
+* ``op_name`` keeps only collectives whose ``metadata={op_name="..."}`` contains it:
+  ``"shard_map"`` selects what a ``shard_map`` issued (in this project, only attention).
 * Not counted: ``send``/``recv``, ``collective-broadcast``,
   ``ragged-all-to-all``, and collectives hidden inside custom calls.
 """
@@ -67,7 +71,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["COLLECTIVE_KINDS", "collective_bytes", "total_collective_bytes",
+__all__ = ["COLLECTIVE_KINDS", "collective_bytes", "total_collective_bytes", "wire_bytes",
            "memory_stats", "flops"]
 
 COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute",
@@ -91,6 +95,7 @@ _TRIP_COUNT_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 _ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
 _COMMENT_RE = re.compile(r"/\*.*?\*/")
 _STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
+_OP_NAME_RE = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)")
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 
@@ -255,8 +260,15 @@ def _trip_count(instr: _Instr) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _selected(instr: _Instr, op_name: str | None) -> bool:
+    if op_name is None:
+        return True
+    m = _OP_NAME_RE.search(instr.attrs)
+    return m is not None and op_name in m.group(1)
+
+
 def _computation_bytes(name: str, comps: dict[str, _Computation],
-                       memo: dict[str, dict[str, int]]) -> dict[str, int]:
+                       memo: dict[str, dict[str, int]], op_name: str | None) -> dict[str, int]:
     """Bytes per kind for one execution of computation ``name``, callees included."""
     if name in memo:
         return memo[name]
@@ -264,10 +276,10 @@ def _computation_bytes(name: str, comps: dict[str, _Computation],
     out = dict.fromkeys(COLLECTIVE_KINDS, 0)
     for instr in comp.instrs:
         kind = _collective_kind(instr.opcode)
-        if kind is not None:
+        if kind is not None and _selected(instr, op_name):
             out[kind] += _operand_bytes(instr, comp)
         for key, callee in _callees(instr):
-            sub = _computation_bytes(callee, comps, memo)
+            sub = _computation_bytes(callee, comps, memo, op_name)
             times = 1
             if instr.opcode == "while":
                 trips = _trip_count(instr)
@@ -290,7 +302,7 @@ def _hlo_text(compiled: Any) -> str:
     return compiled if isinstance(compiled, str) else compiled.as_text()
 
 
-def collective_bytes(compiled: Any) -> dict[str, int]:
+def collective_bytes(compiled: Any, op_name: str | None = None) -> dict[str, int]:
     """Bytes moved per device per execution, by collective kind.
 
     ``compiled`` is a ``jax.stages.Compiled`` or its optimized HLO text. Returns a
@@ -298,15 +310,27 @@ def collective_bytes(compiled: Any) -> dict[str, int]:
     collective is charged its operand bytes (the input shard for all-gather, the
     full input for reduce-scatter, the input for all-reduce, collective-permute and
     all-to-all) times the number of times it runs (while-loop trip counts
-    multiply). See the module docstring for the details.
+    multiply). With ``op_name``, only collectives whose metadata op_name contains
+    it are counted. See the module docstring for the details.
     """
     comps, entry = _parse_module(_hlo_text(compiled))
-    return dict(_computation_bytes(entry, comps, {}))
+    return dict(_computation_bytes(entry, comps, {}, op_name))
 
 
 def total_collective_bytes(compiled: Any) -> int:
     """Sum of :func:`collective_bytes` over all kinds."""
     return sum(collective_bytes(compiled).values())
+
+
+def wire_bytes(by_kind: dict[str, int], num_devices: int) -> float:
+    """Bytes one device sends for ``by_kind`` (operand bytes over a group of
+    ``num_devices``) with ring algorithms: an all-gather sends its shard P-1 times,
+    a reduce-scatter and an all-to-all (P-1)/P of their input, a collective-permute
+    its buffer once, and an all-reduce (reduce-scatter + all-gather) 2(P-1)/P of it."""
+    p = num_devices
+    return (by_kind["all-gather"] * (p - 1) + by_kind["reduce-scatter"] * (p - 1) / p
+            + by_kind["collective-permute"] + by_kind["all-to-all"] * (p - 1) / p
+            + by_kind["all-reduce"] * 2 * (p - 1) / p)
 
 
 def memory_stats(compiled: Any) -> dict[str, int]:

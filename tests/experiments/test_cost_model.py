@@ -103,6 +103,25 @@ def test_projection_reports_speedups_and_memory_on_a_small_setting():
   assert spd["csbp"] in ("csbp_ring", "csbp_allgather") and spd["speedup"] > 0
 
 
+def test_compiled_memory_decides_the_verdict_where_the_probe_ran(tmp_path):
+  path = tmp_path / "scale_probe.csv"
+  head = "model,seq_len,strategy,devices,layers,block_size,remat,depth_check,error,peak_bytes\n"
+  path.write_text(head + "llama3-8b,16384,csbp_ring,16,32,64,full,,,5e11\n"
+                  "llama3-8b,16384,cp_ring,16,32,64,full,,compile failed: X,\n"
+                  "llama3-8b,16384,bp,16,4,64,full,,,1e9\n")
+  compiled = cm.load_probe(str(path), cm.Hardware())
+  assert compiled == {("llama3-8b", 16384, 64, "csbp_ring"): 5e11}  # full depth, compiled
+  rows = cm.project(cm.Hardware(), {"default": cm.Assumptions()}, seq_lens=(16384,),
+                    block_sizes=(64,), compiled=compiled)["default"]
+  at = {(r["model"], r["strategy"]): r for r in rows}
+  ring = at[("llama3-8b", "csbp_ring")]
+  assert ring["memory_bytes"] == 5e11 and not ring["fits"] and ring["total_bytes"] < 5e11
+  assumed = at[("llama3-8b", "cp_ring")]
+  assert assumed["compiled_bytes"] is None and assumed["memory_bytes"] == assumed["total_bytes"]
+  text = "\n".join(cm._memory_table(rows, cm.Hardware(), "scale_probe.csv"))
+  assert "1 of 10 verdicts compiled" in text and "OOM (compiled)" in text
+
+
 def test_kernel_csv_sets_attention_tflops(tmp_path):
   path = tmp_path / "kernel_bench.csv"
   path.write_text("impl,seq_len,fwd_bwd_TFLOPs\npallas,1024,100\npallas,2048,300\nxla,64,200\n")

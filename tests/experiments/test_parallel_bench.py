@@ -67,12 +67,15 @@ def test_bp_holds_more_rows_than_csbp(bench):
 
 
 def test_cost_model_predicts_the_measured_attention_bytes(bench):
-  """The analytical traffic of every strategy equals what the compiled step sends (f32)."""
+  """The analytical traffic of every strategy is what the compiled step sends (f32), up to
+  the row metadata: XLA may hoist its layer-invariant hops out of the layer scan."""
   _, rows = bench
   grid = pb.GRIDS["tiny"]
   (seq_len,), (seq,) = grid.seq_lens, grid.seqs
   model = pb.bench_config(grid, "cp_ring", seq, seq_len, "float32").model
   for strategy in cm.STRATEGIES:
     work = cm.plan_work(strategy, seq_len, grid.block_size, seq)
-    predicted = cm.step_comm_bytes(work, model, cm.Assumptions(compute_bytes=4))
-    assert predicted == pytest.approx(_f(rows[strategy], "attn_wire_bytes")), strategy
+    sent = lambda meta: cm.step_comm_bytes(
+        work, model, cm.Assumptions(compute_bytes=4, meta_bytes_per_row=meta))
+    measured = _f(rows[strategy], "attn_wire_bytes")
+    assert sent(0) <= measured <= sent(cm.Assumptions().meta_bytes_per_row), strategy

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from bdlm_jax.parallel.hlo_stats import (
-    COLLECTIVE_KINDS, collective_bytes, flops, memory_stats, total_collective_bytes)
+    COLLECTIVE_KINDS, collective_bytes, flops, memory_stats, total_collective_bytes, wire_bytes)
 
 N = 8  # devices on the 'x' axis
 RING = [(i, (i + 1) % N) for i in range(N)]
@@ -111,6 +111,23 @@ def test_gspmd_weight_gradient_all_reduce_is_counted():
     w = jax.device_put(jnp.ones((16, 32)), NamedSharding(mesh, P()))
     c = jax.jit(jax.grad(lambda w, x: jnp.sum(x @ w), argnums=0)).lower(w, x).compile()
     assert collective_bytes(c)["all-reduce"] == 16 * 32 * F32  # dW, replicated
+
+
+def test_op_name_keeps_only_what_a_shard_map_issued(mesh):
+    """A shard_map ring hop next to a GSPMD weight-gradient all-reduce: the filter splits them."""
+    ring = jax.shard_map(lambda a: jax.lax.ppermute(a, "x", RING), mesh=mesh, in_specs=P("x"),
+                         out_specs=P("x"))
+    x = jax.device_put(jnp.ones((64, 16)), NamedSharding(mesh, P("x")))
+    w = jax.device_put(jnp.ones((16, 32)), NamedSharding(mesh, P()))
+    c = jax.jit(jax.grad(lambda w, x: jnp.sum(ring(x) @ w))).lower(w, x).compile()
+    assert collective_bytes(c)["all-reduce"] == 16 * 32 * F32
+    assert collective_bytes(c, "shard_map") == only("collective-permute", 8 * 16 * F32)
+
+
+def test_wire_bytes_are_what_ring_algorithms_send():
+    by_kind = {"all-gather": 10, "reduce-scatter": 80, "collective-permute": 3,
+               "all-to-all": 16, "all-reduce": 8}
+    assert wire_bytes(by_kind, 8) == 10 * 7 + 80 * 7 / 8 + 3 + 16 * 7 / 8 + 8 * 2 * 7 / 8
 
 
 # ----------------------------------------------------------------------------- loops

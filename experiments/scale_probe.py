@@ -1,0 +1,258 @@
+"""Does the real train step fit a device at paper scale? Compile-only, per device, per strategy.
+
+  python experiments/scale_probe.py --models llama3-8b --lens 262144 524288 1048576
+  python experiments/scale_probe.py                 # every model, L = 64K..1M
+  python experiments/scale_probe.py --quick         # a tiny model, for tests (~10 s)
+
+For each (model, L, strategy) it compiles `make_train_step` on P simulated CPU devices (the seq
+axis; one sequence per step; bf16 compute, f32 parameters, `--remat`) from abstract inputs
+(`bdlm_jax.parallel.step_report`) and records per device: arguments, temp and peak memory
+(peak = arguments + temp + output - alias), compile time, the attention bytes the layout plan
+sends per step, the compiled/plan check of those bytes, and compiled weight traffic. Each
+compile runs in its own subprocess (host memory is freed after each; a crash or a timeout is
+a row, not the end of the run) with no persistent compilation cache (compile times are real).
+A strategy the config rejects (ConfigError) or that fails to compile is reported as such.
+`--depth-check N` also compiles the first strategy at the first L with N layers, so the
+markdown shows how compile time grows with depth (the layer scan should keep it flat).
+`--jobs 2` halves the wall time on two cores, at the price of noisier compile times.
+
+Writes scale_probe.{csv,md,png} under --out (scale_probe_quick.* with --quick). XLA:CPU is
+not the GPU compiler: its memory is the structure to optimise, not a GPU's exact figure.
+Model presets (all layers global attention, the Llama-style block of bdlm_jax.models):
+llama3-8b and gemma3-27b as in experiments/cost_model.py (Gemma 3 27B's dimensions), and
+qwen3-8b (Qwen3-8B's dimensions, qk_norm).
+"""
+
+import argparse
+import concurrent.futures
+import csv
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bdlm_jax.config import Config, ConfigError, ModelConfig, replace  # noqa: E402
+from bdlm_jax.parallel import step_report  # noqa: E402
+from experiments import cost_model  # noqa: E402
+
+GB = step_report.GB
+MODELS = {
+    "llama3-8b": cost_model.MODELS["llama3-8b"],
+    "qwen3-8b": ModelConfig(vocab_size=151936, d_model=4096, n_layers=36, n_heads=32,
+                            n_kv_heads=8, head_dim=128, d_ff=12288, rope_theta=1e6,
+                            qk_norm=True, tie_embeddings=False),
+    "gemma3-27b": cost_model.MODELS["gemma3-27b"],
+    "tiny": ModelConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                        head_dim=8, d_ff=64, attention_chunk=32),
+}
+STRATEGIES = ("cp_allgather", "cp_ring", "bp", "csbp_allgather", "csbp_ring")
+# --quick: 32 tokens are 2 blocks, fewer than 4 ranks, so bp and csbp are rejected there.
+QUICK = dict(models=["tiny"], lens=[32, 64], devices=4, block_size=16, depth_check=1,
+             device_memory_gb=0.01)
+KEYS = ("model", "seq_len", "strategy", "devices", "layers", "block_size", "remat")
+
+
+def probe_config(model: str, seq_len: int, strategy: str, devices: int, layers: int,
+                 block_size: int, remat: str) -> Config:
+  """One sequence of `seq_len` tokens over a seq axis of `devices`; bf16 compute."""
+  m = dataclasses.replace(MODELS[model], n_layers=layers, remat=remat,
+                          compute_dtype="bfloat16", param_dtype="float32")
+  return replace(Config(), model=m, data=dict(seq_len=seq_len),
+                 objective=dict(block_size=block_size, mask_token_id=m.vocab_size - 1),
+                 parallel=dict(strategy=strategy, seq=devices), train=dict(batch_size=1))
+
+
+def measure(job: dict, timeout_s: float) -> dict:
+  """The report row of one compile, run in a fresh process, or {'error': why not}."""
+  try:
+    probe_config(**job)
+  except ConfigError as e:
+    return dict(error=str(e))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(job["devices"]))
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  try:
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
+                           json.dumps(job)], env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    return dict(error=f"compile timed out after {timeout_s:.0f} s")
+  lines = done.stdout.strip().splitlines()
+  if done.returncode or not lines:
+    why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return dict(error=f"crashed (exit {done.returncode}): {why}")
+  return json.loads(lines[-1])
+
+
+def _worker(job: dict) -> None:
+  try:
+    row = step_report.step_report(probe_config(**job)).row()
+  except Exception as e:  # noqa: BLE001 (a strategy that does not compile is a finding)
+    row = dict(error=f"compile failed: {type(e).__name__}: {str(e).splitlines()[0]}")
+  print(json.dumps(row))
+
+
+def jobs(args) -> list[dict]:
+  """Every (model, L, strategy) at full depth, then each model's depth check."""
+  out, checks = [], []
+  for model in args.models:
+    job = lambda seq_len, strategy, layers: dict(
+        model=model, seq_len=seq_len, strategy=strategy, devices=args.devices, layers=layers,
+        block_size=args.block_size, remat=args.remat)
+    layers = args.layers or MODELS[model].n_layers
+    out += [job(n, s, layers) for n in args.lens for s in args.strategies]
+    if args.depth_check and args.depth_check != layers:
+      checks.append(dict(job(args.lens[0], args.strategies[0], args.depth_check),
+                         depth_check=True))
+  return out + checks
+
+
+def run(args, progress=print) -> list[dict]:
+  """Measures every job, `args.jobs` compiles at a time, in order."""
+  todo = jobs(args)
+  with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+    results = pool.map(lambda j: measure({k: j[k] for k in KEYS}, args.timeout), todo)
+    rows = []
+    for job, result in zip(todo, results):
+      rows.append(dict(job, **result))
+      progress(_line(rows[-1]))
+  return rows
+
+
+def _line(r: dict) -> str:
+  head = f"{r['model']} L={r['seq_len']} {r['strategy']} ({r['layers']} layers): "
+  if r.get("error"):
+    return head + r["error"]
+  return head + (f"peak {r['peak_bytes'] / GB:.2f} GB, attention {r['attention_bytes'] / GB:.2f}"
+                 f" GB/step, compiled in {r['compile_s']:.1f} s")
+
+
+def _version() -> str:
+  git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True,
+                                  text=True).stdout
+  dirty = [line[3:] for line in git("status", "--short").splitlines()]
+  return git("log", "-1", "--format=%h").strip() + (
+      f" + uncommitted changes in {', '.join(dirty)}" if dirty else "")
+
+
+def markdown(rows: list[dict], args, device_bytes: float, command: str) -> str:
+  when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+  lines = ["## Compiled memory at scale (per device, compile only)", "",
+           f"Produced by `{command}` on {when}, core version {_version()}. "
+           f"{args.devices} simulated CPU devices on the seq axis, one sequence per step, "
+           f"block size {args.block_size}, bf16 compute, f32 parameters, remat "
+           f"`{args.remat}`. Peak = arguments + temp + output - alias (XLA:CPU figures: the "
+           "structure to optimise, not a GPU's exact bytes). *attention GB/step*: K/V, dK/dV "
+           "and row metadata each device sends per step, from the layout plan (ring-algorithm "
+           "wire bytes, bf16 K/V, f32 dK/dV); *attention check*: compiled attention "
+           "collectives ÷ the plan's (1.00: the core moves what its transport should).", ""]
+  for model in args.models:
+    m = MODELS[model]
+    mine = [r for r in rows if r["model"] == model and not r.get("depth_check")]
+    lines += [f"### {model}", "",
+              f"{cost_model.param_count(m) / 1e9:.2f}B parameters: d_model {m.d_model}, "
+              f"{mine[0]['layers']} layers, {m.n_heads} q / {m.n_kv_heads} kv heads of "
+              f"{m.head_dim}, d_ff {m.d_ff}, vocab {m.vocab_size}, qk_norm {m.qk_norm}, tied "
+              f"embeddings {m.tie_embeddings}.", ""]
+    lines += step_report.table(mine, device_bytes, keys=("seq_len", "strategy")) + [""]
+    for seq_len in args.lens:
+      best = step_report.choose([r for r in mine if r["seq_len"] == seq_len], device_bytes)
+      lines.append(f"* L = {seq_len}: " + (f"{best['strategy']} fits with the least attention "
+                                           "traffic" if best else "no strategy fits"))
+    for check in (r for r in rows if r["model"] == model and r.get("depth_check")):
+      full = next(r for r in mine if r["seq_len"] == check["seq_len"]
+                  and r["strategy"] == check["strategy"])
+      if check.get("error") or full.get("error"):
+        lines.append(f"* depth check: {check.get('error') or full.get('error')}")
+        continue
+      lines.append(f"* compile time, {check['strategy']} at L = {check['seq_len']}: "
+                   f"{full['compile_s']:.1f} s at {full['layers']} layers vs "
+                   f"{check['compile_s']:.1f} s at {check['layers']} "
+                   f"({full['compile_s'] / check['compile_s']:.2f}x)")
+    lines.append("")
+  return "\n".join(lines)
+
+
+def plot(rows: list[dict], args, device_bytes: float, path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, len(args.models), figsize=(5 * len(args.models), 3.8),
+                           squeeze=False)
+  for ax, model in zip(axes[0], args.models):
+    for i, strategy in enumerate(args.strategies):
+      pts = [(r["seq_len"], r["peak_bytes"] / GB) for r in rows if r["model"] == model
+             and r["strategy"] == strategy and not r.get("error") and not r.get("depth_check")]
+      if pts:
+        ax.plot(*zip(*sorted(pts)), marker="o", label=strategy, color=f"C{i}")
+    ax.axhline(device_bytes / GB, color="k", linestyle="--", linewidth=1,
+               label=f"{device_bytes / GB:g} GB")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length L")
+    ax.set_ylabel("peak GB per device (compiled)")
+    ax.set_title(f"{model}, {args.devices} devices")
+    ax.grid(alpha=0.3)
+  axes[0][-1].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def write(rows: list[dict], path: str) -> None:
+  columns = list(KEYS) + ["depth_check", "error"]
+  columns += [k for r in rows for k in r if k not in columns]
+  columns = list(dict.fromkeys(columns))
+  with open(path, "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--models", nargs="+", default=["llama3-8b", "qwen3-8b", "gemma3-27b"],
+                      choices=sorted(MODELS))
+  parser.add_argument("--lens", nargs="+", type=int,
+                      default=[65536, 131072, 262144, 524288, 1048576])
+  parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+  parser.add_argument("--devices", type=int, default=16, help="P: the seq axis")
+  parser.add_argument("--block-size", type=int, default=64)
+  parser.add_argument("--layers", type=int, default=0, help="override every model's depth")
+  parser.add_argument("--remat", default="full", choices=("none", "full"))
+  parser.add_argument("--device-memory-gb", type=float, default=141.0)
+  parser.add_argument("--depth-check", type=int, default=4,
+                      help="also compile the first (L, strategy) at this depth (0: off)")
+  parser.add_argument("--timeout", type=float, default=600.0, help="seconds per compile")
+  parser.add_argument("--jobs", type=int, default=1,
+                      help="compiles at once (more than 1 inflates each one's compile time)")
+  parser.add_argument("--quick", action="store_true", help="a tiny model (tests)")
+  parser.add_argument("--out", default=cost_model.RESULTS_DIR)
+  parser.add_argument("--worker", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.worker:
+    return _worker(json.loads(args.worker))
+  if args.quick:
+    vars(args).update(QUICK)
+  name = "scale_probe_quick" if args.quick else "scale_probe"
+  command = "python experiments/scale_probe.py " + " ".join(sys.argv[1:] if argv is None
+                                                             else argv)
+  device_bytes = args.device_memory_gb * GB
+  rows = run(args)
+  text = markdown(rows, args, device_bytes, command.strip())
+  print(text)
+  os.makedirs(args.out, exist_ok=True)
+  write(rows, os.path.join(args.out, f"{name}.csv"))
+  with open(os.path.join(args.out, f"{name}.md"), "w") as f:
+    f.write(text)
+  plot(rows, args, device_bytes, os.path.join(args.out, f"{name}.png"))
+  return rows
+
+
+if __name__ == "__main__":
+  main()
