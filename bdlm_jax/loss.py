@@ -10,14 +10,17 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from bdlm_jax.batch import make_batch
 from bdlm_jax.config import Config, ConfigError, replace
+from bdlm_jax.models.transformer import head_logits
 from bdlm_jax.objectives import ar, bd3lm, fast_dllm_v2, get_objective
 from bdlm_jax.params import merge
-from bdlm_jax.parallel.mesh import row_sharding
+from bdlm_jax.parallel.mesh import BATCH_AXES, row_sharding
 from bdlm_jax.parallel.strategies import make_attend, plan_for
-from bdlm_jax.parallel.zero3 import compute_weights
+from bdlm_jax.parallel.zero3 import gathered_weights
 
 
 def _slot_rows(x_SR, plan, slot: str):
@@ -37,33 +40,53 @@ def _check_batch(cfg, batch, plan):
                       f"with make_batch(cfg, ...) using the same config")
 
 
-def chunked_loss(logits_fn, score_fn, chunk: int, num_ranks: int, h_SND, labels_SN, take_SN,
-                 weight_SN):
-  """`score_fn(logits, labels, take, weight)` summed over chunks of `chunk` rows per rank.
+def chunked_loss(head, score_fn, chunk: int, h_SND, labels_SN, take_SN, weight_SN):
+  """`score_fn(logits, labels, take, weight)` summed over chunks of `chunk` rows.
 
-  Only one chunk's float32 logits [S, P, chunk, vocab] exist at a time, never [rows, vocab]:
+  Only one chunk's float32 logits [S, chunk, vocab] exist at a time, never [rows, vocab]:
   the chunks run as a `lax.scan` whose body is rematerialised, so the backward recomputes
-  each chunk's logits instead of saving them. The rank axis P stays whole, so every rank
-  scores its own rows (no resharding). `chunk <= 0` scores all rows at once.
+  each chunk's logits instead of saving them, and accumulates the head's gradient in its
+  own dtype. `chunk <= 0` scores all rows at once.
   """
   s, n = h_SND.shape[:2]
-  per_rank = n // num_ranks
-  c = per_rank if chunk <= 0 else min(chunk, per_rank)
-  k = -(-per_rank // c)
+  c = n if chunk <= 0 else min(chunk, n)
+  k = -(-n // c)
 
-  def split(x, pad_value):  # [S, P * per_rank, ...] -> [k, S, P, c, ...]
-    x = x.reshape(s, num_ranks, per_rank, *x.shape[2:])
-    x = jnp.pad(x, [(0, 0), (0, 0), (0, k * c - per_rank)] + [(0, 0)] * (x.ndim - 3),
-                constant_values=pad_value)
-    return jnp.moveaxis(x.reshape(s, num_ranks, k, c, *x.shape[3:]), 2, 0)
+  def split(x, pad_value):  # [S, n, ...] -> [k, S, c, ...]
+    x = jnp.pad(x, [(0, 0), (0, k * c - n)] + [(0, 0)] * (x.ndim - 2), constant_values=pad_value)
+    return jnp.moveaxis(x.reshape(s, k, c, *x.shape[2:]), 1, 0)
 
   @jax.checkpoint
   def body(total, xs):
     h, labels, take, weight = xs
-    return total + score_fn(logits_fn(h), labels, take, weight), None
+    return total + score_fn(head_logits(head, h), labels, take, weight), None
 
   xs = (split(h_SND, 0), split(labels_SN, -1), split(take_SN, False), split(weight_SN, 0))
-  return jax.lax.scan(body, jnp.zeros((), jnp.float32), xs)[0]
+  total = jnp.zeros_like(weight_SN, shape=())  # zeros_like: varies over mesh axes as the rows
+  return jax.lax.scan(body, total, xs)[0]
+
+
+def _loss_on_every_device(head, score_fn, chunk: int, mesh, *rows):
+  """`chunked_loss` run by every device on the rows it holds, summed over the mesh.
+
+  Under `shard_map` each device accumulates the head's gradient over its own chunks and the
+  devices meet once, at the boundary, in one reduction of that gradient; left to GSPMD the
+  loop would all-reduce it once per chunk.
+  """
+  if mesh is None:
+    return chunked_loss(head, score_fn, chunk, *rows)
+  graphdef, state = nnx.split(head)
+  axes = tuple(mesh.axis_names)
+
+  def local(state, *rows):
+    # Varying from here on, so the transpose (the gradient's sum over devices) happens here,
+    # once, and not inside the loop where each chunk would mark it varying again.
+    state = jax.tree.map(lambda w: jax.lax.pcast(w, axes, to="varying"), state)
+    total = chunked_loss(nnx.merge(graphdef, state), score_fn, chunk, *rows)
+    return jax.lax.psum(total, axes)
+
+  row_specs = [P(BATCH_AXES, "seq", *[None] * (x.ndim - 2)) for x in rows]
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(), *row_specs), out_specs=P())(state, *rows)
 
 
 def loss_fn(params, batch, key, cfg: Config, mesh=None):
@@ -71,9 +94,10 @@ def loss_fn(params, batch, key, cfg: Config, mesh=None):
   plan = plan_for(cfg)
   _check_batch(cfg, batch, plan)
   objective = get_objective(cfg.objective.name)
-  prepare = compute_weights(cfg, mesh)
-  model = merge(cfg, {**prepare({k: v for k, v in params.items() if k != "layers"}),
-                      "layers": params["layers"]})
+  # The embedding and head are gathered in param_dtype: the chunked loss accumulates the
+  # head's gradient over many row chunks. Layers are cast to compute_dtype, then gathered.
+  whole = {k: v for k, v in params.items() if k != "layers"}
+  model = merge(cfg, {**gathered_weights(mesh)(whole), "layers": params["layers"]})
   if mesh is not None:
     batch = jax.lax.with_sharding_constraint(batch, row_sharding(mesh))
   n_valid = jnp.sum(batch.labels >= 0)  # before fast_dllm_v2 doubles the batch
@@ -84,13 +108,14 @@ def loss_fn(params, batch, key, cfg: Config, mesh=None):
     weight = jnp.ones(masked.shape)
   else:
     inputs, masked, weight = batch.tokens, batch.labels >= 0, jnp.ones(batch.labels.shape)
-  hidden = model(inputs, batch.pos, batch.meta, make_attend(cfg, mesh), layer_weights=prepare)
+  hidden = model(inputs, batch.pos, batch.meta, make_attend(cfg, mesh),
+                 layer_weights=gathered_weights(mesh, jnp.dtype(cfg.model.compute_dtype)))
   if objective is ar:
     score = lambda logits, labels, take, weight: ar.nll_loss(logits, labels)
   else:
     score = functools.partial(bd3lm.subs_loss, mask_token_id=cfg.objective.mask_token_id)
   rows = [_slot_rows(x, plan, objective.LOSS_SLOT) for x in (hidden, batch.labels, masked, weight)]
-  total = chunked_loss(model.logits, score, cfg.model.logits_chunk, plan.num_ranks, *rows)
+  total = _loss_on_every_device(model.head, score, cfg.model.logits_chunk, mesh, *rows)
   loss = total / jnp.maximum(n_valid, 1)
   metrics = dict(loss=loss, valid_tokens=n_valid,
                  masked_tokens=jnp.sum(masked & (batch.labels >= 0)))

@@ -6,6 +6,7 @@ import pytest
 
 from bdlm_jax import init_params, loss_fn, make_batch, make_mesh
 from bdlm_jax.config import Config, replace
+from bdlm_jax.parallel import hlo_stats
 
 L = 96
 
@@ -57,3 +58,16 @@ def test_chunked_loss_never_holds_all_the_logits():
     return grad.lower(params).compile().memory_analysis().temp_size_in_bytes
   full_logits = 4 * L * 32768 * 4  # f32 [S, noisy rows, vocab]
   assert temp(0) > full_logits > 2 * temp(8)
+
+
+def test_head_gradient_is_reduced_once_whatever_the_chunk_count():
+  """Every device accumulates the head's gradient over its own chunks; the devices meet
+  once. (A reduction inside the chunk loop would count once per chunk.)"""
+  def all_reduce_bytes(chunk):
+    cfg = _cfg(chunk, strategy="csbp_ring", seq=8)
+    mesh = make_mesh(cfg)
+    batch = make_batch(cfg, np.random.default_rng(0).integers(0, 250, (4, L)))
+    params = init_params(cfg, jax.random.key(0), mesh)
+    grad = jax.jit(jax.grad(lambda p: loss_fn(p, batch, jax.random.key(1), cfg, mesh)[0]))
+    return hlo_stats.collective_bytes(grad.lower(params).compile())["all-reduce"]
+  assert all_reduce_bytes(1) == all_reduce_bytes(0)

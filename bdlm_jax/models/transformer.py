@@ -180,8 +180,17 @@ class Transformer(nnx.Module):
                                         remat=self.cfg.remat, layer_weights=layer_weights)
     return self.final_norm(x_BRD)
 
+  @property
+  def head(self) -> nnx.Module:
+    """The module that turns hidden states into logits: the tied embedding or `lm_head`."""
+    return self.embed if self.cfg.tie_embeddings else self.lm_head
+
   def logits(self, h_BRD) -> jax.Array:
     """Float32 logits [B, R, vocab]."""
-    if self.cfg.tie_embeddings:
-      return self.embed.attend(h_BRD).astype(jnp.float32)
-    return self.lm_head(h_BRD).astype(jnp.float32)
+    return head_logits(self.head, h_BRD)
+
+
+def head_logits(head: nnx.Module, h_BRD) -> jax.Array:
+  """Float32 logits of `Transformer.head` (usable on the head alone, split from the model)."""
+  out = head.attend(h_BRD) if isinstance(head, nnx.Embed) else head(h_BRD)
+  return out.astype(jnp.float32)

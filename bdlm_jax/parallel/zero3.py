@@ -3,15 +3,13 @@
 Parameters, gradients and both Adam moments are sharded alike (`zero3_shardings`); every
 seq rank computes with all the weights, so each layer gathers its weights where it runs
 (inside the layer scan, one layer at a time) and returns their gradient with one
-reduce-scatter (`compute_weights`). `data` stays plain replication.
+reduce-scatter (`gathered_weights`). `data` stays plain replication.
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from bdlm_jax.config import Config
 from bdlm_jax.models.transformer import is_stacked
 
 STATE_AXES = ("fsdp", "seq")
@@ -46,13 +44,13 @@ def zero3_shardings(mesh, tree):
       lambda path, x: NamedSharding(mesh, param_spec(x.shape, ways, is_stacked(path))), tree)
 
 
-def _gather(w, compute_dtype, whole, shard):
-  """`w` cast to the compute dtype, then gathered; its gradient reduce-scattered in w's dtype."""
+def _gather(w, dtype, whole, shard):
+  """`w` cast to `dtype`, then gathered; its gradient reduce-scattered in w's dtype."""
   param_dtype = w.dtype
 
   @jax.custom_vjp
   def gather(w):
-    return jax.lax.with_sharding_constraint(w.astype(compute_dtype), whole)
+    return jax.lax.with_sharding_constraint(w.astype(dtype), whole)
 
   def fwd(w):
     return gather(w), None
@@ -66,23 +64,23 @@ def _gather(w, compute_dtype, whole, shard):
   return gather(w)
 
 
-def compute_weights(cfg: Config, mesh=None):
+def gathered_weights(mesh=None, dtype=None):
   """The hook that prepares weights where they are used: one layer's inside the layer scan,
   the embedding and head once per step.
 
-  Matrices are cast to `model.compute_dtype` *before* they are gathered, so the all-gather
-  moves compute-dtype bytes while the master copy stays in `param_dtype`; their gradient is
+  Matrices are cast to `dtype` (if given) *before* they are gathered, so the all-gather moves
+  compute-dtype bytes while the master copy stays in `param_dtype`; their gradient is
   reduce-scattered back to the shards in `param_dtype`. Vectors (norm scales) are left alone.
   """
-  compute = jnp.dtype(cfg.model.compute_dtype)
+  cast = (lambda w: w) if dtype is None else (lambda w: w.astype(dtype))
   if mesh is None:
-    return lambda weights: jax.tree.map(
-        lambda w: w.astype(compute) if w.ndim >= 2 else w, weights)
+    return lambda weights: jax.tree.map(lambda w: cast(w) if w.ndim >= 2 else w, weights)
   ways, whole = state_ways(mesh), NamedSharding(mesh, P())
 
   def one(w):
     if w.ndim < 2:
       return w
-    return _gather(w, compute, whole, NamedSharding(mesh, param_spec(w.shape, ways)))
+    return _gather(w, w.dtype if dtype is None else dtype, whole,
+                   NamedSharding(mesh, param_spec(w.shape, ways)))
 
   return lambda weights: jax.tree.map(one, weights)
