@@ -24,7 +24,10 @@ from bdlm_jax.parallel.zero3 import gathered_weights
 
 
 def _slot_rows(x_SR, plan, slot: str):
-  """The rows of every rank's noisy (or clean) slot: [S, P * slot_rows, ...]."""
+  """The rows of every rank's noisy (or clean) slot: [S, P * slot_rows, ...]; all of them for
+  `slot="all"`."""
+  if slot == "all":
+    return x_SR
   s = x_SR.shape[0]
   x = x_SR.reshape(s, plan.num_ranks, plan.rows_per_rank, *x_SR.shape[2:])
   x = x[:, :, :plan.n_noisy] if slot == "noisy" else x[:, :, plan.n_noisy:]
@@ -73,7 +76,7 @@ def _loss_on_every_device(head, score_fn, chunk: int, mesh, *rows):
   devices meet once, at the boundary, in one reduction of that gradient; left to GSPMD the
   loop would all-reduce it once per chunk.
   """
-  if mesh is None:
+  if mesh is None or mesh.size == 1:  # (XLA keeps a one-device psum as an all-reduce)
     return chunked_loss(head, score_fn, chunk, *rows)
   graphdef, state = nnx.split(head)
   axes = tuple(mesh.axis_names)

@@ -44,7 +44,7 @@ from bdlm_jax.config import Config, replace  # noqa: E402
 from bdlm_jax.metrics import model_flops_per_step  # noqa: E402
 from bdlm_jax.parallel import hlo_stats  # noqa: E402
 from bdlm_jax.parallel.mesh import row_sharding  # noqa: E402
-from bdlm_jax.parallel.strategies import plan_for  # noqa: E402
+from bdlm_jax.parallel.strategies import ATTENTION_SCOPE, plan_for  # noqa: E402
 from bdlm_jax.train import state_shardings  # noqa: E402
 from experiments.cost_model import RESULTS_DIR, write_results_readme  # noqa: E402
 
@@ -118,7 +118,7 @@ def compile_config(cfg: Config, host_state, tokens: np.ndarray) -> _Compiled:
       strategy=cfg.parallel.strategy, seq=p, seq_len=cfg.data.seq_len,
       block_size=cfg.objective.block_size, rows_per_rank=plan.rows_per_rank,
       max_rank_pairs=int(plan.attention_work().max()),
-      attn_wire_bytes=hlo_stats.wire_bytes(hlo_stats.collective_bytes(compiled, "shard_map"), p),
+      attn_wire_bytes=hlo_stats.wire_bytes(hlo_stats.collective_bytes(compiled, ATTENTION_SCOPE), p),
       all_gather_bytes=by_kind["all-gather"], reduce_scatter_bytes=by_kind["reduce-scatter"],
       collective_permute_bytes=by_kind["collective-permute"],
       all_to_all_bytes=by_kind["all-to-all"], all_reduce_bytes=by_kind["all-reduce"],

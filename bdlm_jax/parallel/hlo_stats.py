@@ -59,7 +59,8 @@ How the HLO text is read
   ``ValueError`` rather than guessing.
 * Conditional branches are all counted, as if each ran once (an upper bound).
 * ``op_name`` keeps only collectives whose ``metadata={op_name="..."}`` contains it:
-  ``"shard_map"`` selects what a ``shard_map`` issued (in this project, only attention).
+  ``"shard_map"`` selects what any ``shard_map`` issued; a ``jax.named_scope`` name selects
+  what was traced inside that scope, forward and backward (``strategies.ATTENTION_SCOPE``).
 * Not counted: ``send``/``recv``, ``collective-broadcast``,
   ``ragged-all-to-all``, and collectives hidden inside custom calls.
 """

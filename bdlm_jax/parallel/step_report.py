@@ -18,7 +18,7 @@ counts what ring.py / allgather.py issue per layer, for every sequence a device 
 
 For one layer this equals the compiled attention probe exactly (tests/parallel/
 test_step_report.py). The compiled step's own split is reported too: collectives issued
-inside the attention `shard_map` (the only one in the step) vs the rest, which is weight
+inside the attention `shard_map` (its name scope, `strategies.ATTENTION_SCOPE`) vs the rest, which is weight
 traffic (parameter all-gathers, gradient reductions); `attention_check` compares the former
 with the plan's figure in the compiled program's element sizes. 1.00 means the core moves
 exactly what its transport should; a little below, that XLA hoisted the layer-invariant
@@ -39,7 +39,7 @@ from bdlm_jax.kernels.mask import RowMeta
 from bdlm_jax.parallel import hlo_stats
 from bdlm_jax.parallel.layout import LayoutPlan
 from bdlm_jax.parallel.mesh import make_mesh
-from bdlm_jax.parallel.strategies import TRANSPORTS, plan_for
+from bdlm_jax.parallel.strategies import ATTENTION_SCOPE, TRANSPORTS, plan_for
 from bdlm_jax.train import abstract_state, make_train_step
 
 GB = 1e9
@@ -146,7 +146,7 @@ def step_report(cfg: Config, mesh=None) -> StepReport:
       argument_bytes=memory["argument_size_in_bytes"], temp_bytes=memory["temp_size_in_bytes"],
       output_bytes=memory["output_size_in_bytes"], alias_bytes=memory["alias_size_in_bytes"],
       compile_s=seconds, collective_bytes=hlo_stats.collective_bytes(compiled),
-      attention_collective_bytes=hlo_stats.collective_bytes(compiled, "shard_map"),
+      attention_collective_bytes=hlo_stats.collective_bytes(compiled, ATTENTION_SCOPE),
       attention_bytes=hlo_stats.wire_bytes(config_attention_traffic(cfg), cfg.parallel.seq),
       expected_attention_operand_bytes=sum(
           config_attention_traffic(cfg, _collective_itemsize).values()))

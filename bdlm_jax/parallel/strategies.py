@@ -20,6 +20,9 @@ from bdlm_jax.parallel.layout import LayoutPlan, make_plan
 from bdlm_jax.parallel.mesh import BATCH_AXES
 from bdlm_jax.parallel.ring import ring_attend
 
+# The name scope of the attention `shard_map`: HLO collectives whose op_name holds it (forward
+# and backward) are the attention's traffic; the rest of a step's are weight traffic.
+ATTENTION_SCOPE = "seq_attention"
 TRANSPORTS = {"none": "local", "bp": "local", "cp_ring": "ring", "csbp_ring": "ring",
               "cp_allgather": "allgather", "csbp_allgather": "allgather"}
 
@@ -74,6 +77,12 @@ def make_attend(cfg: Config, mesh=None):
   heads = P(BATCH_AXES, "seq", None, None)
   meta = RowMeta(rows, rows, rows)
   # pallas_call outputs carry no varying-axes type, so shard_map cannot check them.
-  return jax.shard_map(body, mesh=mesh, in_specs=(heads, heads, heads, meta, meta),
-                       out_specs=(heads, P(BATCH_AXES, "seq", None)),
-                       check_vma=cfg.model.attention_impl != "pallas")
+  sharded = jax.shard_map(body, mesh=mesh, in_specs=(heads, heads, heads, meta, meta),
+                          out_specs=(heads, P(BATCH_AXES, "seq", None)),
+                          check_vma=cfg.model.attention_impl != "pallas")
+
+  def attend(*args):
+    with jax.named_scope(ATTENTION_SCOPE):
+      return sharded(*args)
+
+  return attend
