@@ -34,7 +34,7 @@ def main(argv=None) -> int:
       pass  # JAX already started (main() called in-process); make_mesh reports a shortfall
   from bdlm_jax.checkpoint import CheckpointError
   from bdlm_jax.data import DataError
-  from bdlm_jax.loop import default_workdir, train
+  from bdlm_jax.loop import BadStepsError, default_workdir, train
   workdir = args.workdir or default_workdir(args.config)
   try:
     if cfg.mode == "export":
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
       print(completion)
       return 0
     history = train(cfg, workdir, resume=args.resume, progress=not args.no_progress)
-  except (ConfigError, DataError, CheckpointError, OSError) as e:
+  except (ConfigError, DataError, CheckpointError, BadStepsError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:

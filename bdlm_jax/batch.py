@@ -38,15 +38,21 @@ def _check_tokens(cfg: Config, tokens: np.ndarray) -> None:
   if tokens.ndim != 2 or tokens.shape[1] != cfg.data.seq_len or tokens.shape[0] == 0:
     raise ConfigError(f"tokens must be int [S >= 1, data.seq_len={cfg.data.seq_len}], got "
                       f"shape {tokens.shape}")
+  check_token_ids(cfg, tokens, "the data")
+
+
+def check_token_ids(cfg: Config, tokens: np.ndarray, where: str) -> None:
+  """Integer ids inside the embedding table and never the [MASK] id (out-of-range ids would
+  silently read garbage rows: NaN logits); `where` names the tokens in the error."""
   if not np.issubdtype(tokens.dtype, np.integer):
-    raise ConfigError(f"tokens must be integers, got dtype {tokens.dtype}")
+    raise ConfigError(f"tokens of {where} must be integers, got dtype {tokens.dtype}")
   lo, hi = int(tokens.min()), int(tokens.max())
   if lo < 0 or hi >= cfg.model.vocab_size:
     raise ConfigError(f"token ids must lie in [0, model.vocab_size={cfg.model.vocab_size}); "
-                      f"got min {lo}, max {hi}")
+                      f"got min {lo}, max {hi} in {where}")
   if cfg.objective.name != "ar" and np.any(tokens == cfg.objective.mask_token_id):
     raise ConfigError(f"token id {cfg.objective.mask_token_id} is objective.mask_token_id, "
-                      f"reserved for [MASK], and appears in the data")
+                      f"reserved for [MASK], and appears in {where}")
 
 
 def make_batch(cfg: Config, tokens, segment_ids=None, protected=None) -> Batch:
@@ -60,8 +66,19 @@ def make_batch(cfg: Config, tokens, segment_ids=None, protected=None) -> Batch:
     if arr.shape != tokens.shape:
       raise ConfigError(f"{name} shape {arr.shape} must equal tokens shape {tokens.shape}")
   rows = get_objective(cfg.objective.name).logical_rows(tokens, seg, prot, cfg.objective)
-  rows = apply_layout(plan_for(cfg), rows, PAD_VALUES)
+  plan = plan_for(cfg)
+  rows = apply_layout(plan, rows, PAD_VALUES)
+  rows["labels"] = np.where(_first_copies(plan)[None], rows["labels"], -1)
   return Batch(**{f: rows[f] for f in Batch._fields})
+
+
+def _first_copies(plan) -> np.ndarray:
+  """bool [P * rows_per_rank]: False on the later copies of a row that a layout repeats
+  (`bp` replicates the clean prefix), so that a label there is counted and scored once."""
+  flat = plan.rows.reshape(-1)
+  first = np.zeros(flat.shape, bool)
+  first[np.unique(flat, return_index=True)[1]] = True
+  return first
 
 
 def abstract_batch(cfg: Config, mesh) -> Batch:

@@ -8,10 +8,14 @@ typo or a wrong type fails at load time with a message that lists what is valid.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
+import functools
 import importlib.util
 import json
+import math
 import os
+import traceback
 import typing
 from typing import Any, Iterable
 
@@ -115,6 +119,8 @@ class TrainConfig:
   max_to_keep: int = 3
   async_checkpoint: bool = True
   peak_tflops: float = 0.0  # per device, for the MFU estimate; 0 guesses from the backend
+  # Steps with a non-finite loss, gradient or update are skipped; this many in a row stop the run.
+  max_bad_steps: int = 3
 
 
 @dataclasses.dataclass
@@ -170,6 +176,9 @@ class Config:
 
 
 def _from_dict(cls, d: dict, prefix: str):
+  if not isinstance(d, dict):
+    where = f"config section '{prefix[:-1]}'" if prefix else "a config"
+    raise ConfigError(f"{where} must be a dict of its keys (or a {cls.__name__}), got {d!r}")
   fields = {f.name: f for f in dataclasses.fields(cls)}
   hints = typing.get_type_hints(cls)
   kwargs = {}
@@ -260,15 +269,63 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> Config:
     raise ConfigError(f"config file not found: {path}")
   spec = importlib.util.spec_from_file_location("_bdlm_config", path)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  with _config_file_errors(path):
+    spec.loader.exec_module(module)
   if not hasattr(module, "get_config"):
     raise ConfigError(f"config file {path} does not define get_config()")
-  cfg = module.get_config()
+  with _config_file_errors(path):
+    cfg = module.get_config()
   if isinstance(cfg, dict):
     cfg = Config.from_dict(cfg)
   if not isinstance(cfg, Config):
     raise ConfigError(f"get_config() in {path} must return a bdlm_jax Config, got {type(cfg)}")
   return override(cfg, overrides)
+
+
+@contextlib.contextmanager
+def _config_file_errors(path: str):
+  """A config file that fails to run (a typo, a bad import) is a ConfigError naming the file
+  and line, so the CLI reports it in one line instead of a traceback."""
+  try:
+    yield
+  except ConfigError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    if isinstance(e, SyntaxError):
+      line, text = e.lineno, e.msg
+    else:
+      frames = [f.lineno for f in traceback.extract_tb(e.__traceback__)
+                if os.path.abspath(f.filename) == os.path.abspath(path)]
+      line, text = (frames[-1] if frames else None), str(e)
+    where = f"{path}, line {line}" if line else path
+    raise ConfigError(f"config file {where} raised {type(e).__name__}: {text}") from e
+
+
+_ABOVE_0 = ("> 0", lambda x: x > 0)
+_AT_LEAST_0 = (">= 0", lambda x: x >= 0)
+_STEP = (">= -1 (-1: the latest)", lambda x: x >= -1)
+# Numeric keys with a range beyond the ">= 1" counts listed in `validate`: key -> (rule,
+# test). Every float must also be finite.
+_RANGES = {
+    "model.rope_theta": _ABOVE_0,
+    "model.norm_eps": ("in (0, 1)", lambda x: 0 < x < 1),
+    "data.num_threads": _AT_LEAST_0,
+    "train.lr": _ABOVE_0,
+    "train.warmup_steps": _AT_LEAST_0,
+    "train.min_lr_ratio": ("in [0, 1]", lambda x: 0 <= x <= 1),
+    "train.weight_decay": _AT_LEAST_0,
+    "train.b1": ("in [0, 1)", lambda x: 0 <= x < 1),
+    "train.b2": ("in [0, 1)", lambda x: 0 <= x < 1),
+    "train.grad_clip": ("> 0 (the global-norm bound: 0 would zero every update)",
+                        lambda x: x > 0),
+    "train.peak_tflops": (">= 0 (0: guessed from the backend)", lambda x: x >= 0),
+    "parallel.num_processes": (">= 0 (0: from the environment)", lambda x: x >= 0),
+    "parallel.process_id": (">= -1 (-1: from the environment)", lambda x: x >= -1),
+    "sample.steps_per_block": (">= 0 (0: one token per step)", lambda x: x >= 0),
+    "sample.temperature": (">= 0 (0: greedy)", lambda x: x >= 0),
+    "sample.checkpoint_step": _STEP,
+    "export.checkpoint_step": _STEP,
+}
 
 
 def _choice(key: str, value: str, allowed: Iterable[str]) -> None:
@@ -304,11 +361,20 @@ def validate(cfg: Config) -> None:
       "parallel.seq": p.seq, "parallel.tensor": p.tensor, "train.steps": t.steps,
       "train.batch_size": t.batch_size, "train.grad_accum": t.grad_accum,
       "train.log_every": t.log_every, "train.ckpt_every": t.ckpt_every,
-      "train.max_to_keep": t.max_to_keep,
+      "train.max_to_keep": t.max_to_keep, "train.max_bad_steps": t.max_bad_steps,
+      "sample.max_new_tokens": cfg.sample.max_new_tokens,
   }
   for key, value in positive.items():
     if value < 1:
       raise ConfigError(f"{key} must be >= 1, got {value}")
+  for key in all_keys(cfg):
+    value = functools.reduce(getattr, key.split("."), cfg)
+    if isinstance(value, float) and not math.isfinite(value):  # NaN passes any comparison
+      raise ConfigError(f"{key} must be a finite number, got {value}")
+  for key, (rule, holds) in _RANGES.items():
+    value = functools.reduce(getattr, key.split("."), cfg)
+    if not holds(value):
+      raise ConfigError(f"{key} must be {rule}, got {value}")
   if cfg.plan.device_memory_gb < 0:
     raise ConfigError(f"plan.device_memory_gb must be >= 0 (0: what the device reports), got "
                       f"{cfg.plan.device_memory_gb}")

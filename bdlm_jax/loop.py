@@ -17,12 +17,20 @@ from bdlm_jax.parallel.mesh import data_shard, initialize_distributed, make_mesh
 from bdlm_jax.train import abstract_state, init_state, make_train_step
 
 
+class BadStepsError(RuntimeError):
+  """`train.max_bad_steps` steps in a row had a non-finite loss, gradient or update."""
+
+
 def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True) -> list[dict]:
   """Trains `cfg.train.steps` steps; returns the logged metrics. Resumes from `workdir`.
 
   Without `resume`, a workdir that already holds checkpoints is refused before anything is
   written to it. If training stops early (an error, Ctrl-C), checkpoints already started are
   finished before the exception propagates, so `resume` can continue from them.
+
+  A step that `train_step` skips (a non-finite loss, gradient or update) is counted in the
+  logged `skipped_steps` and not checkpointed; `train.max_bad_steps` in a row raise
+  `BadStepsError`.
   """
   initialize_distributed(cfg)
   mesh = make_mesh(cfg)
@@ -33,10 +41,13 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
     if not resume and ckpt.latest_step() is not None:
       raise FileExistsError(f"{workdir} already holds checkpoints (latest step "
                             f"{ckpt.latest_step()}); pass --resume or choose a new --workdir")
+    ckpt.remove_unfinished_saves()  # the workdir is ours to write
     shard, n_shards, local = data_shard(mesh, cfg.train.batch_size)
     data = make_dataset(cfg.data, batch_size=local.stop - local.start, seed=cfg.seed,
                         vocab_size=cfg.model.vocab_size, process_index=shard,
-                        process_count=n_shards, block_size=cfg.objective.block_size)
+                        process_count=n_shards, block_size=cfg.objective.block_size,
+                        mask_token_id=None if cfg.objective.name == "ar"
+                        else cfg.objective.mask_token_id)
     init_key, step_key = jax.random.split(jax.random.key(cfg.seed))
     if resume and ckpt.latest_step() is not None:
       start, state, data_state = ckpt.restore(abstract_state(cfg, mesh))
@@ -45,18 +56,22 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
       params = params_from_hf(cfg, mesh) if cfg.init_from else None  # AR -> BDLM conversion
       start, state = 0, init_state(cfg, init_key, mesh, params)
     train_step = make_train_step(cfg, mesh)
-    writer = MetricsWriter(workdir)
+    writer = MetricsWriter(ckpt.workdir, start)
     flops, peak = model_flops_per_step(cfg), peak_flops(cfg)
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     history = []
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not progress or jax.process_index())
     last_time, last_step = time.perf_counter(), start
+    bad_in_a_row = skipped_since_row = 0
     for step in range(start, cfg.train.steps):
       raw = next(data)
       batch = make_batch(cfg, raw["tokens"], raw["segment_ids"], raw.get("protected"))
       batch = put_batch(batch, mesh, cfg.train.batch_size, local)
       state, metrics = train_step(state, batch, jax.random.fold_in(step_key, step))
       done = step + 1
+      skipped = int(metrics.pop("skipped"))  # waits for the step: its state may be saved below
+      bad_in_a_row = bad_in_a_row + 1 if skipped else 0
+      skipped_since_row += skipped
       if done % cfg.train.log_every == 0 or done == cfg.train.steps:
         metrics = jax.device_get(metrics)
         now = time.perf_counter()
@@ -65,12 +80,22 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
         row = dict(step=done, **{k: float(np.asarray(v)) for k, v in metrics.items()},
                    step_time_s=step_time, tokens_per_s=tokens_per_step / step_time,
                    mfu=flops / step_time / peak if peak else None,
-                   peak_memory_bytes=peak_memory_bytes())
+                   peak_memory_bytes=peak_memory_bytes(), skipped_steps=skipped_since_row)
+        skipped_since_row = 0
         history.append(row)
         writer.write(done, {k: v for k, v in row.items() if k != "step"})
         bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
       bar.update(1)
-      ckpt.save(done, state, data.get_state(), force=done == cfg.train.steps)
+      if bad_in_a_row == cfg.train.max_bad_steps:
+        ckpt.wait()
+        last = ckpt.latest_step()
+        good = f"{ckpt.step_dir(last)} (step {last})" if last is not None else "none yet"
+        raise BadStepsError(
+            f"steps {done - bad_in_a_row + 1}-{done} had a non-finite loss, gradient or update "
+            f"(train.max_bad_steps={cfg.train.max_bad_steps} in a row); stopped at step {done}. "
+            f"Last good checkpoint: {good}")
+      if not skipped:  # a skipped step changed nothing, and its state may be a NaN init_from
+        ckpt.save(done, state, data.get_state(), force=done == cfg.train.steps)
     bar.close()
     return history
   finally:

@@ -1,10 +1,11 @@
 """Per-step metrics: throughput, model-FLOPs utilisation, memory; JSONL + TensorBoard + tqdm."""
 
 import json
-import os
+import math
 
 import jax
 import numpy as np
+from etils import epath
 
 from bdlm_jax.config import Config
 from bdlm_jax.parallel.layout import make_plan
@@ -50,15 +51,29 @@ def peak_memory_bytes() -> int | None:
 
 
 class MetricsWriter:
-  """Appends one JSON object per logged step and mirrors scalars to TensorBoard."""
+  """Appends one JSON object per logged step and mirrors scalars to TensorBoard.
 
-  def __init__(self, workdir: str, enabled: bool = True):
+  `start` is the step training (re)starts from: rows logged after it by an earlier run in
+  `workdir` are dropped (TensorBoard events purged), as those steps are trained again and
+  each step should be logged once.
+  """
+
+  def __init__(self, workdir: epath.PathLike, start: int = 0, enabled: bool = True):
     self.enabled = enabled and jax.process_index() == 0
     if not self.enabled:
       return
     from tensorboardX import SummaryWriter
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
-    self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+    workdir = epath.Path(workdir)
+    path = workdir / "metrics.jsonl"
+    if path.exists():
+      rows = path.read_text().splitlines(keepends=True)
+      kept = [row for row in rows if _logged_step(row) <= start]
+      if kept != rows:
+        tmp = path.parent / f"{path.name}.tmp"
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+    self._jsonl = path.open("a")
+    self._tb = SummaryWriter(str(workdir / "tb"), purge_step=start + 1)
 
   def write(self, step: int, scalars: dict) -> None:
     """None (a figure this backend cannot give, e.g. MFU on CPU) is kept as JSON null."""
@@ -75,3 +90,11 @@ class MetricsWriter:
     if self.enabled:
       self._jsonl.close()
       self._tb.close()
+
+
+def _logged_step(row: str) -> float:
+  """The step of a metrics.jsonl row; a torn row (a crash mid-write) counts as after all."""
+  try:
+    return json.loads(row)["step"]
+  except (ValueError, KeyError, TypeError):
+    return math.inf

@@ -21,9 +21,8 @@ stops after the block holding EOS. The prompt is placed so that it ends on a blo
 boundary (like SFT data, data/chat.py); the positions before it are padding (segment 0).
 
 For `fast_dllm_v2` (token shift) position j is predicted by row j-1: inside the block by
-the noisy row before it, and for the block's first token by the last row of the finished
-previous block, run as noisy rows without masks, which is how training scores it (noisy
-rows carry the labels; clean rows never do).
+the noisy row before it, and for the block's first token by the last clean row of the
+finished previous block, the row training scores it on (objectives/fast_dllm_v2.py).
 The model is run through its own modules (`Block.project`, `Block.finish`); only attention
 is re-wired over [cache ; block]. Sampling uses the `xla` attention on one device.
 """
@@ -38,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bdlm_jax.batch import check_token_ids
 from bdlm_jax.config import Config, ConfigError
 from bdlm_jax.kernels import xla
 from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta
@@ -98,15 +98,10 @@ def _steps(cfg_json: str) -> _Steps:
     h, k, v = _rows_forward(model, tokens_1B, pos, _meta(CLEAN, pos, seg_1B, bs), cache, bs,
                             chunk)
     at = (0, 0, start, 0, 0)
-    nxt = None
-    if shift:  # the finished block as unmasked noisy rows: its last row predicts the next token
-      h, _, _ = _rows_forward(model, tokens_1B, pos, _meta(NOISY, pos, seg_1B, bs), cache, bs,
-                              chunk)
-      nxt = model.logits(h[:, -1])[0]
     cache = KVCache(jax.lax.dynamic_update_slice(cache.k, k, at),
                     jax.lax.dynamic_update_slice(cache.v, v, at),
                     jax.lax.dynamic_update_slice(cache.seg, seg_1B.astype(jnp.int32), (0, start)))
-    return cache, nxt
+    return cache, model.logits(h[:, -1])[0] if shift else None  # the next block's first token
 
   def denoise(params, cache, tokens_1B, start):
     model = merge(cfg, params)
@@ -115,19 +110,15 @@ def _steps(cfg_json: str) -> _Steps:
     return model.logits(_rows_forward(model, tokens_1B, pos, meta, cache, bs, chunk)[0])[0]
 
   def denoise_full(params, ctx_1C, seg_1C, tokens_1B, start):
-    """Rows: the clean context, the previous block as unmasked noisy rows (whose last row
-    predicts this block's first token under the shift), this block's noisy rows."""
+    """Rows: the clean context, then this block's noisy rows. Also returns the logits of
+    clean row start-1, which predict this block's first token under the shift."""
     model = merge(cfg, params)
     c = ctx_1C.shape[1]
-    ctx_pos, prev_pos, pos = jnp.arange(c)[None], block_pos(start - bs), block_pos(start)
-    prev_tokens = jax.lax.dynamic_slice_in_dim(ctx_1C, start - bs, bs, axis=1)
-    prev_seg = jax.lax.dynamic_slice_in_dim(seg_1C, start - bs, bs, axis=1)
-    meta = _meta(CLEAN, ctx_pos, seg_1C, bs).concat(
-        _meta(NOISY, prev_pos, prev_seg, bs)).concat(_meta(NOISY, pos, jnp.ones_like(pos), bs))
-    h = model(jnp.concatenate([ctx_1C, prev_tokens, tokens_1B], 1),
-              jnp.concatenate([ctx_pos, prev_pos, pos], 1), meta,
-              functools.partial(xla.attend, chunk=chunk))
-    return model.logits(h[:, c + bs:])[0], model.logits(h[:, c + bs - 1])[0]
+    ctx_pos, pos = jnp.arange(c)[None], block_pos(start)
+    meta = _meta(CLEAN, ctx_pos, seg_1C, bs).concat(_meta(NOISY, pos, jnp.ones_like(pos), bs))
+    h = model(jnp.concatenate([ctx_1C, tokens_1B], 1), jnp.concatenate([ctx_pos, pos], 1),
+              meta, functools.partial(xla.attend, chunk=chunk))
+    return model.logits(h[:, c:])[0], model.logits(h[:, start - 1])[0]
 
   def reveal(logits_BV, tokens_B, masked_B, n, key, temperature, priority_B, by_confidence):
     logits = logits_BV.at[:, mask_id].set(-jnp.inf)  # [MASK] is never a prediction
@@ -164,7 +155,7 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
 
   Options default to `cfg.sample`; `eos_id` defaults to the EOS of `data.tokenizer`. The
   result ends with EOS if generation stopped there. Same key, same tokens, with or without
-  the KV cache.
+  the KV cache. Prompt ids must index the embedding and not be the [MASK] id.
   """
   o = cfg.sample
   max_new_tokens = o.max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -178,10 +169,12 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
                       f"got objective.name={cfg.objective.name!r}")
   if strategy not in ("confidence", "first_hitting"):
     raise ConfigError(f"sample strategy {strategy!r} is not 'confidence' or 'first_hitting'")
-  prompt = np.asarray(prompt_tokens, np.int32).reshape(-1)
+  prompt = np.asarray(prompt_tokens).reshape(-1)
   if not prompt.size or max_new_tokens < 1 or steps < 0:
     raise ConfigError(f"need a non-empty prompt, max_new_tokens >= 1 and steps_per_block >= 0; "
                       f"got {prompt.size} prompt tokens, {max_new_tokens}, {steps}")
+  check_token_ids(cfg, prompt, "the prompt")
+  prompt = prompt.astype(np.int32)
   m, bs = cfg.model, cfg.objective.block_size
   d = cfg.to_dict()
   fns = _steps(json.dumps(dict(model=d["model"], objective=d["objective"]), sort_keys=True))
@@ -232,7 +225,7 @@ def _tokenizer(cfg: Config):
   from bdlm_jax.data.pipeline import check_tokenizer  # the data package imports grain
   from bdlm_jax.data.tokenizers import make_tokenizer
   tokenizer = make_tokenizer(cfg.data)
-  check_tokenizer(tokenizer, cfg.data, cfg.model.vocab_size)
+  check_tokenizer(tokenizer, cfg.data, cfg.model.vocab_size, cfg.objective.mask_token_id)
   return tokenizer
 
 

@@ -82,17 +82,31 @@ def _accumulated_grads(cfg, mesh, params, batch, key):
                      masked_tokens=masked)
 
 
+def _all_finite(tree) -> jax.Array:
+  return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]).all()
+
+
 def make_train_step(cfg: Config, mesh):
-  """A jitted `train_step(state, batch, key) -> (state, metrics)` on `mesh`."""
+  """A jitted `train_step(state, batch, key) -> (state, metrics)` on `mesh`.
+
+  A step whose loss, gradients or resulting state are not finite is not applied: it returns
+  the state unchanged and `metrics["skipped"] = 1`, so a bad batch or a blow-up never reaches
+  a checkpoint (loop.py stops after `train.max_bad_steps` in a row). Not `optax.apply_if_finite`:
+  it checks only the gradients, applies a non-finite update once its budget is spent, and
+  adds its counters to the optimiser state that checkpoints hold.
+  """
   optimizer = make_optimizer(cfg.train)
   schedule = learning_rate(cfg.train)
 
   def train_step(state: TrainState, batch, key):
     grads, metrics = _accumulated_grads(cfg, mesh, state.params, batch, key)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(state.step))
-    return TrainState(state.step + 1, params, opt_state), metrics
+    new = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm) & _all_finite(new)
+    metrics = dict(metrics, grad_norm=grad_norm, lr=schedule(state.step),
+                   skipped=(~ok).astype(jnp.int32))
+    return jax.tree.map(lambda n, old: jnp.where(ok, n, old), new, state), metrics
 
   state_sh = state_shardings(cfg, mesh)
   replicated = NamedSharding(mesh, P())

@@ -7,10 +7,11 @@ fine-tuned with the block diffusion objective; a 2-core CPU runs it in a few min
       --set export.out_dir=runs/convert_tiny_hf                # back to a transformers folder
 
 For a real checkpoint, point `init_from` at its folder and copy its shapes into `model`
-(`bdlm_jax.import_hf(path)` returns a Config holding them); pick a [MASK] id the tokenizer
-reserves. The SFT data are chat records ("12+7=" -> "19") in the plain template with the
-byte tokenizer; prompts stay clean and out of the loss, responses are trained with the
-Fast-dLLM v2 objective (shifted logits, complementary masks).
+(`bdlm_jax.import_hf(path)` returns a Config holding them, with a [MASK] id no text encodes
+to and, if it had to add a row for it, the larger vocab_size). The SFT data are chat
+records ("12+7=" -> "19") in the plain template with the byte tokenizer; prompts stay clean
+and out of the loss, responses are trained with the Fast-dLLM v2 objective (shifted logits,
+complementary masks).
 """
 
 from bdlm_jax.config import Config, DataConfig, ModelConfig, ObjectiveConfig, TrainConfig

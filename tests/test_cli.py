@@ -71,17 +71,41 @@ def test_run_writes_metrics_tensorboard_and_checkpoints(trained):
 
 
 def test_resume_continues_from_the_last_checkpoint(trained, tmp_path):
-  """A run that died after logging step 4 but before checkpointing it redoes step 4 alike."""
+  """A run that died after logging step 4 but before checkpointing it (and in the middle of
+  an emergency save of step 3) redoes step 4 alike, logs it once and drops the unfinished
+  save."""
   workdir = str(tmp_path / "run")
   shutil.copytree(trained, workdir)
   shutil.rmtree(os.path.join(workdir, str(STEPS)))
+  os.makedirs(os.path.join(workdir, "3.orbax-checkpoint-tmp", "state"))
   before = rows(workdir)
   assert run.main(argv(f"train.steps={STEPS}", "train.peak_tflops=1", workdir=workdir,
                        flags=["--resume"])) == 0
   after = rows(workdir)
-  assert after[:2] == before and [row["step"] for row in after] == [2, 4, 4]
-  assert after[2]["loss"] == pytest.approx(before[1]["loss"], rel=1e-6)
+  assert after[0] == before[0] and [row["step"] for row in after] == [2, 4]
+  assert after[1]["loss"] == pytest.approx(before[1]["loss"], rel=1e-6)
   assert checkpoint_steps(workdir) == [2, 4]
+  assert not os.path.exists(os.path.join(workdir, "3.orbax-checkpoint-tmp"))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_non_finite_steps_are_skipped_and_stop_the_run_keeping_the_good_checkpoints(
+    trained, tmp_path, capsys):
+  """From step 5 on, train.lr=1e39 (inf in float32) makes every update non-finite. No step is
+  applied or saved (ckpt_every=1 would save 5-7, and max_to_keep=2 then delete both good
+  checkpoints), each is counted, and the third in a row stops the run naming it and the last
+  good checkpoint."""
+  workdir = str(tmp_path / "run")
+  shutil.copytree(trained, workdir)
+  code = run.main(argv("train.steps=10", "train.lr=1e39", "train.ckpt_every=1",
+                       "train.max_to_keep=2", "train.max_bad_steps=3", workdir=workdir,
+                       flags=["--resume"]))
+  line = error_line(capsys)
+  assert code == 2
+  assert "steps 5-7 had a non-finite loss, gradient or update" in line, line
+  assert f"stopped at step 7. Last good checkpoint: {workdir}/4 (step 4)" in line, line
+  assert checkpoint_steps(workdir) == [2, 4]
+  assert [(row["step"], row["skipped_steps"]) for row in rows(workdir)] == [(2, 0), (4, 0), (6, 2)]
 
 
 def test_resume_of_a_finished_run_says_there_is_nothing_to_train(trained, capsys):
@@ -131,8 +155,12 @@ BAD_INPUTS = {
                           ["data.path='/nonexistent/corpus.txt' matches no file"]),
     "tokenizer beyond vocab": (["model.vocab_size=200", "objective.mask_token_id=199"],
                                ["vocab size 260 but model.vocab_size=200"]),
-    "mask id in data": (["objective.mask_token_id=257"],
-                        ["token id 257 is objective.mask_token_id", "appears in the data"]),
+    "mask id is a data token": (["objective.mask_token_id=257"],
+                                ["objective.mask_token_id=257 is the EOS token of data.tokenizer"
+                                 "='byte'", "use objective.mask_token_id=259"]),
+    "mask id changed": (["model.vocab_size=261", "objective.mask_token_id=260"],
+                        ["objective.mask_token_id=259, current config has 260",
+                         "model.vocab_size=260, current config has 261"]),
     "incompatible checkpoint": (["model.d_model=64"],
                                 ["model.d_model=32, current config has 64"]),
     "unknown strategy": (["parallel.strategy=zigzag"],
@@ -195,3 +223,17 @@ def test_plan_mode_compiles_every_strategy_and_names_the_one_to_use(capsys):
 def test_plan_mode_config_errors_print_one_line_and_no_traceback(capsys, overrides, expected):
   assert run.main(argv("mode=plan", *overrides)) == 2
   assert expected in error_line(capsys)
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("def get_config():\n  return {'model': 5}\n", "config section 'model' must be a dict"),
+    ("def get_config():\n  return {'train': {'lr': 1 / 0}}\n",
+     "line 2 raised ZeroDivisionError: division by zero"),
+    ("def get_config():\n  return {'train': {'lr': -1.0}}\n", "train.lr must be > 0, got -1.0"),
+])
+def test_a_broken_config_file_is_one_line_without_traceback(tmp_path, capsys, body, expected):
+  config = tmp_path / "broken.py"
+  config.write_text(body)
+  assert run.main(["--config", str(config), "--workdir", str(tmp_path / "run")]) == 2
+  assert expected in error_line(capsys)
+  assert not (tmp_path / "run").exists()

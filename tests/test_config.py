@@ -129,3 +129,56 @@ def test_replace_updates_sections_functionally_and_validates():
 def test_a_config_round_trips_through_a_dict():
   cfg = load_config(QUICKSTART, ["model.qk_norm=true", "parallel.strategy=bp"])
   assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("item, expected", [
+    ("train.lr=0", "train.lr must be > 0, got 0.0"),
+    ("train.lr=nan", "train.lr must be a finite number, got nan"),
+    ("model.rope_theta=inf", "model.rope_theta must be a finite number"),
+    ("train.b1=-0.1", "train.b1 must be in [0, 1)"),
+    ("train.b2=1", "train.b2 must be in [0, 1), got 1.0"),
+    ("train.warmup_steps=-1", "train.warmup_steps must be >= 0"),
+    ("train.grad_clip=0", "train.grad_clip must be > 0"),
+    ("train.weight_decay=-1e-4", "train.weight_decay must be >= 0"),
+    ("train.min_lr_ratio=2", "train.min_lr_ratio must be in [0, 1]"),
+    ("model.norm_eps=0", "model.norm_eps must be in (0, 1)"),
+    ("data.num_threads=-1", "data.num_threads must be >= 0"),
+    ("sample.temperature=-0.5", "sample.temperature must be >= 0"),
+    ("sample.max_new_tokens=0", "sample.max_new_tokens must be >= 1"),
+    ("export.checkpoint_step=-2", "export.checkpoint_step must be >= -1"),
+    ("parallel.process_id=-5", "parallel.process_id must be >= -1"),
+    ("objective.eps_min=0", "need 0 < objective.eps_min <= objective.eps_max <= 1"),
+    ("objective.eps_min=0.5,objective.eps_max=0.4", "objective.eps_min <= objective.eps_max"),
+    ("train.batch_size=0", "train.batch_size must be >= 1"),
+])
+def test_a_number_out_of_range_names_the_key_and_the_rule(item, expected):
+  with pytest.raises(ConfigError) as e:
+    override(Config(), item.split(","))
+  assert expected in str(e.value)
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("def get_config():\n  return {'model': 5}\n",
+     "config section 'model' must be a dict of its keys (or a ModelConfig), got 5"),
+    ("from bdlm_jax.config import Config\ndef get_config():\n  return Config(train=[1])\n",
+     "config section 'train' must be a dict"),
+])
+def test_a_section_of_the_wrong_type_is_a_config_error(tmp_path, body, expected):
+  path = tmp_path / "exp.py"
+  path.write_text(body)
+  with pytest.raises(ConfigError) as e:
+    load_config(str(path))
+  assert expected in str(e.value)
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("def get_config():\n  return {'train': {'steps': undefined_name}}\n",
+     "exp.py, line 2 raised NameError: name 'undefined_name' is not defined"),
+    ("import no_such_module_here\n", "exp.py, line 1 raised ModuleNotFoundError"),
+    ("def get_config(:\n  pass\n", "exp.py, line 1 raised SyntaxError"),
+])
+def test_a_config_file_that_fails_to_run_names_the_file_and_line(tmp_path, body, expected):
+  path = tmp_path / "exp.py"
+  path.write_text(body)
+  with pytest.raises(ConfigError, match=expected.replace(".", r"\.").replace("(", r"\(")):
+    load_config(str(path))

@@ -1,16 +1,21 @@
 """Block-wise sampling: the KV cache changes nothing, EOS stops it, training makes it right."""
 
+import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import run
-from bdlm_jax import init_params, load_config, make_mesh, sample
+from bdlm_jax import init_params, load_config, make_batch, make_mesh, sample
 from bdlm_jax.checkpoint import Checkpointer
-from bdlm_jax.config import Config, replace
+from bdlm_jax.config import Config, ConfigError, replace
 from bdlm_jax.data import ArithmeticSource, ByteTokenizer, check_arithmetic
+from bdlm_jax.params import merge
+from bdlm_jax.sample import KVCache, _steps
+from bdlm_jax.parallel.strategies import make_attend
 from bdlm_jax.train import abstract_state
 
 PROMPT = list(b"12+7=")
@@ -35,6 +40,33 @@ def test_kv_cache_sampler_equals_full_recompute_token_for_token(objective):
     np.testing.assert_array_equal(cached, full)
 
 
+def test_a_denoising_step_over_the_cache_gives_the_training_forwards_logits():
+  """The sampler's own wiring (KV cache, `Block.project` / `finish`) computes for a partly
+  masked block what the training forward computes for the same block's noisy rows."""
+  cfg = _tiny("bd3lm")
+  L, bs, mask = cfg.data.seq_len, cfg.objective.block_size, cfg.objective.mask_token_id
+  start = L - bs  # the last block is denoised; every block before it is clean context
+  tokens = np.random.default_rng(3).integers(0, 250, (1, L))
+  block = np.where([True, False, True, True], mask, tokens[0, start:])
+  params = init_params(cfg, jax.random.key(4))
+
+  batch = make_batch(cfg, tokens)
+  inputs = np.asarray(batch.tokens).copy()
+  inputs[0, start:L] = block  # rows 0..L-1 are the noisy stream, L..2L-1 the clean one
+  model = merge(cfg, params)
+  trained = model.logits(model(inputs, batch.pos, batch.meta, make_attend(cfg)))[0, start:L]
+
+  d = cfg.to_dict()
+  fns = _steps(json.dumps(dict(model=d["model"], objective=d["objective"]), sort_keys=True))
+  m = cfg.model
+  shape = (m.n_layers, 1, L, m.n_kv_heads, m.head_dim)
+  cache = KVCache(jnp.zeros(shape), jnp.zeros(shape), jnp.zeros((1, L), jnp.int32))
+  for b in range(0, start, bs):
+    cache, _ = fns.commit(params, cache, tokens[:, b:b + bs], np.ones((1, bs), np.int32), b)
+  sampled = fns.denoise(params, cache, block[None], start)
+  np.testing.assert_allclose(sampled, trained, rtol=1e-5, atol=1e-5)
+
+
 def test_generation_stops_after_the_first_eos():
   cfg = _tiny("bd3lm")
   params = init_params(cfg, jax.random.key(0))
@@ -43,6 +75,25 @@ def test_generation_stops_after_the_first_eos():
   stopped = sample(params, cfg, PROMPT, jax.random.key(1), max_new_tokens=16, eos_id=eos)
   first = list(free).index(eos)
   np.testing.assert_array_equal(stopped, free[:first + 1])
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([49, 260], r"must lie in \[0, model.vocab_size=260\); got min 49, max 260 in the prompt"),
+    ([-1, 49], r"got min -1, max 49 in the prompt"),
+    ([49, 259], r"token id 259 is objective.mask_token_id, .* appears in the prompt"),
+    ([49.0, 50.0], r"tokens of the prompt must be integers"),
+])
+def test_a_prompt_id_outside_the_vocabulary_or_the_mask_is_refused(prompt, message):
+  """Such an id would otherwise read no embedding row and give NaN logits."""
+  cfg = _tiny("bd3lm")
+  with pytest.raises(ConfigError, match=message):
+    sample(init_params(cfg, jax.random.key(0)), cfg, prompt, jax.random.key(1), eos_id=-1)
+
+
+def test_a_mask_id_the_tokenizer_uses_is_refused_before_sampling():
+  cfg = replace(_tiny("bd3lm"), objective=dict(mask_token_id=257))  # the byte EOS
+  with pytest.raises(ConfigError, match="objective.mask_token_id=257 is the EOS token"):
+    sample(init_params(cfg, jax.random.key(0)), cfg, PROMPT, jax.random.key(1))
 
 
 def _first_statement_correct(prompt: str, completion: str) -> bool:

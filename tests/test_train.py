@@ -3,6 +3,7 @@
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -13,7 +14,7 @@ from bdlm_jax.config import ConfigError, load_config, replace
 from bdlm_jax.loss import loss_fn
 from bdlm_jax.parallel.mesh import make_mesh
 from bdlm_jax.params import init_params
-from bdlm_jax.train import _accumulated_grads, abstract_state
+from bdlm_jax.train import _accumulated_grads, abstract_state, init_state, make_train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 60
@@ -139,6 +140,26 @@ def test_grad_accumulation_matches_single_batch(parallel):
     assert a.sharding.is_equivalent_to(g.sharding, a.ndim)  # accumulated as ZeRO-3 shards
     scale = float(np.abs(g).max())
     np.testing.assert_allclose(np.asarray(a), np.asarray(g), rtol=1e-5, atol=1e-6 * scale)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.parametrize("fault", [None, "inf_weights", "inf_lr"])
+def test_a_step_is_applied_only_if_loss_gradients_and_update_are_finite(fault):
+  """Inf weights make the loss and gradients non-finite; lr=1e39 (inf in float32) makes the
+  update non-finite. Such a step gives back the state it was given, and says so."""
+  cfg = tiny_config(batch_size=4, lr=1e39 if fault == "inf_lr" else 1e-2)
+  mesh = make_mesh(cfg)
+  state = init_state(cfg, jax.random.key(0), mesh)
+  if fault == "inf_weights":
+    state = state._replace(params=jax.tree.map(lambda w: w.at[(0,) * w.ndim].set(jnp.inf),
+                                               state.params))
+  before = jax.device_get(state)  # the step donates `state`
+  tokens = np.random.default_rng(0).integers(0, 256, (4, 32))
+  after, metrics = make_train_step(cfg, mesh)(state, make_batch(cfg, tokens), jax.random.key(1))
+  unchanged = [np.array_equal(a, b, equal_nan=True)
+               for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(after)))]
+  assert int(metrics["skipped"]) == (fault is not None)
+  assert all(unchanged) == (fault is not None)
 
 
 def test_token_ids_outside_the_vocabulary_are_refused():

@@ -25,38 +25,55 @@ from bdlm_jax.params import abstract_params
 from bdlm_jax.parallel.zero3 import zero3_shardings
 
 INDEX_FILE = "model.safetensors.index.json"
+VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # [vocab, d_model] in HF
 
 
 def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dict]:
   """(cfg, params) from a Llama or Qwen3 Hugging Face folder, params placed on `mesh`.
 
   `cfg.model` comes from config.json (params and compute in `dtype`); every other section
-  keeps the `Config()` defaults, except that `objective.mask_token_id` is the id recorded by
-  `export_hf` (`bdlm_mask_token_id`) or else vocab_size - 1, and `objective.block_size` is
-  `bdlm_block_size` when recorded (data.seq_len then a multiple of it). For a model that was never a BDLM, vocab_size - 1 is an
-  ordinary token of its tokenizer: pick a reserved or added token for real conversions.
+  keeps the `Config()` defaults, except:
+  * `objective.block_size` is `bdlm_block_size` when `export_hf` recorded it (data.seq_len
+    then a multiple of it), and `data.tokenizer` is the folder when it holds tokenizer.json;
+  * `objective.mask_token_id` is `bdlm_mask_token_id` when recorded, else an id no text
+    encodes to, from the folder's tokenizer (`pick_mask_id`: its mask token, an embedding row
+    beyond its vocabulary as Fast-dLLM v2 uses 151665 of Qwen2.5, a reserved placeholder).
+    Failing that, or without a tokenizer.json to tell free ids from real tokens, [MASK] gets
+    a new row: `model.vocab_size` grows by one and the new embedding (and head) row is the
+    mean of the others, a neutral start that training then moves.
   """
   hf = read_hf_config(path)
   model = dict(model_config_from_hf(hf, path), param_dtype=dtype, compute_dtype=dtype)
   defaults = Config()
   block = int(hf.get("bdlm_block_size", defaults.objective.block_size))
-  cfg = replace(defaults, model=model, objective=dict(
-      mask_token_id=int(hf.get("bdlm_mask_token_id", model["vocab_size"] - 1)),
-      block_size=block), data=dict(seq_len=math.lcm(defaults.data.seq_len, block)))
+  data = dict(seq_len=math.lcm(defaults.data.seq_len, block))
+  mask = hf.get("bdlm_mask_token_id")
+  if os.path.isfile(os.path.join(path, "tokenizer.json")):
+    from bdlm_jax.data.tokenizers import HFTokenizer, pick_mask_id  # late: data needs grain
+    data["tokenizer"] = path
+    if mask is None:
+      mask = pick_mask_id(HFTokenizer(path), model["vocab_size"])
+  if mask is None:
+    mask, model["vocab_size"] = model["vocab_size"], model["vocab_size"] + 1
+  cfg = replace(defaults, model=model, data=data,
+                objective=dict(mask_token_id=int(mask), block_size=block))
   return cfg, _read_params(path, cfg, mesh)
 
 
 def params_from_hf(cfg: Config, mesh=None) -> dict:
   """Params of the HF folder `cfg.init_from`, which must have the shapes of `cfg.model`.
 
-  Only shapes are enforced; rope_theta or norm_eps that differ from the folder's (e.g. a
-  longer-context RoPE base for conversion) are used as configured, with a warning.
+  Only shapes are enforced, and the vocabulary may be larger than the folder's (a [MASK] row
+  `import_hf` added starts as the mean row); rope_theta or norm_eps that differ from the
+  folder's (e.g. a longer-context RoPE base for conversion) are used as configured, with a
+  warning.
   """
   path = cfg.init_from
   hf_model = model_config_from_hf(read_hf_config(path), path)
   ours = vars(cfg.model)
+  fits = lambda k: (hf_model[k] <= ours[k]) if k == "vocab_size" else hf_model[k] == ours[k]
   wrong = [f"{k} (folder {hf_model[k]!r}, config {ours[k]!r})"
-           for k in (*SHAPE_KEYS, "qk_norm") if hf_model[k] != ours[k]]
+           for k in (*SHAPE_KEYS, "qk_norm") if not fits(k)]
   if wrong:
     raise ConfigError(f"init_from={path} does not fit model.*: {'; '.join(wrong)}. Set those "
                       f"model.* keys to the folder's values (import_hf(path) returns them)")
@@ -97,6 +114,8 @@ def _read_params(path: str, cfg: Config, mesh) -> dict:
       shape = want.shape[1:] if stacked else want.shape
       hf_shape = tuple(shape[::-1] if tensors[0].transposed else shape)
       slices = [files.get_slice(t.name) for t in tensors]
+      if tensors[0].name in VOCAB_TENSORS and slices[0].get_shape()[0] < hf_shape[0]:
+        slices = [_MeanRowsAdded(slices[0], hf_shape[0])]
       for t, tensor in zip(tensors, slices):
         if tuple(tensor.get_shape()) != hf_shape:
           raise ConfigError(f"{path}: tensor {t.name!r} has shape {tuple(tensor.get_shape())}, "
@@ -126,6 +145,32 @@ def _place(slices: list, stacked: bool, transposed: bool, want, sharding) -> jax
     return np.ascontiguousarray(x.astype(want.dtype))
 
   return jax.make_array_from_callback(want.shape, sharding, read)
+
+
+class _MeanRowsAdded:
+  """A [vocab, d_model] HF tensor seen with `rows` rows: the added ones are its mean row.
+
+  The mean is accumulated over row chunks, so no host holds the whole tensor at once.
+  """
+
+  def __init__(self, tensor, rows: int, chunk: int = 8192):
+    self._tensor, self._rows = tensor, rows
+    self._have, width = tensor.get_shape()
+    total = np.zeros(width, np.float64)
+    for i in range(0, self._have, chunk):
+      part = tensor[i:min(i + chunk, self._have)]
+      total += part.astype(np.float64).sum(0)
+    self._mean = (total / self._have).astype(part.dtype)
+
+  def get_shape(self) -> list[int]:
+    return [self._rows, self._mean.size]
+
+  def __getitem__(self, index):
+    rows, cols = index
+    start, stop, _ = rows.indices(self._rows)
+    parts = [self._tensor[start:min(stop, self._have), cols]] if start < self._have else []
+    added = max(stop, self._have) - max(start, self._have)
+    return np.concatenate(parts + [np.repeat(self._mean[cols][None], added, axis=0)])
 
 
 class _TensorFiles:

@@ -4,7 +4,8 @@ Each step directory `<workdir>/<step>/` holds three items:
   state/   the train-state pytree (params, opt_state, step, rng key data), written by every
            host for the shards it owns and restored straight onto the mesh sharding;
   data/    the Grain iterator state, as JSON (bytes are base64-encoded);
-  config/  the resolved Config, checked against the current one on restore.
+  config/  the resolved Config and the tokenizer's fingerprint, checked against the current
+           ones on restore (a different vocabulary or [MASK] id would garble the params).
 
 Atomicity comes from Orbax: a step is written to `<step>.orbax-checkpoint-tmp` and renamed
 when complete, so a run killed mid-save leaves no step directory. A step directory that is
@@ -15,22 +16,27 @@ restore, with a warning, in favour of the newest step that restores.
 from __future__ import annotations
 
 import base64
-import os
-import tempfile
 import time
+import uuid
 import warnings
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from bdlm_jax.config import Config, ConfigError
 
 COMMIT_MARKER = "commit_success.txt"  # Orbax writes it into a step before the final rename.
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # of a step folder Orbax is still writing
 
 # Model keys that change how the model runs, not what its parameters mean: a run may resume
 # with a different kernel, remat policy or compute dtype.
 RUNTIME_MODEL_KEYS = ("attention_impl", "attention_chunk", "remat", "compute_dtype")
+
+
+# Key of the config item that records `Tokenizer.fingerprint`: what the token ids meant.
+TOKENIZER_KEY = "tokenizer_fingerprint"
 
 
 class CheckpointError(RuntimeError):
@@ -38,23 +44,24 @@ class CheckpointError(RuntimeError):
 
 
 class Checkpointer:
-  """Saves and restores (state, data iterator state, config) per step under `workdir`."""
+  """Saves and restores (state, data iterator state, config) per step under `workdir`, a
+  local folder or a URL Orbax can write (`gs://bucket/run`)."""
 
-  def __init__(self, workdir: str, cfg: Config, *, save_every: int, max_to_keep: int,
-               async_save: bool = True):
+  def __init__(self, workdir: epath.PathLike, cfg: Config, *, save_every: int,
+               max_to_keep: int, async_save: bool = True):
     if save_every < 1 or max_to_keep < 1:
       raise ConfigError(
           f"need save_every >= 1 and max_to_keep >= 1, got {save_every} and {max_to_keep}")
-    self.workdir = os.path.abspath(workdir)
+    self.workdir = workdir_path(workdir)
     self.cfg = cfg
+    self._tokenizer = _tokenizer_fingerprint(cfg)
     _check_writable(self.workdir)
     policy = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         enable_async_checkpointing=async_save,
-        # A run killed mid-save leaves `<step>.orbax-checkpoint-tmp`; Orbax replaces it when
-        # that step is saved again. Deleting such dirs at start-up instead would break the
-        # in-flight save of a trainer if another process (an evaluator) opened its workdir.
+        # Not at start-up: a reader (sampling, an evaluator) opening a trainer's workdir would
+        # delete its save in flight. The trainer calls `remove_unfinished_saves` instead.
         cleanup_tmp_directories=False,
         # Every `save_every` steps, plus an emergency save when a host is preempted. (Orbax's
         # default would also save the first step it sees, whatever its number.)
@@ -79,7 +86,7 @@ class Checkpointer:
     return self._mngr.save(step, force=force, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(_encode_data_state(data_state)),
-        config=ocp.args.JsonSave(self.cfg.to_dict()),
+        config=ocp.args.JsonSave({**self.cfg.to_dict(), TOKENIZER_KEY: self._tokenizer}),
     ))
 
   def latest_step(self) -> int | None:
@@ -112,8 +119,8 @@ class Checkpointer:
         raise  # the current config or state does not fit: an older step would not either
       except Exception as e:  # pylint: disable=broad-except
         if step is not None:
-          raise CheckpointError(f"cannot restore checkpoint {self._step_dir(s)}: {e}") from e
-        warnings.warn(f"checkpoint {self._step_dir(s)} is unreadable ({_short(e)}); "
+          raise CheckpointError(f"cannot restore checkpoint {self.step_dir(s)}: {e}") from e
+        warnings.warn(f"checkpoint {self.step_dir(s)} is unreadable ({_short(e)}); "
                       f"trying an older one")
         failures.append((s, e))
         continue
@@ -123,7 +130,18 @@ class Checkpointer:
     raise CheckpointError(
         f"no checkpoint in {self.workdir} restores (if all fail alike, check the abstract "
         f"state and mesh):\n" +
-        "\n".join(f"  {self._step_dir(s)}: {_short(e)}" for s, e in failures))
+        "\n".join(f"  {self.step_dir(s)}: {_short(e)}" for s, e in failures))
+
+  def remove_unfinished_saves(self) -> None:
+    """Deletes the `<step>.orbax-checkpoint-tmp` folders of saves a killed run left unfinished.
+
+    Saving a step again replaces its folder, but an emergency save on preemption is at a step
+    no later save repeats. Only the process that trains in `workdir` may call this: a reader
+    would delete a save in flight.
+    """
+    if jax.process_index() == 0:
+      for leftover in self.workdir.glob(f"*{TMP_SUFFIX}*"):
+        leftover.rmtree()
 
   def wait(self) -> None:
     """Blocks until pending async saves are on disk; call before exiting."""
@@ -140,8 +158,8 @@ class Checkpointer:
 
   # ---------------------------------------------------------------------------------------
 
-  def _step_dir(self, step: int) -> str:
-    return os.path.join(self.workdir, str(step))
+  def step_dir(self, step: int) -> epath.Path:
+    return self.workdir / str(step)
 
   def _committed_steps(self) -> list[int]:
     """Steps Orbax lists that also carry the commit marker, newest first.
@@ -150,17 +168,16 @@ class Checkpointer:
     only in part (a crash on a filesystem without atomic rename) would otherwise count.
     """
     return sorted((s for s in self._mngr.all_steps()
-                   if os.path.exists(os.path.join(self._step_dir(s), COMMIT_MARKER))),
-                  reverse=True)
+                   if (self.step_dir(s) / COMMIT_MARKER).exists()), reverse=True)
 
   def _uncommitted_steps(self) -> list[int]:
     return sorted(set(self._mngr.all_steps()) - set(self._committed_steps()))
 
   def _restore_step(self, step: int, abstract_state: Any) -> tuple[Any, Any]:
     saved = self._mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-    _check_compatible(saved.config, self.cfg, self._step_dir(step))
+    _check_compatible(saved.config, self.cfg, self._tokenizer, self.step_dir(step))
     _check_structure(self._mngr.item_metadata(step).state, abstract_state,
-                     self._step_dir(step))
+                     self.step_dir(step))
     out = self._mngr.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
     return out.state, _decode_data_state(out.data)
@@ -171,12 +188,12 @@ class Checkpointer:
       return
     if jax.process_index() == 0:
       for s in steps:
-        src = self._step_dir(s)
-        dst = f"{src}.corrupt"
-        if os.path.exists(dst):
-          dst = f"{dst}-{time.time_ns()}"
+        src = self.step_dir(s)
+        dst = src.parent / f"{src.name}.corrupt"
+        if dst.exists():
+          dst = dst.parent / f"{dst.name}-{time.time_ns()}"
         try:
-          os.rename(src, dst)
+          src.rename(dst)
           warnings.warn(f"moved unusable checkpoint {src} to {dst}")
         except OSError as e:
           warnings.warn(f"could not move unusable checkpoint {src} aside: {e}")
@@ -185,26 +202,48 @@ class Checkpointer:
     self._mngr.reload()
 
 
-def _check_writable(workdir: str) -> None:
+def workdir_path(workdir: epath.PathLike) -> epath.Path:
+  """A local folder made absolute; a URL (`gs://bucket/run`) kept, not made `./gs:/bucket/run`."""
+  path = epath.Path(workdir)
+  return path if path.is_absolute() else path.resolve()
+
+
+def _check_writable(workdir: epath.Path) -> None:
   """Fails before any training if checkpoints could not be written to `workdir`."""
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
+  if workdir.exists() and not workdir.is_dir():
     raise ConfigError(f"checkpoint workdir {workdir} exists and is not a directory")
+  probe = workdir / f".write_test_{uuid.uuid4().hex}"  # one per host
   try:
-    os.makedirs(workdir, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_test_"):
-      pass
+    workdir.mkdir(parents=True, exist_ok=True)
+    probe.write_text("")
+    probe.unlink()
   except OSError as e:
     raise ConfigError(f"checkpoint workdir {workdir} is not writable: {e}") from e
 
 
-def _check_compatible(saved: dict, cfg: Config, where: str) -> None:
+def _tokenizer_fingerprint(cfg: Config) -> str | None:
+  """What the token ids mean (`Tokenizer.fingerprint`); None where this machine cannot read
+  the tokenizer (an export elsewhere), which leaves it unchecked."""
+  try:
+    from bdlm_jax.data.tokenizers import make_tokenizer  # late: the data package needs grain
+    return make_tokenizer(cfg.data).fingerprint
+  except (ConfigError, ImportError):
+    return None
+
+
+def _check_compatible(saved: dict, cfg: Config, tokenizer: str | None, where: str) -> None:
   """Raises ConfigError naming each setting the parameters depend on that changed."""
   now = cfg.to_dict()
   keys = [("model", k) for k in now["model"] if k not in RUNTIME_MODEL_KEYS]
-  keys += [("objective", "name"), ("objective", "block_size"), ("data", "seq_len")]
+  keys += [("objective", "name"), ("objective", "block_size"), ("objective", "mask_token_id"),
+           ("data", "seq_len")]
   missing = "<missing>"
   diffs = [f"{a}.{b}={saved.get(a, {}).get(b, missing)!r}, current config has {now[a][b]!r}"
            for a, b in keys if saved.get(a, {}).get(b, missing) != now[a][b]]
+  was = saved.get(TOKENIZER_KEY)  # absent from checkpoints that predate it
+  if was and tokenizer and was != tokenizer:
+    diffs.append(f"data.tokenizer={saved['data']['tokenizer']!r} (vocabulary {was}), current "
+                 f"config has {cfg.data.tokenizer!r} (vocabulary {tokenizer})")
   if diffs:
     raise ConfigError(f"checkpoint in {where} was written with " +
                       "; ".join(diffs) + ". Resume with the same settings or use a new workdir.")

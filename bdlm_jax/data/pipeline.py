@@ -16,7 +16,7 @@ from bdlm_jax.config import ConfigError, DataConfig
 from bdlm_jax.data import chat
 from bdlm_jax.data.packing import pack
 from bdlm_jax.data.sources import DataError, make_source
-from bdlm_jax.data.tokenizers import EOS_NAMES, Tokenizer, make_tokenizer
+from bdlm_jax.data.tokenizers import EOS_NAMES, Tokenizer, check_mask_id, make_tokenizer
 
 # Documents read ahead. Grain's default (500) costs O(buffer) per element in grain 0.2.18
 # (its prefetch-depth probe) and ~3x slower batches here; a few dozen keeps 2 threads busy.
@@ -28,7 +28,10 @@ def _tokenize(tokenizer: Tokenizer, text: str) -> np.ndarray:
   return np.asarray(tokenizer.encode(text) + [tokenizer.eos_id], dtype=np.int32)
 
 
-def check_tokenizer(tokenizer: Tokenizer, data_cfg: DataConfig, vocab_size: int) -> None:
+def check_tokenizer(tokenizer: Tokenizer, data_cfg: DataConfig, vocab_size: int,
+                    mask_token_id: int | None = None) -> None:
+  """The tokenizer fits the model: its ids index the embedding, it has an EOS, and
+  `mask_token_id` (None: a model without [MASK]) is no token of its data."""
   if tokenizer.vocab_size > vocab_size:
     raise ConfigError(
         f"data.tokenizer={data_cfg.tokenizer!r} has vocab size {tokenizer.vocab_size} but "
@@ -38,11 +41,14 @@ def check_tokenizer(tokenizer: Tokenizer, data_cfg: DataConfig, vocab_size: int)
     raise ConfigError(
         f"data.tokenizer={data_cfg.tokenizer!r} has no end-of-document token "
         f"(looked for {list(EOS_NAMES)}); packing needs one to end each document")
+  if mask_token_id is not None:
+    check_mask_id(tokenizer, data_cfg, vocab_size, mask_token_id)
 
 
 def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size: int,
                  process_index: int = 0, process_count: int = 1,
-                 block_size: int = 1) -> grain.DatasetIterator:
+                 block_size: int = 1,
+                 mask_token_id: int | None = None) -> grain.DatasetIterator:
   """This process's batches {"tokens", "segment_ids"}: int32 [batch_size, L], forever.
 
   With `data.format="chat"` batches also hold "protected" bool [batch_size, L] (the prompts)
@@ -50,14 +56,15 @@ def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size
 
   Process p reads documents p, p + P, p + 2P, ... of the source (disjoint shards); each
   epoch is reshuffled from `seed` when `data.shuffle`. Padding is `tokenizer.pad_id` with
-  segment 0.
+  segment 0. `mask_token_id`, the objective's [MASK] (None for `ar`), is checked against the
+  tokenizer before anything is read.
   """
   if not 0 <= process_index < process_count:
     raise ConfigError(f"process_index={process_index} must lie in [0, {process_count})")
   if batch_size < 1:
     raise ConfigError(f"batch_size={batch_size} must be >= 1")
   tokenizer = make_tokenizer(data_cfg)
-  check_tokenizer(tokenizer, data_cfg, vocab_size)
+  check_tokenizer(tokenizer, data_cfg, vocab_size, mask_token_id)
   is_chat = data_cfg.format == "chat"
   source = chat.ChatSource(data_cfg.path, data_cfg.chat_template) if is_chat else make_source(
       data_cfg, seed)

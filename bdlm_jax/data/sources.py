@@ -1,6 +1,7 @@
 """Grain random-access sources of text documents (`len` + `getitem` -> str).
 
-File sources take `data.path` as one file or a glob (files read in sorted order):
+File sources take `data.path` as one file or a glob (files read in sorted order), local or a
+URL that etils.epath reads (`gs://bucket/shard-*.jsonl`):
 * text: one document per non-empty line (a corpus with one document per line is the common
   case, and lines give cheap random access; put multi-line documents in JSONL instead);
 * jsonl: one JSON object per non-empty line, the document under `data.text_field`;
@@ -17,6 +18,7 @@ import os
 
 import grain
 import numpy as np
+from etils import epath
 
 from bdlm_jax.config import DATA_SOURCES, ConfigError, DataConfig
 from bdlm_jax.data.arithmetic import ArithmeticSource
@@ -26,12 +28,17 @@ class DataError(ValueError):
   """A data file that exists but cannot be used; the message names the file (and line)."""
 
 
-def _expand(path: str) -> list[str]:
-  files = sorted(glob.glob(os.path.expanduser(path)))
+def _expand(path: str) -> list[epath.Path]:
+  root, pattern = os.path.expanduser(path), ""
+  while glob.has_magic(root):  # root: the folders before the first wildcard
+    head, slash, name = root.rpartition("/")
+    root, pattern = head or slash, f"{name}/{pattern}" if pattern else name
+  root = epath.Path(root)
+  files = sorted(root.glob(pattern)) if pattern else [root] if root.exists() else []
   if not files:
     raise ConfigError(f"data.path={path!r} matches no file")
   for f in files:
-    if not os.path.isfile(f):
+    if not f.is_file():
       raise ConfigError(f"data.path={path!r}: {f} is not a file")
   return files
 
@@ -44,7 +51,7 @@ class TextLineSource:
     rows = []  # (file, byte offset, byte length, 1-based line number) per document
     for file_id, file in enumerate(self._files):
       try:
-        with open(file, "rb") as f:
+        with file.open("rb") as f:
           offset = 0
           for lineno, line in enumerate(f, 1):
             if line.strip():
@@ -67,7 +74,7 @@ class TextLineSource:
   def __getitem__(self, index: int) -> str:
     file_id, offset, length, _ = self._rows_Nx4[index]
     try:
-      with open(self._files[file_id], "rb") as f:
+      with self._files[file_id].open("rb") as f:
         f.seek(offset)
         raw = f.read(length)
       return raw.decode("utf-8").rstrip("\r\n")
@@ -103,7 +110,7 @@ class ArrayRecordSource:
     self._sources = []
     for file in self._files:
       try:
-        self._sources.append(grain.sources.ArrayRecordDataSource([file]))
+        self._sources.append(grain.sources.ArrayRecordDataSource([str(file)]))
       except Exception as e:  # array_record raises bare RuntimeError/ValueError
         raise DataError(f"cannot read ArrayRecord file {file}: {e}") from e
     self._ends = np.cumsum([len(s) for s in self._sources]).tolist()

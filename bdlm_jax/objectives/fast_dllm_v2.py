@@ -1,19 +1,27 @@
 """Fast-dLLM v2 (AR -> BDLM conversion): token shift and complementary masks.
 
 Same `[x_t ; x_0]` stream and block mask as BD3-LM (DESIGN.md section 2), with two changes:
-* token shift: the logit of noisy row i predicts token i+1. If the *input* at i+1 is
-  [MASK], the hidden state at i is scored on x_{i+1}: inside a block row i sees the
-  [MASK] at i+1; the last row of a block sees only its own block and earlier clean blocks,
-  so it predicts the next block's first token as an AR model would. This keeps the AR
-  model's "hidden i -> token i+1" head (the sampler uses the same rows, see sample.py).
+* token shift: the logit of row i predicts token i+1, which keeps the AR model's "hidden i
+  -> token i+1" head. Inside a block, noisy row i sees the [MASK] at i+1 and is scored on
+  x_{i+1} when that input is masked. The first token of block b+1 is scored on the *clean*
+  row of the last position of block b, which sees blocks 0..b clean (every earlier token,
+  none masked, as the AR model did). That is exactly the row the sampler computes once
+  block b is finished (sample.py), as the reference does: `generate` in the `modeling.py`
+  of the Fast_dLLM_v2_7B release runs the finished block clean, block-causally, and takes
+  the next block's first token from its last row. Its training `forward` instead scores
+  that token on the last *noisy* row of block b, which sees block b partly masked: a
+  context sampling never produces.
 * complementary masks: each sequence is run twice, once with mask m and once with its
   complement on the maskable tokens, so every supervised token is scored exactly once per
-  step; weights are 1 and the sum is divided by the number of supervised tokens.
+  step; weights are 1 and the sum is divided by the number of supervised tokens. A token
+  is scored in the copy that masks it, its block's first token included (its clean row is
+  the same in both copies).
 
-Labels are built on the host in logical coordinates: the label of the last row of a block
-is the first token of the next block, which a layout may put on another rank. Whether that
-label is scored depends on the noise of position i+1, which every row reads from the
-logical noise tables by its position (so the corruption is the same under every layout).
+Labels are built on the host in logical coordinates: the first token of block b+1 labels
+the clean row of position (b+1)B - 1, which a layout may put on another rank than the
+block. Whether a label is scored depends on the noise of position i+1, which every row
+reads from the logical noise tables by its position (so the corruption is the same under
+every layout). Logits are taken on both streams (`LOSS_SLOT = "all"`).
 The batch is doubled inside `corrupt`, not by `make_batch`: the two copies must share one
 noise draw, and the host batch keeps the shape the data pipeline and `put_batch` expect.
 """
@@ -23,11 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from bdlm_jax.config import ObjectiveConfig
-from bdlm_jax.kernels.mask import NOISY
 from bdlm_jax.objectives.bd3lm import draw_noise
 from bdlm_jax.objectives.streams import logical_stream
 
-LOSS_SLOT = "noisy"
+LOSS_SLOT = "all"  # noisy rows inside blocks, clean rows at the block ends
 
 
 def supervised_positions(seg_SL, protected_SL) -> np.ndarray:
@@ -42,15 +49,18 @@ def supervised_positions(seg_SL, protected_SL) -> np.ndarray:
 
 
 def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
-  """Noisy row i: maskable if position i is supervised; label x_{i+1} if i+1 is."""
+  """Noisy row i: maskable if position i is supervised. Label x_{i+1}, if i+1 is supervised,
+  on noisy row i inside a block and on clean row i at a block's last position."""
   rows = logical_stream(tokens_SL, seg_SL)
   sup_SL = supervised_positions(seg_SL, protected_SL)
-  labels_SL = np.full(tokens_SL.shape, -1, np.int32)
-  labels_SL[:, :-1] = np.where(sup_SL[:, 1:], tokens_SL[:, 1:], -1)
+  next_SL = np.full(tokens_SL.shape, -1, np.int32)
+  next_SL[:, :-1] = np.where(sup_SL[:, 1:], tokens_SL[:, 1:], -1)
+  block_end_L = np.arange(tokens_SL.shape[1]) % cfg.block_size == cfg.block_size - 1
   clean = np.zeros(tokens_SL.shape, bool)
   rows.update(block=rows["pos"] // cfg.block_size,
               maskable=np.concatenate([sup_SL, clean], 1),
-              labels=np.concatenate([labels_SL, np.full_like(labels_SL, -1)], 1))
+              labels=np.concatenate([np.where(block_end_L, -1, next_SL),
+                                     np.where(block_end_L, next_SL, -1)], 1))
   return rows
 
 
@@ -64,14 +74,15 @@ def corrupt(key, batch, seq_len: int, cfg: ObjectiveConfig):
 
   `hit` = "position p is masked in the first copy" = u_p < t_block(p), drawn in logical
   coordinates. Row r's input is masked when its own position hits (copy 1) or misses
-  (copy 2); its logit is scored when position pos+1 does, for rows that have a label.
+  (copy 2); its logit is scored when position pos+1 does, for rows that have a label
+  (a clean row's logit is the same in both copies: it is scored in one).
   """
   t_SN, u_SL = draw_noise(key, batch.tokens.shape[0], seq_len, cfg)
   hit_SL = u_SL < jnp.repeat(t_SN, cfg.block_size, axis=1)
   hit_here = jnp.take_along_axis(hit_SL, batch.pos, axis=1)
   nxt = jnp.minimum(batch.pos + 1, seq_len - 1)
   hit_next = jnp.take_along_axis(hit_SL, nxt, axis=1)
-  has_label = (batch.labels >= 0) & (batch.stream == NOISY)
+  has_label = batch.labels >= 0
   masked = _interleave(batch.maskable & hit_here, batch.maskable & ~hit_here)
   inputs = jnp.where(masked, cfg.mask_token_id, _interleave(batch.tokens, batch.tokens))
   scored = _interleave(has_label & hit_next, has_label & ~hit_next)

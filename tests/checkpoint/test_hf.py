@@ -23,7 +23,7 @@ from bdlm_jax.parallel.mesh import make_mesh
 from bdlm_jax.parallel.zero3 import zero3_shardings
 from bdlm_jax.train import init_state
 
-TOL = 1e-4
+TOL = 1e-5
 SHAPES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, rope_theta=500.0, rms_norm_eps=1e-5)
 CASES = {  # name: (model_type, tie_word_embeddings, vocab_size, save_pretrained max_shard_size)
@@ -78,8 +78,10 @@ def test_import_gives_the_logits_of_transformers(hf_model):
   hf = json.load(open(os.path.join(hf_model.folder, "config.json")))
   assert cfg.model.qk_norm == (hf["model_type"] == "qwen3")
   assert cfg.model.tie_embeddings == hf["tie_word_embeddings"]
-  assert cfg.objective.mask_token_id == hf["vocab_size"] - 1  # no bdlm_mask_token_id recorded
-  err = np.abs(jax_logits(params, cfg, hf_model.tokens) - hf_model.logits).max()
+  # No tokenizer.json tells which ids are free: [MASK] gets a new row, the last.
+  vocab = hf["vocab_size"]
+  assert (cfg.model.vocab_size, cfg.objective.mask_token_id) == (vocab + 1, vocab)
+  err = np.abs(jax_logits(params, cfg, hf_model.tokens)[..., :vocab] - hf_model.logits).max()
   assert err < TOL, f"max abs logit error {err}"
 
 
@@ -93,7 +95,8 @@ def test_export_loads_in_transformers_and_round_trips(hf_model, tmp_path):
 
   loaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
   assert (loaded.config.bdlm_mask_token_id, loaded.config.bdlm_block_size) == (5, 4)
-  err = np.abs(torch_logits(loaded, hf_model.tokens) - hf_model.logits).max()
+  vocab = hf_model.logits.shape[-1]  # the [MASK] row import_hf added is exported too
+  err = np.abs(torch_logits(loaded, hf_model.tokens)[..., :vocab] - hf_model.logits).max()
   assert err < TOL, f"max abs logit error {err}"
 
   cfg2, params2 = import_hf(out)
@@ -122,7 +125,8 @@ def test_run_export_writes_the_latest_checkpoint(hf_model, tmp_path):
   assert run.main(argv + ["--set", f"export.out_dir={out}"]) == 0
   loaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
   assert loaded.config.bdlm_block_size == 4
-  err = np.abs(torch_logits(loaded, hf_model.tokens) - hf_model.logits).max()
+  vocab = hf_model.logits.shape[-1]
+  err = np.abs(torch_logits(loaded, hf_model.tokens)[..., :vocab] - hf_model.logits).max()
   assert err < TOL, f"max abs logit error {err}"
 
 
@@ -222,3 +226,46 @@ def test_missing_folder_or_config_json(exported, tmp_path):
   os.remove(tmp_path / "config.json")
   with pytest.raises(ConfigError, match="has no config.json"):
     import_hf(str(tmp_path))
+
+
+FILL = [f"<extra_{i}>" for i in range(49)]  # with 3 specials and CORPUS' 10 words: 62 ids
+MASK_CASES = {  # tokenizer specials -> the [MASK] id import_hf picks, and the vocab size
+    "its mask token": (["[UNK]", "</s>", "[MASK]"], 2, 64),
+    "a row beyond the tokenizer": (["[UNK]", "</s>", "[PAD]"], 13, 64),
+    "a reserved placeholder": (["[UNK]", "</s>", "<|reserved_special_token_0|>", *FILL,
+                                "<extra_a>", "<extra_b>"], 2, 64),
+    "a new row": (["[UNK]", "</s>", "[PAD]", *FILL, "<extra_a>", "<extra_b>"], 64, 65),
+}
+
+
+@pytest.mark.parametrize("case", MASK_CASES)
+def test_import_picks_a_mask_id_no_text_encodes_to(exported, tmp_path, case):
+  from bdlm_jax.data.tokenizers import HFTokenizer, check_mask_id
+  from tests.data.conftest import save_word_level
+  specials, mask, vocab = MASK_CASES[case]
+  cfg0, params0, folder = exported
+  hf = edit_config(folder, tmp_path)
+  write_config(tmp_path, {k: v for k, v in hf.items() if k != "bdlm_mask_token_id"})
+  tokenizer = HFTokenizer(save_word_level(tmp_path / "tokenizer.json", specials))
+  assert tokenizer.vocab_size <= cfg0.model.vocab_size == 64
+  cfg, params = import_hf(str(tmp_path))
+  assert (cfg.objective.mask_token_id, cfg.model.vocab_size) == (mask, vocab)
+  assert cfg.data.tokenizer == str(tmp_path)
+  check_mask_id(tokenizer, cfg.data, cfg.model.vocab_size, mask)  # what training checks
+  embed, embed0 = (np.asarray(p["embed"]["embedding"]) for p in (params, params0))
+  np.testing.assert_array_equal(embed[:64], embed0)
+  if vocab == 65:  # the new row starts as the mean row, in the embedding and the head
+    np.testing.assert_allclose(embed[64], embed0.mean(0), rtol=1e-5, atol=1e-6)
+    head, head0 = (np.asarray(p["lm_head"]["kernel"]) for p in (params, params0))
+    np.testing.assert_allclose(head[:, 64], head0.mean(1), rtol=1e-5, atol=1e-6)
+
+
+def test_init_from_fills_a_larger_vocabulary_with_the_mean_row(exported):
+  cfg, params, folder = exported
+  grown = params_from_hf(replace(cfg, init_from=folder, model=dict(vocab_size=66)))
+  embed, embed0 = np.asarray(grown["embed"]["embedding"]), np.asarray(params["embed"]["embedding"])
+  np.testing.assert_array_equal(embed[:64], embed0)
+  np.testing.assert_allclose(embed[64:], np.stack([embed0.mean(0)] * 2), rtol=1e-5, atol=1e-6)
+  with pytest.raises(ConfigError, match=r"vocab_size \(folder 64, config 32\)"):
+    params_from_hf(replace(cfg, init_from=folder, model=dict(vocab_size=32),
+                           objective=dict(mask_token_id=31)))

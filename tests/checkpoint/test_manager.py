@@ -13,7 +13,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from bdlm_jax.checkpoint import CheckpointError, Checkpointer
+from bdlm_jax.checkpoint.manager import TMP_SUFFIX, workdir_path
 from bdlm_jax.config import Config, ConfigError, replace
+from tests.data.conftest import hf_tokenizer_path  # noqa: F401  (a fixture)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -108,6 +110,29 @@ def test_restore_names_the_changed_model_setting(tmp_path):
   assert "data.seq_len=128, current config has 256" in msg
 
 
+def test_restore_names_a_changed_mask_id_tokenizer_and_vocabulary(tmp_path, hf_tokenizer_path):
+  save_steps(tmp_path, [1], cfg=replace(Config(), data=dict(tokenizer=hf_tokenizer_path)))
+  changed = replace(Config(), model=dict(vocab_size=300), objective=dict(mask_token_id=299))
+  with checkpointer(tmp_path, cfg=changed) as ckpt:
+    with pytest.raises(ConfigError) as err:
+      ckpt.restore(abstract(make_state()))
+  msg = str(err.value)
+  assert "objective.mask_token_id=259, current config has 299" in msg
+  assert "model.vocab_size=260, current config has 300" in msg
+  assert f"data.tokenizer={hf_tokenizer_path!r} (vocabulary sha256:" in msg
+  assert "current config has 'byte' (vocabulary byte)" in msg
+
+
+def test_restore_accepts_the_same_tokenizer_moved(tmp_path, hf_tokenizer_path):
+  save_steps(tmp_path, [1], cfg=replace(Config(), data=dict(tokenizer=hf_tokenizer_path)))
+  moved = tmp_path / "elsewhere" / "tokenizer.json"
+  moved.parent.mkdir()
+  moved.write_text(open(hf_tokenizer_path).read())
+  cfg = replace(Config(), data=dict(tokenizer=str(moved.parent)))
+  with checkpointer(tmp_path, cfg=cfg) as ckpt:
+    assert ckpt.restore(abstract(make_state()))[0] == 1
+
+
 def test_restore_allows_a_different_attention_kernel(tmp_path):
   save_steps(tmp_path, [1])
   runtime_only = replace(Config(), model=dict(attention_impl="pallas", remat="full"))
@@ -135,12 +160,19 @@ def test_unwritable_workdir_fails_at_construction(tmp_path):
       Checkpointer(str(workdir), Config(), save_every=1, max_to_keep=1)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
-def test_read_only_parent_fails_at_construction(tmp_path):
-  read_only = tmp_path / "ro"
-  read_only.mkdir(mode=0o555)
-  with pytest.raises(ConfigError, match="not writable"):
-    Checkpointer(str(read_only / "ckpt"), Config(), save_every=1, max_to_keep=1)
+def test_read_only_parent_fails_at_construction(shared_tmp, permissions_enforced):
+  read_only = shared_tmp / "ro"
+  with permissions_enforced():
+    read_only.mkdir(mode=0o555)
+    with pytest.raises(ConfigError, match="not writable"):
+      Checkpointer(str(read_only / "ckpt"), Config(), save_every=1, max_to_keep=1)
+  assert not (read_only / "ckpt").exists()
+
+
+def test_a_url_workdir_stays_a_url(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert str(workdir_path("gs://bucket/run")) == "gs://bucket/run"
+  assert str(workdir_path("runs/x")) == str(tmp_path / "runs" / "x")
 
 
 def test_a_run_killed_mid_save_resumes_from_the_previous_step(tmp_path):
@@ -177,6 +209,16 @@ def test_a_run_killed_mid_save_resumes_from_the_previous_step(tmp_path):
     ckpt.wait()
     assert ckpt.latest_step() == 2
   assert sorted(os.listdir(tmp_path / "ckpt")) == ["1", "2"]  # the leftover was replaced
+
+
+def test_unfinished_saves_are_removed_and_committed_steps_kept(tmp_path):
+  """An emergency save on preemption, killed mid-write, at a step no later save repeats."""
+  save_steps(tmp_path, [1])
+  (tmp_path / "ckpt" / f"7{TMP_SUFFIX}" / "state").mkdir(parents=True)
+  with checkpointer(tmp_path) as ckpt:
+    ckpt.remove_unfinished_saves()
+    assert ckpt.latest_step() == 1
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["1"]
 
 
 def truncate_files(root):

@@ -116,6 +116,17 @@ def test_tokenizer_larger_than_model_vocab_is_a_clear_error(hf_tokenizer_path):
     make_dataset(DataConfig(), batch_size=2, seed=0, vocab_size=256)
 
 
+def test_a_mask_id_the_data_can_hold_is_refused_before_reading(hf_tokenizer_path):
+  with pytest.raises(ConfigError, match="objective.mask_token_id=257 is the EOS token"):
+    make_dataset(DataConfig(), batch_size=2, seed=0, vocab_size=260, mask_token_id=257)
+  cfg = DataConfig(tokenizer=hf_tokenizer_path)
+  tok = HFTokenizer(hf_tokenizer_path)
+  with pytest.raises(ConfigError, match=f"use objective.mask_token_id={tok.mask_id}"):
+    make_dataset(cfg, batch_size=2, seed=0, vocab_size=tok.vocab_size, mask_token_id=tok.eos_id)
+  assert next(make_dataset(cfg, batch_size=2, seed=0, vocab_size=tok.vocab_size,
+                           mask_token_id=tok.mask_id))["tokens"].shape == (2, 128)
+
+
 def test_more_processes_than_documents_is_a_clear_error(tmp_path):
   (tmp_path / "one.txt").write_text("only line\n")
   cfg = DataConfig(source="text", path=str(tmp_path / "one.txt"))

@@ -24,6 +24,15 @@ def test_text_source_has_one_document_per_non_empty_line(tmp_path):
   assert src.where(1).endswith("a.txt:4")
 
 
+def test_a_gs_url_is_read_through_epath(fake_gcs):
+  (fake_gcs / "corpus").mkdir()
+  (fake_gcs / "corpus" / "shard-0.txt").write_text("first doc\nsecond doc\n")
+  (fake_gcs / "corpus" / "shard-1.txt").write_text("third doc\n")
+  src = TextLineSource("gs://corpus/shard-*.txt")
+  assert [src[i] for i in range(len(src))] == ["first doc", "second doc", "third doc"]
+  assert src.where(2) == "gs://corpus/shard-1.txt:1"
+
+
 def test_jsonl_source_reads_the_text_field(tmp_path):
   rows = [{"text": "hello", "id": 1}, {"text": "two\nlines", "id": 2}]
   (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
@@ -57,14 +66,13 @@ def test_directory_path_is_a_config_error(tmp_path):
     TextLineSource(str(tmp_path))
 
 
-def test_unreadable_file_is_a_data_error_naming_the_file(tmp_path):
-  path = tmp_path / "secret.txt"
-  path.write_text("x\n")
-  os.chmod(path, 0)
-  if os.access(path, os.R_OK):  # root reads anything
-    pytest.skip("running as root")
-  with pytest.raises(DataError, match="secret.txt"):
-    TextLineSource(str(path))
+def test_unreadable_file_is_a_data_error_naming_the_file(shared_tmp, permissions_enforced):
+  path = shared_tmp / "secret.txt"
+  with permissions_enforced():
+    path.write_text("x\n")
+    os.chmod(path, 0)
+    with pytest.raises(DataError, match="secret.txt"):
+      TextLineSource(str(path))
 
 
 def test_bad_array_record_file_is_a_data_error_naming_the_file(tmp_path):

@@ -86,8 +86,12 @@ def test_flash_backward_equals_autodiff_of_dense_oracle_including_lse():
 
 
 def test_bf16_inputs_accumulate_in_f32():
+  """With f32 statistics and accumulators, the bf16 output is off the f32 oracle by little more
+  than rounding the oracle to bf16 (RMS 1.1x on these inputs); attention done wholly in bf16
+  is 2.4-2.7x, so a 1.5x bound tells them apart."""
   q, k, v, meta, _ = _inputs(5, dtype=jnp.bfloat16)
   out, _ = xla.attend(q, k, v, meta, meta, 16)
   ref, _ = xla.attend_dense(*(x.astype(jnp.float32) for x in (q, k, v)), meta, meta)
   assert out.dtype == jnp.bfloat16
-  np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=2e-2 * float(jnp.abs(ref).max()))
+  rms = lambda x: float(jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32) - ref))))
+  assert rms(out) <= 1.5 * rms(ref.astype(jnp.bfloat16)), (rms(out), rms(ref.astype(jnp.bfloat16)))

@@ -3,8 +3,9 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from bdlm_jax import init_params, loss_fn, make_batch, make_mesh
+from bdlm_jax import init_params, loss_fn, make_batch, make_mesh, sample
 from bdlm_jax.config import Config, replace
 from bdlm_jax.objectives import fast_dllm_v2
 from bdlm_jax.params import merge
@@ -58,8 +59,9 @@ def test_logit_at_i_is_scored_against_token_i_plus_1():
   seg = np.array([[1, 1, 1, 1, 1, 1, 0, 0]])
   protected = np.array([[1, 1, 0, 0, 0, 0, 0, 0]], bool)  # a 2-token prompt
   batch = make_batch(cfg, tokens, seg, protected)
-  # Row 1 (prompt) predicts 12; row 3, last of block 0, predicts 14, first of block 1.
-  np.testing.assert_array_equal(batch.labels[0, :8], [-1, 12, 13, 14, 15, -1, -1, -1])
+  # Row 1 (prompt) predicts 12; 14, first of block 1, is predicted by clean row 3 (row 8 + 3).
+  np.testing.assert_array_equal(batch.labels[0, :8], [-1, 12, 13, -1, 15, -1, -1, -1])
+  np.testing.assert_array_equal(batch.labels[0, 8:], [-1, -1, -1, 14, -1, -1, -1, -1])
   key = jax.random.key(0)
   _, inputs, scored = fast_dllm_v2.corrupt(key, batch, 8, cfg.objective)
   np.testing.assert_array_equal(inputs[0, :8], [10, 11, MASK, MASK, MASK, MASK, 16, 17])
@@ -74,8 +76,9 @@ def test_logit_at_i_is_scored_against_token_i_plus_1():
     model = merge(cfg, params)
     return model.logits(model(inputs[:1], batch.pos, batch.meta, make_attend(cfg)))
 
-  logp = jax.nn.log_softmax(copy1_logits(params, batch)[0, :8].at[:, MASK].set(-jnp.inf))
-  manual = -np.mean([logp[i, tokens[0, i + 1]] for i in (1, 2, 3, 4)])
+  logp = jax.nn.log_softmax(copy1_logits(params, batch)[0].at[:, MASK].set(-jnp.inf))
+  manual = -np.mean([logp[row, tokens[0, pos + 1]] for row, pos in ((1, 1), (2, 2), (8 + 3, 3),
+                                                                     (4, 4))])
   np.testing.assert_allclose(loss, manual, rtol=1e-6)
   assert int(metrics["valid_tokens"]) == 4
 
@@ -88,10 +91,35 @@ def _loss_and_grads(cfg, mesh, batch_arrays):
   return float(loss), jax.tree.map(np.asarray, grads)
 
 
-def test_csbp_ring_loss_and_grads_equal_single_device():
+def test_a_blocks_first_token_is_scored_on_the_clean_row_that_sampling_uses():
+  """x_4, first of block 1, is scored on clean row 3, which sees block 0 clean whatever the
+  corruption, as the sampler's finished block does: its greedy pick for x_4 is that row's."""
+  cfg = _cfg(8, 4)
+  tokens = np.array([[10, 11, 12, 13, 14, 15, 16, 17]])
+  batch = make_batch(cfg, tokens)
+  assert (batch.labels[0, 3], batch.labels[0, 8 + 3]) == (-1, 14)
+  params = init_params(cfg, jax.random.key(1))
+  model_logits = jax.jit(lambda p, inputs, b: merge(cfg, p).logits(
+      merge(cfg, p)(inputs, b.pos, b.meta, make_attend(cfg))))
+  row3 = np.asarray(model_logits(params, batch.tokens, batch))[0, 8 + 3]  # nothing masked
+  for seed in range(3):
+    batch2, inputs, _ = fast_dllm_v2.corrupt(jax.random.key(seed), batch, 8, cfg.objective)
+    assert (np.asarray(inputs)[:, :4] == MASK).any()  # block 0 is partly masked
+    np.testing.assert_allclose(model_logits(params, inputs, batch2)[:, 8 + 3],
+                               np.stack([row3] * 2), rtol=1e-5, atol=1e-6)
+  first = sample(params, cfg, tokens[0, :4], jax.random.key(0), max_new_tokens=4, eos_id=-1,
+                 strategy="confidence", temperature=0.0)[0]
+  assert first == np.argmax(np.where(np.arange(row3.size) == MASK, -np.inf, row3))
+
+
+@pytest.mark.parametrize("strategy", ["cp_allgather", "cp_ring", "bp", "csbp_allgather",
+                                      "csbp_ring"])
+def test_loss_and_grads_equal_single_device(strategy):
+  """bp replicates the clean prefix: a block's first token, labelled on a clean row, must
+  still count once."""
   arrays = _packed_sft_batch(64)
   ref_loss, ref_grads = _loss_and_grads(_cfg(64, 4), None, arrays)
-  cfg = _cfg(64, 4, "csbp_ring")
+  cfg = _cfg(64, 4, strategy)
   loss, grads = _loss_and_grads(cfg, make_mesh(cfg), arrays)
   assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
   for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):

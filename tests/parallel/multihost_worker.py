@@ -31,31 +31,32 @@ def problem(strategy: str, data: int, seq: int, **parallel):
   return cfg, tokens
 
 
-def loss_and_grad_norm(cfg, mesh, batch, before_run=lambda: None):
-  """(loss, global gradient norm) as Python floats, for fixed params and key.
+def loss_and_grads(cfg, mesh, batch, before_run=lambda: None):
+  """(loss, {parameter path: gradient}) as a Python float and numpy arrays, for fixed params
+  and key. Both come back replicated, so every process holds every gradient whole.
 
   `before_run` is called between compiling and running the step.
   """
   import jax
-  import jax.numpy as jnp
 
   from bdlm_jax.loss import loss_fn
   from bdlm_jax.params import init_params
 
   params = init_params(cfg, jax.random.key(0), mesh)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
   @jax.jit
   def step(params, batch):
     (loss, _), grads = jax.value_and_grad(
         lambda p: loss_fn(p, batch, jax.random.key(1), cfg, mesh), has_aux=True)(params)
-    norm = jnp.sqrt(sum(jnp.sum(g.astype(jnp.float32) ** 2) for g in jax.tree.leaves(grads)))
-    return loss, norm
+    return jax.lax.with_sharding_constraint((loss, grads), replicated)
 
   compiled = step.lower(params, batch).compile()
   before_run()
-  loss, norm = compiled(params, batch)
-  # Replicated scalars: every process holds the whole value.
-  return float(loss.addressable_data(0)), float(norm.addressable_data(0))
+  loss, grads = compiled(params, batch)
+  local = lambda x: np.asarray(x.addressable_data(0), np.float32)
+  return float(local(loss)), {jax.tree_util.keystr(path): local(g)
+                              for path, g in jax.tree_util.tree_leaves_with_path(grads)}
 
 
 def _wait_for_all_processes() -> None:
@@ -90,10 +91,11 @@ def main(process_id: int, port: int, strategy: str, data: int, seq: int) -> None
   shard, n_shards, rows = data_shard(mesh, GLOBAL_BATCH)
   local = make_batch(cfg, tokens[rows])
   batch = put_batch(local, mesh, GLOBAL_BATCH, rows)
-  loss, norm = loss_and_grad_norm(cfg, mesh, batch, before_run=_wait_for_all_processes)
+  loss, grads = loss_and_grads(cfg, mesh, batch, before_run=_wait_for_all_processes)
   print(json.dumps(dict(process_id=process_id, process_count=jax.process_count(),
                         devices=jax.device_count(), shard=shard, n_shards=n_shards,
-                        rows=[rows.start, rows.stop], loss=loss, grad_norm=norm)))
+                        rows=[rows.start, rows.stop], loss=loss,
+                        grads={k: g.tolist() for k, g in grads.items()})))
   jax.distributed.shutdown()
 
 
