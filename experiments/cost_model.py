@@ -45,11 +45,11 @@ from bdlm_jax.config import ModelConfig  # noqa: E402
 from bdlm_jax.parallel.hlo_stats import wire_bytes  # noqa: E402
 from bdlm_jax.parallel.layout import PAD, LayoutPlan, make_plan  # noqa: E402
 from bdlm_jax.parallel.step_report import attention_traffic  # noqa: E402
+from bdlm_jax.parallel.strategies import TRANSPORTS  # noqa: E402
 
-STRATEGIES = ("cp_allgather", "cp_ring", "bp", "csbp_allgather", "csbp_ring")
-BASELINES = ("cp_allgather", "cp_ring", "bp")
-TRANSPORT = {"cp_allgather": "allgather", "csbp_allgather": "allgather", "cp_ring": "ring",
-             "csbp_ring": "ring", "bp": "local", "none": "local"}
+STRATEGIES = ("cp_allgather", "cp_ring", "cp_ring_balanced", "bp", "csbp_allgather", "csbp_ring")
+BASELINES = ("cp_allgather", "cp_ring", "cp_ring_balanced", "bp")
+TRANSPORT = {s: TRANSPORTS[s] for s in STRATEGIES}
 GB = 1e9
 
 
@@ -310,6 +310,7 @@ def load_probe(path: str, hw: Hardware) -> dict:
   return {(r["model"], int(r["seq_len"]), int(r["block_size"]), r["strategy"]):
           float(r["peak_bytes"]) for r in rows
           if r["model"] in MODELS and not r["error"] and not r["depth_check"]
+          and not r.get("overrides")
           and int(r["devices"]) == hw.num_gpus and r["remat"] == "full"
           and int(r["layers"]) == MODELS[r["model"]].n_layers}
 
@@ -373,22 +374,24 @@ SCENARIOS = {
 }
 
 
-def calibrate(hw: Hardware, kernel_csv: str | None, column: str | None) -> tuple[Hardware, str]:
-  """Attention TFLOP/s from experiments/kernel_bench.py output: the median of its TFLOP/s
-  column (the first column whose name contains 'tflops', unless `column` names one)."""
+def calibrate(hw: Hardware, kernel_csv: str | None) -> tuple[Hardware, str]:
+  """Attention TFLOP/s from experiments/kernel_bench.py output: the median useful TFLOP/s of
+  our Pallas kernel, forward + backward, on BDLM masks (the work a training step does); the
+  peers' rows and causal sanity rows say nothing about our step."""
   if not kernel_csv:
     return hw, f"attention TFLOP/s: assumed constant {hw.attention_tflops}"
   with open(kernel_csv) as f:
     records = list(csv.DictReader(f))
-  names = list(records[0]) if records else []
-  column = column or next((c for c in names if "tflops" in c.lower()), None)
-  values = [float(r[column]) for r in records if column and r.get(column) not in (None, "")]
+  values = [float(r["useful_tflops"]) for r in records
+            if (r.get("peer"), r.get("mode"), r.get("mask")) == ("pallas", "fwd+bwd", "bdlm")
+            and r.get("useful_tflops")]
   if not values:
-    raise SystemExit(f"{kernel_csv}: no TFLOP/s values (columns {names}); pass --tflops-column")
+    raise SystemExit(f"{kernel_csv}: no timed pallas fwd+bwd row on a bdlm mask (is it "
+                     f"experiments/kernel_bench.py output from a GPU?)")
   tflops = statistics.median(values)
   return (dataclasses.replace(hw, attention_tflops=tflops),
-          f"attention TFLOP/s: {tflops:.1f}, median of {len(values)} rows of '{column}' in "
-          f"{kernel_csv}")
+          f"attention TFLOP/s: {tflops:.1f}, median useful TFLOP/s of {len(values)} pallas "
+          f"fwd+bwd rows on BDLM masks in {kernel_csv}")
 
 
 # ----------------------------------------------------------------------------- report
@@ -565,9 +568,10 @@ def write_results_readme(results_dir: str) -> str:
   parts = ["# Results", "",
            "Generated; do not edit. Regenerate with "
            "`python experiments/parallel_bench.py --quick && python experiments/scale_probe.py "
-           "--models llama3-8b --lens 262144 524288 1048576 && python experiments/cost_model.py`.",
-           ""]
-  for name in ("parallel_bench.md", "scale_probe.md", "cost_model.md"):
+           "&& python experiments/scale_probe.py --ablate --models llama3-8b --lens 262144 "
+           "--strategies csbp_ring csbp_allgather && python experiments/cost_model.py`.", ""]
+  for name in ("parallel_bench.md", "scale_probe.md", "scale_probe_ablation.md",
+               "cost_model.md"):
     path = os.path.join(results_dir, name)
     if os.path.exists(path):
       with open(path) as f:
@@ -605,11 +609,10 @@ def main(argv=None):
   parser.add_argument("--out", default=RESULTS_DIR)
   parser.add_argument("--kernel-csv", default=None,
                       help="CSV from experiments/kernel_bench.py to calibrate attention TFLOP/s")
-  parser.add_argument("--tflops-column", default=None)
   parser.add_argument("--probe-csv", default=os.path.join(RESULTS_DIR, "scale_probe.csv"),
                       help="compiled memory from experiments/scale_probe.py (used if present)")
   args = parser.parse_args(argv)
-  hw, calibration = calibrate(Hardware(), args.kernel_csv, args.tflops_column)
+  hw, calibration = calibrate(Hardware(), args.kernel_csv)
   compiled = load_probe(args.probe_csv, hw) if os.path.exists(args.probe_csv) else {}
   text, rows = report(hw, calibration, compiled, os.path.relpath(args.probe_csv, ROOT))
   print(text)

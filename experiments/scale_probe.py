@@ -3,6 +3,8 @@
   python experiments/scale_probe.py --models llama3-8b --lens 262144 524288 1048576
   python experiments/scale_probe.py                 # every model, L = 64K..1M
   python experiments/scale_probe.py --quick         # a tiny model, for tests (~10 s)
+  python experiments/scale_probe.py --ablate --models llama3-8b --lens 262144 \
+      --strategies csbp_ring csbp_allgather          # what each memory feature buys
 
 For each (model, L, strategy) it compiles `make_train_step` on P simulated CPU devices (the seq
 axis; one sequence per step; bf16 compute, f32 parameters, `--remat`) from abstract inputs
@@ -15,6 +17,8 @@ A strategy the config rejects (ConfigError) or that fails to compile is reported
 `--depth-check N` also compiles the first strategy at the first L with N layers, so the
 markdown shows how compile time grows with depth (the layer scan should keep it flat).
 `--jobs 2` halves the wall time on two cores, at the price of noisier compile times.
+`--ablate` compiles the first model at the first L once per entry of ABLATIONS, each turning
+one memory feature off (or one option on), so the table shows what each buys.
 
 Writes scale_probe.{csv,md,png} under --out (scale_probe_quick.* with --quick). XLA:CPU is
 not the GPU compiler: its memory is the structure to optimise, not a GPU's exact figure.
@@ -36,7 +40,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bdlm_jax.config import Config, ConfigError, ModelConfig, replace  # noqa: E402
+from bdlm_jax.config import Config, ConfigError, ModelConfig, override, replace  # noqa: E402
 from bdlm_jax.parallel import step_report  # noqa: E402
 from experiments import cost_model  # noqa: E402
 
@@ -50,21 +54,35 @@ MODELS = {
     "tiny": ModelConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                         head_dim=8, d_ff=64, attention_chunk=32),
 }
-STRATEGIES = ("cp_allgather", "cp_ring", "bp", "csbp_allgather", "csbp_ring")
+STRATEGIES = ("cp_allgather", "cp_ring", "cp_ring_balanced", "bp", "csbp_allgather", "csbp_ring")
 # --quick: 32 tokens are 2 blocks, fewer than 4 ranks, so bp and csbp are rejected there.
 QUICK = dict(models=["tiny"], lens=[32, 64], devices=4, block_size=16, depth_check=1,
              device_memory_gb=0.01)
-KEYS = ("model", "seq_len", "strategy", "devices", "layers", "block_size", "remat")
+KEYS = ("model", "seq_len", "strategy", "devices", "layers", "block_size", "remat", "overrides")
+# --ablate: (what changes, config overrides) against the defaults of `probe_config`. The
+# state sharding (ZeRO-3 over fsdp x seq) and the layer scan have no switch: their effect is
+# in the arguments column and in the depth check of the main table.
+ABLATIONS = (
+    ("every feature on", ()),
+    ("remat off (model.remat=none)", ("model.remat=none",)),
+    ("loss over all rows at once (model.logits_chunk=0)", ("model.logits_chunk=0",)),
+    ("f32 compute: f32 weights gathered, f32 K/V on the wire (model.compute_dtype=float32)",
+     ("model.compute_dtype=float32",)),
+    ("option: bf16 dK/dV on the wire (parallel.kv_grad_dtype=bfloat16)",
+     ("parallel.kv_grad_dtype=bfloat16",)),
+)
 
 
 def probe_config(model: str, seq_len: int, strategy: str, devices: int, layers: int,
-                 block_size: int, remat: str) -> Config:
-  """One sequence of `seq_len` tokens over a seq axis of `devices`; bf16 compute."""
+                 block_size: int, remat: str, overrides=()) -> Config:
+  """One sequence of `seq_len` tokens over a seq axis of `devices`; bf16 compute; then
+  `overrides` (`--set` syntax)."""
   m = dataclasses.replace(MODELS[model], n_layers=layers, remat=remat,
                           compute_dtype="bfloat16", param_dtype="float32")
-  return replace(Config(), model=m, data=dict(seq_len=seq_len),
-                 objective=dict(block_size=block_size, mask_token_id=m.vocab_size - 1),
-                 parallel=dict(strategy=strategy, seq=devices), train=dict(batch_size=1))
+  cfg = replace(Config(), model=m, data=dict(seq_len=seq_len),
+                objective=dict(block_size=block_size, mask_token_id=m.vocab_size - 1),
+                parallel=dict(strategy=strategy, seq=devices), train=dict(batch_size=1))
+  return override(cfg, overrides)
 
 
 def measure(job: dict, timeout_s: float) -> dict:
@@ -97,13 +115,17 @@ def _worker(job: dict) -> None:
 
 
 def jobs(args) -> list[dict]:
-  """Every (model, L, strategy) at full depth, then each model's depth check."""
+  """Every (model, L, strategy) at full depth, then each model's depth check; with
+  `--ablate`, every (strategy, ablation) of the first model and L instead."""
   out, checks = [], []
   for model in args.models:
-    job = lambda seq_len, strategy, layers: dict(
+    job = lambda seq_len, strategy, layers, overrides=(): dict(
         model=model, seq_len=seq_len, strategy=strategy, devices=args.devices, layers=layers,
-        block_size=args.block_size, remat=args.remat)
+        block_size=args.block_size, remat=args.remat, overrides=list(overrides))
     layers = args.layers or MODELS[model].n_layers
+    if args.ablate:
+      return [dict(job(args.lens[0], s, layers, overrides), variant=label)
+              for s in args.strategies for label, overrides in ABLATIONS]
     out += [job(n, s, layers) for n in args.lens for s in args.strategies]
     if args.depth_check and args.depth_check != layers:
       checks.append(dict(job(args.lens[0], args.strategies[0], args.depth_check),
@@ -177,6 +199,32 @@ def markdown(rows: list[dict], args, device_bytes: float, command: str) -> str:
   return "\n".join(lines)
 
 
+def ablation_markdown(rows: list[dict], args, command: str) -> str:
+  """What each memory feature buys: every ablation next to every feature on."""
+  r0 = rows[0]
+  lines = ["## What each memory feature buys (compile only)", "",
+           f"Produced by `{command}`, core version {_version()}: {r0['model']}, L = "
+           f"{r0['seq_len']}, {args.devices} simulated CPU devices on the seq axis, block size "
+           f"{args.block_size}, {r0['layers']} layers; each row changes one thing against the "
+           "first (bf16 compute, f32 parameters, remat `full`, loss in row chunks, ZeRO-3 "
+           "state over fsdp x seq). GB per device; *attention GB/step* from the layout plan "
+           "at the wire dtypes of the row.", "",
+           "| strategy | change | arguments GB | temp GB | peak GB | ÷ every feature on | "
+           "attention GB/step | compile s |", "|---|---|---|---|---|---|---|---|"]
+  for strategy in args.strategies:
+    mine = [r for r in rows if r["strategy"] == strategy]
+    base = next((r for r in mine if not r["overrides"] and not r.get("error")), None)
+    for r in mine:
+      if r.get("error"):
+        lines.append(f"| {strategy} | {r['variant']} | not run: {r['error']} |||||||")
+        continue
+      ratio = f"{r['peak_bytes'] / base['peak_bytes']:.2f}x" if base else "—"
+      lines.append(f"| {strategy} | {r['variant']} | {r['argument_bytes'] / GB:.2f} | "
+                   f"{r['temp_bytes'] / GB:.2f} | {r['peak_bytes'] / GB:.2f} | {ratio} | "
+                   f"{r['attention_bytes'] / GB:.2f} | {r['compile_s']:.1f} |")
+  return "\n".join(lines + [""])
+
+
 def plot(rows: list[dict], args, device_bytes: float, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
@@ -205,13 +253,13 @@ def plot(rows: list[dict], args, device_bytes: float, path: str) -> None:
 
 
 def write(rows: list[dict], path: str) -> None:
-  columns = list(KEYS) + ["depth_check", "error"]
+  columns = list(KEYS) + ["variant", "depth_check", "error"]
   columns += [k for r in rows for k in r if k not in columns]
   columns = list(dict.fromkeys(columns))
   with open(path, "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=columns)
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows(dict(r, overrides=" ".join(r["overrides"])) for r in rows)
 
 
 def main(argv=None):
@@ -232,25 +280,30 @@ def main(argv=None):
   parser.add_argument("--jobs", type=int, default=1,
                       help="compiles at once (more than 1 inflates each one's compile time)")
   parser.add_argument("--quick", action="store_true", help="a tiny model (tests)")
+  parser.add_argument("--ablate", action="store_true",
+                      help="one compile per ABLATIONS entry at the first model and L")
   parser.add_argument("--out", default=cost_model.RESULTS_DIR)
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.worker:
     return _worker(json.loads(args.worker))
-  if args.quick:
-    vars(args).update(QUICK)
-  name = "scale_probe_quick" if args.quick else "scale_probe"
+  if args.quick:  # the tiny setting, keeping --lens if given
+    vars(args).update({k: v for k, v in QUICK.items()
+                       if k != "lens" or args.lens == parser.get_default("lens")})
+  name = "scale_probe" + ("_quick" if args.quick else "") + ("_ablation" if args.ablate else "")
   command = "python experiments/scale_probe.py " + " ".join(sys.argv[1:] if argv is None
                                                              else argv)
   device_bytes = args.device_memory_gb * GB
   rows = run(args)
-  text = markdown(rows, args, device_bytes, command.strip())
+  text = (ablation_markdown(rows, args, command.strip()) if args.ablate else
+          markdown(rows, args, device_bytes, command.strip()))
   print(text)
   os.makedirs(args.out, exist_ok=True)
   write(rows, os.path.join(args.out, f"{name}.csv"))
   with open(os.path.join(args.out, f"{name}.md"), "w") as f:
     f.write(text)
-  plot(rows, args, device_bytes, os.path.join(args.out, f"{name}.png"))
+  if not args.ablate:
+    plot(rows, args, device_bytes, os.path.join(args.out, f"{name}.png"))
   return rows
 
 

@@ -35,11 +35,21 @@ def _chunked_keys(k, v, k_meta, chunk):
   return split(k), split(v), RowMeta(*(split(m) for m in k_meta))
 
 
-def _scores(q5, k_c, q_meta, km_c, scale):
-  """Masked f32 scores [S, Hkv, G, Rq, C] and the mask broadcast to them."""
+def _scores(q5, k_c, mask, scale):
+  """Masked f32 scores [S, Hkv, G, Rq, C]; `mask` [S, Rq, C] broadcast to them."""
   s_ = jnp.einsum("sqhgd,skhd->shgqk", q5, k_c, preferred_element_type=jnp.float32) * scale
-  mask = allowed(q_meta, km_c)[:, None, None]
+  mask = mask[:, None, None]
   return jnp.where(mask, s_, NEG_INF), mask
+
+
+def _if_any_allowed(mask, visit, skip, *operands):
+  """`visit(mask, *operands)` if some pair of this key chunk is allowed, else `skip(...)`.
+
+  Most chunks of a BDLM mask are empty for a given query slice (other blocks' noisy keys,
+  later clean blocks): skipping them is what flash kernels do with tiles, so CPU time
+  measures the allowed pairs, not the masked ones.
+  """
+  return jax.lax.cond(mask.any(), visit, skip, mask, *operands)
 
 
 def _split_heads(x, hkv):
@@ -54,17 +64,21 @@ def attend_fwd(q, k, v, q_meta: RowMeta, k_meta: RowMeta, chunk: int = 512):
   k_n, v_n, km_n = _chunked_keys(k, v, k_meta, min(chunk, k.shape[1]))
   s, rq, hq, d = q.shape
 
-  def step(carry, xs):
+  def visit(mask, carry, k_c, v_c):
     m, l, acc = carry
-    k_c, v_c, km_c = xs
-    s_c, mask = _scores(q5, k_c, q_meta, km_c, scale)
+    s_c, mask = _scores(q5, k_c, mask, scale)
     m_new = jnp.maximum(m, s_c.max(-1))
     p = jnp.where(mask, jnp.exp(s_c - m_new[..., None]), 0.0)
     corr = jnp.exp(m - m_new)
     l = l * corr + p.sum(-1)
     pv = jnp.einsum("shgqk,skhd->shgqd", p.astype(v.dtype), v_c,
                     preferred_element_type=jnp.float32)
-    return (m_new, l, acc * corr[..., None] + pv), None
+    return m_new, l, acc * corr[..., None] + pv
+
+  def step(carry, xs):
+    k_c, v_c, km_c = xs
+    skip = lambda mask, carry, k_c, v_c: carry
+    return _if_any_allowed(allowed(q_meta, km_c), visit, skip, carry, k_c, v_c), None
 
   # Carries derive from q (zeros_like), so inside shard_map they vary over the same axes.
   acc0 = jnp.moveaxis(jnp.zeros_like(q5, jnp.float32), 1, 3)
@@ -97,9 +111,8 @@ def attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse=None, chunk: int = 
   lse4 = heads_first(lse)
   k_n, v_n, km_n = _chunked_keys(k, v, k_meta, min(chunk, rk))
 
-  def step(dq, xs):
-    k_c, v_c, km_c = xs
-    s_c, mask = _scores(q5, k_c, q_meta, km_c, scale)
+  def visit(mask, dq, k_c, v_c):
+    s_c, mask = _scores(q5, k_c, mask, scale)
     p = jnp.where(mask, jnp.exp(s_c - lse4[..., None]), 0.0)
     dv_c = jnp.einsum("shgqk,sqhgd->skhd", p.astype(dout.dtype), do5,
                       preferred_element_type=jnp.float32)
@@ -108,6 +121,13 @@ def attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse=None, chunk: int = 
     dq = dq + jnp.einsum("shgqk,skhd->sqhgd", ds, k_c, preferred_element_type=jnp.float32)
     dk_c = jnp.einsum("shgqk,sqhgd->skhd", ds, q5, preferred_element_type=jnp.float32)
     return dq, (dk_c, dv_c)
+
+  def skip(mask, dq, k_c, v_c):
+    return dq, (jnp.zeros_like(k_c, jnp.float32), jnp.zeros_like(v_c, jnp.float32))
+
+  def step(dq, xs):
+    k_c, v_c, km_c = xs
+    return _if_any_allowed(allowed(q_meta, km_c), visit, skip, dq, k_c, v_c)
 
   dq, (dk_n, dv_n) = jax.lax.scan(step, jnp.zeros_like(q5, jnp.float32), (k_n, v_n, km_n))
 
@@ -143,7 +163,7 @@ def attend_dense(q, k, v, q_meta, k_meta):
   """Materialises the whole score matrix: the simplest possible oracle, for tests only."""
   hkv = k.shape[2]
   q5 = _split_heads(q, hkv)
-  s_, mask = _scores(q5, k, q_meta, k_meta, q.shape[-1] ** -0.5)
+  s_, mask = _scores(q5, k, allowed(q_meta, k_meta), q.shape[-1] ** -0.5)
   m = s_.max(-1, keepdims=True)
   p = jnp.where(mask, jnp.exp(s_ - m), 0.0)
   l = p.sum(-1, keepdims=True)

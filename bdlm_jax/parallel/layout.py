@@ -64,6 +64,22 @@ def zigzag(n_rows: int, num_ranks: int, offset: int = 0) -> np.ndarray:
   return np.concatenate([chunks[:num_ranks], chunks[::-1][:num_ranks]], axis=1)
 
 
+def _zigzag_halves(L: int, B: int, P: int) -> np.ndarray:
+  """Each half of `[x_t ; x_0]` zigzagged on its own, in block-aligned chunks: rank r holds
+  noisy chunks (r, 2P-1-r) and clean chunks (r, 2P-1-r).
+
+  The whole-stream zigzag of `cp_*` balances each rank's total work but not each ring step
+  (at a given step one rank's queries may see all of the visiting K/V and another's none);
+  here, as with a causal mask, every rank has the same allowed pairs at every step.
+  """
+  if L % (2 * P * B):
+    raise ConfigError(
+        f"cp_ring_balanced cuts each half into 2*seq={2 * P} chunks of whole blocks: "
+        f"data.seq_len={L} must be divisible by 2*parallel.seq*objective.block_size="
+        f"{2 * P * B}")
+  return np.concatenate([zigzag(L, P), zigzag(L, P, offset=L)], axis=1)
+
+
 def assign_blocks(n_blocks: int, num_ranks: int) -> list[list[int]]:
   """Corrupted blocks per rank, balanced by attention work (block b costs b+1).
 
@@ -116,9 +132,11 @@ def make_plan(strategy: str, seq_len: int, block_size: int, num_ranks: int,
       raise ConfigError("strategy 'none' runs on one seq rank; set parallel.seq=1")
     rows = np.arange(2 * L) if noisy_stream else np.arange(L, 2 * L)
     return plan(rows[None], L if noisy_stream else 0, "none")
-  if strategy in ("cp_ring", "cp_allgather"):
+  if strategy in ("cp_ring", "cp_allgather", "cp_ring_balanced"):
     if not noisy_stream:
       return plan(zigzag(L, P, offset=L), 0, "all")
+    if strategy == "cp_ring_balanced":
+      return plan(_zigzag_halves(L, B, P), L // P, "all")
     # Zigzag over the whole 2L stream: chunk r < P is noisy, chunk 2P-1-r is clean.
     if L % P:
       raise ConfigError(

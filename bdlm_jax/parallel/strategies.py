@@ -23,8 +23,8 @@ from bdlm_jax.parallel.ring import ring_attend
 # The name scope of the attention `shard_map`: HLO collectives whose op_name holds it (forward
 # and backward) are the attention's traffic; the rest of a step's are weight traffic.
 ATTENTION_SCOPE = "seq_attention"
-TRANSPORTS = {"none": "local", "bp": "local", "cp_ring": "ring", "csbp_ring": "ring",
-              "cp_allgather": "allgather", "csbp_allgather": "allgather"}
+TRANSPORTS = {"none": "local", "bp": "local", "cp_ring": "ring", "cp_ring_balanced": "ring",
+              "csbp_ring": "ring", "cp_allgather": "allgather", "csbp_allgather": "allgather"}
 
 
 @functools.lru_cache(maxsize=64)

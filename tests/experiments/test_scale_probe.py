@@ -21,3 +21,17 @@ def test_quick_probe_reports_compiled_and_rejected_settings(tmp_path):
   text = (tmp_path / "scale_probe_quick.md").read_text()
   assert "| 64 | csbp_ring |" in text and "not run: 2 blocks cannot be split" in text
   assert (tmp_path / "scale_probe_quick.png").stat().st_size > 0
+
+
+def test_ablation_compiles_each_feature_off_next_to_all_on(tmp_path, monkeypatch):
+  monkeypatch.setattr(scale_probe, "ABLATIONS", scale_probe.ABLATIONS[::3])  # 2 compiles
+  scale_probe.main(["--quick", "--ablate", "--lens", "64", "--strategies", "csbp_ring",
+                    "--out", str(tmp_path)])
+  with open(tmp_path / "scale_probe_quick_ablation.csv") as f:
+    rows = {r["variant"]: r for r in csv.DictReader(f)}
+  assert list(rows) == [label for label, _ in scale_probe.ABLATIONS]
+  assert not any(r["error"] for r in rows.values())
+  on, f32 = rows["every feature on"], next(r for v, r in rows.items() if "f32 compute" in v)
+  assert float(f32["attention_bytes"]) > float(on["attention_bytes"])  # f32 K/V on the wire
+  text = (tmp_path / "scale_probe_quick_ablation.md").read_text()
+  assert "| csbp_ring | every feature on |" in text and "| 1.00x |" in text

@@ -6,10 +6,19 @@ import pytest
 from bdlm_jax.config import Config, ConfigError, replace
 from bdlm_jax.parallel.layout import PAD, assign_blocks, make_plan, zigzag
 
-SHARDED = ("cp_ring", "cp_allgather", "csbp_ring", "csbp_allgather")
+SHARDED = ("cp_ring", "cp_allgather", "cp_ring_balanced", "csbp_ring", "csbp_allgather")
 # (L, B, P): blocks N a multiple of 2P (pairs), N >= 2P not a multiple and P <= N < 2P (greedy).
 SHAPES = [(64, 4, 8), (1024, 16, 8), (128, 16, 4), (96, 4, 8), (288, 16, 8), (48, 4, 8),
           (64, 16, 2)]
+
+
+def _plan(strategy, L, B, P):
+  """The plan, or a skip where cp_ring_balanced's whole-block chunks do not fit (L, B, P)."""
+  if strategy == "cp_ring_balanced" and L % (2 * P * B):
+    with pytest.raises(ConfigError, match="chunks of whole blocks"):
+      make_plan(strategy, L, B, P)
+    pytest.skip("L is not a multiple of 2*P*B")
+  return make_plan(strategy, L, B, P)
 
 
 def _valid(rows):
@@ -19,7 +28,7 @@ def _valid(rows):
 @pytest.mark.parametrize("L, B, P", SHAPES)
 @pytest.mark.parametrize("strategy", SHARDED)
 def test_sharded_plans_hold_every_logical_row_exactly_once(strategy, L, B, P):
-  plan = make_plan(strategy, L, B, P)
+  plan = _plan(strategy, L, B, P)
   np.testing.assert_array_equal(np.sort(_valid(plan.rows)), np.arange(2 * L))
 
 
@@ -30,6 +39,8 @@ def test_single_device_plan_is_the_logical_order():
 @pytest.mark.parametrize("L, B, P", SHAPES)
 def test_every_rank_keeps_noisy_rows_in_its_noisy_slot(L, B, P):
   for strategy in SHARDED + ("bp",):
+    if strategy == "cp_ring_balanced" and L % (2 * P * B):
+      continue  # whole-block chunks do not fit: rejected (test above)
     plan = make_plan(strategy, L, B, P)
     noisy, clean = plan.rows[:, :plan.n_noisy], plan.rows[:, plan.n_noisy:]
     assert np.all(_valid(noisy) < L) and np.all(_valid(clean) >= L), strategy
@@ -135,3 +146,28 @@ def test_bp_holds_over_4x_the_rows_of_csbp_at_8_ranks():
   ratio = bp.rows_per_rank / csbp.rows_per_rank  # 1136 / 256 = 4.44
   assert ratio > 4, ratio
   assert bp.valid_rows().mean() / csbp.valid_rows().mean() > 3.5  # 912 / 256 = 3.56
+
+
+def _pairs_per_ring_step(plan) -> np.ndarray:
+  """int [P steps, P ranks]: allowed pairs of rank r's queries with the K/V that visit it at
+  ring step s (rank (r - s) % P's rows), from the mask rules on the plan's rows."""
+  L, B = plan.seq_len, plan.block_size
+  rows = plan.rows
+  valid = rows != PAD
+  noisy, block = rows < L, (rows % L) // B
+  q_noisy, q_block = noisy[:, :, None, None], block[:, :, None, None]
+  k_noisy, k_block = noisy[None, None], block[None, None]
+  rule = np.where(q_noisy, np.where(k_noisy, k_block == q_block, k_block < q_block),
+                  ~k_noisy & (k_block <= q_block))
+  pairs = (rule & valid[:, :, None, None] & valid[None, None]).sum(axis=(1, 3))  # [Pq, Pk]
+  p = plan.num_ranks
+  return np.array([[pairs[r, (r - s) % p] for r in range(p)] for s in range(p)])
+
+
+@pytest.mark.parametrize("L, B, P", [(256, 4, 8), (1024, 16, 8), (128, 16, 4)])
+def test_balanced_cp_ring_gives_every_rank_equal_work_at_every_ring_step(L, B, P):
+  steps = _pairs_per_ring_step(make_plan("cp_ring_balanced", L, B, P))
+  assert np.all(steps[1:] == steps[1:, :1])  # every visiting step: the same work on each rank
+  unbalanced = _pairs_per_ring_step(make_plan("cp_ring", L, B, P))
+  assert np.all(steps.sum(0) == unbalanced.sum(0)[0])  # the same total per rank as cp_ring
+  assert np.any(unbalanced[1:].max(1) > unbalanced[1:].min(1))  # which waits at some step

@@ -67,7 +67,13 @@ def test_loss_and_grads_equal_single_device_on_seq8(strategy):
   _assert_matches_reference(cfg, make_mesh(cfg))
 
 
-@pytest.mark.parametrize("strategy", SEQ_STRATEGIES)
+def test_balanced_cp_ring_equals_single_device_on_seq8():
+  """cp_ring_balanced cuts each half into 2P chunks of whole blocks: N = 2P here."""
+  cfg = _cfg("cp_ring_balanced", BLOCKS["N=2P"], seq=8)
+  _assert_matches_reference(cfg, make_mesh(cfg))
+
+
+@pytest.mark.parametrize("strategy", SEQ_STRATEGIES + ["cp_ring_balanced"])
 @pytest.mark.parametrize("mesh_shape", [dict(data=2, seq=4), dict(data=2, fsdp=2, seq=2)],
                          ids=["data2_seq4", "data2_fsdp2_seq2"])
 def test_loss_and_grads_equal_single_device_on_composed_meshes(strategy, mesh_shape):
