@@ -118,14 +118,16 @@ def test_every_strategy_local_and_ring_step_mask_matches_xla():
   assert_matches_xla(q, k, v, q_meta, k_meta, tol=1e-5)
 
 
-def test_loss_and_grads_with_pallas_equal_xla_under_csbp_ring():
+@pytest.mark.parametrize("strategy", ["csbp_ring", "cp_allgather", "bp"])
+def test_loss_and_grads_with_pallas_equal_xla(strategy):
+  """The kernel inside each transport: the ring's steps, one all-gather, plain local rows."""
   from bdlm_jax import init_params, loss_fn, make_batch, make_mesh
   results = []
   for impl in ("xla", "pallas"):
     cfg = replace(Config(), data=dict(seq_len=32), objective=dict(block_size=4),
                   model=dict(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8,
                              d_ff=64, attention_impl=impl, attention_chunk=16),
-                  parallel=dict(strategy="csbp_ring", seq=4))
+                  parallel=dict(strategy=strategy, seq=4))
     mesh = make_mesh(cfg)
     rng = np.random.default_rng(0)
     seg = np.ones((2, 32), np.int32)

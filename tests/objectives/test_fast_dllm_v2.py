@@ -14,14 +14,15 @@ from bdlm_jax.parallel.strategies import make_attend
 MASK = 259
 
 
-def _cfg(seq_len, block_size, strategy="none", **objective):
+def _cfg(seq_len, block_size, strategy="none", parallel=None, **objective):
   return replace(
       Config(),
       model=dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
                  attention_chunk=32),
       data=dict(seq_len=seq_len),
       objective=dict(name="fast_dllm_v2", block_size=block_size, **objective),
-      parallel=dict(strategy=strategy, seq=8 if strategy != "none" else 1),
+      parallel=dict(dict(strategy=strategy, seq=8 if strategy != "none" else 1),
+                    **(parallel or {})),
       train=dict(batch_size=4))
 
 
@@ -112,14 +113,17 @@ def test_a_blocks_first_token_is_scored_on_the_clean_row_that_sampling_uses():
   assert first == np.argmax(np.where(np.arange(row3.size) == MASK, -np.inf, row3))
 
 
-@pytest.mark.parametrize("strategy", ["cp_allgather", "cp_ring", "bp", "csbp_allgather",
-                                      "csbp_ring"])
-def test_loss_and_grads_equal_single_device(strategy):
+@pytest.mark.parametrize("strategy, parallel", [
+    ("cp_allgather", {}), ("cp_ring", {}), ("bp", {}), ("csbp_allgather", {}),
+    ("csbp_ring", {}), ("csbp_ring", dict(data=2, seq=4)), ("cp_ring", dict(data=2, seq=4))],
+    ids=lambda x: "-".join(f"{k}{v}" for k, v in x.items()) if isinstance(x, dict) else x)
+def test_loss_and_grads_equal_single_device(strategy, parallel):
   """bp replicates the clean prefix: a block's first token, labelled on a clean row, must
-  still count once."""
+  still count once. With data=2 each data rank doubles its own sequences (the two
+  complementary copies must stay on the rank that holds the sequence)."""
   arrays = _packed_sft_batch(64)
   ref_loss, ref_grads = _loss_and_grads(_cfg(64, 4), None, arrays)
-  cfg = _cfg(64, 4, strategy)
+  cfg = _cfg(64, 4, strategy, parallel)
   loss, grads = _loss_and_grads(cfg, make_mesh(cfg), arrays)
   assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
   for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
