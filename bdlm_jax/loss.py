@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from bdlm_jax.batch import make_batch
 from bdlm_jax.config import Config, ConfigError, replace
 from bdlm_jax.models.transformer import head_logits
-from bdlm_jax.objectives import ar, bd3lm, fast_dllm_v2, get_objective
+from bdlm_jax.objectives import get_objective
 from bdlm_jax.params import merge
 from bdlm_jax.parallel.mesh import BATCH_AXES, row_sharding
 from bdlm_jax.parallel.strategies import make_attend, plan_for
@@ -103,25 +103,17 @@ def loss_fn(params, batch, key, cfg: Config, mesh=None):
   model = merge(cfg, {**gathered_weights(mesh)(whole), "layers": params["layers"]})
   if mesh is not None:
     batch = jax.lax.with_sharding_constraint(batch, row_sharding(mesh))
-  n_valid = jnp.sum(batch.labels >= 0)  # before fast_dllm_v2 doubles the batch
-  if objective is bd3lm:
-    inputs, masked, weight = bd3lm.corrupt(key, batch, cfg.data.seq_len, cfg.objective)
-  elif objective is fast_dllm_v2:  # two complementary copies: 2S sequences, unit weights
-    batch, inputs, masked = fast_dllm_v2.corrupt(key, batch, cfg.data.seq_len, cfg.objective)
-    weight = jnp.ones(masked.shape)
-  else:
-    inputs, masked, weight = batch.tokens, batch.labels >= 0, jnp.ones(batch.labels.shape)
+  n_valid = jnp.sum(batch.labels >= 0)  # before an objective adds copies of the batch
+  batch, inputs, scored, weight = objective.corrupt(key, batch, cfg.data.seq_len,
+                                                    cfg.objective)
   hidden = model(inputs, batch.pos, batch.meta, make_attend(cfg, mesh),
                  layer_weights=gathered_weights(mesh, jnp.dtype(cfg.model.compute_dtype)))
-  if objective is ar:
-    score = lambda logits, labels, take, weight: ar.nll_loss(logits, labels)
-  else:
-    score = functools.partial(bd3lm.subs_loss, mask_token_id=cfg.objective.mask_token_id)
-  rows = [_slot_rows(x, plan, objective.LOSS_SLOT) for x in (hidden, batch.labels, masked, weight)]
+  score = functools.partial(objective.score, cfg=cfg.objective)
+  rows = [_slot_rows(x, plan, objective.LOSS_SLOT) for x in (hidden, batch.labels, scored, weight)]
   total = _loss_on_every_device(model.head, score, cfg.model.logits_chunk, mesh, *rows)
   loss = total / jnp.maximum(n_valid, 1)
   metrics = dict(loss=loss, valid_tokens=n_valid,
-                 masked_tokens=jnp.sum(masked & (batch.labels >= 0)))
+                 masked_tokens=jnp.sum(scored & (batch.labels >= 0)))
   return loss, metrics
 
 

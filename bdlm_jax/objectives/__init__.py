@@ -1,4 +1,19 @@
-"""Training objectives: each turns logical tokens into supervised rows and scores logits."""
+"""Training objectives, each a module with one protocol, so `loss_fn` runs any of them as
+rows -> corrupt -> model -> score, with no branch per objective:
+
+  LOSS_SLOT                                  "noisy", "clean" or "all": the rows of each rank
+                                             whose logits are scored
+  logical_rows(tokens_SL, seg_SL, protected_SL, cfg) -> dict
+                                             host side: the logical [S, 2L] rows (labels,
+                                             maskable, ...) that `make_batch` lays out
+  corrupt(key, batch, seq_len, cfg) -> (batch, inputs, scored, weight)
+                                             in the step: the batch the model runs (an
+                                             objective may add copies of its sequences), the
+                                             input token of each row, which rows are scored
+                                             and their weights
+  score(logits, labels, scored, weight, cfg) -> float
+                                             the summed loss of one chunk of rows
+"""
 
 from bdlm_jax.config import ConfigError
 from bdlm_jax.objectives import ar, bd3lm, fast_dllm_v2

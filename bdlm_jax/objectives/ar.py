@@ -26,5 +26,14 @@ def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
   return rows
 
 
-def nll_loss(logits_SNV, labels_SN):
-  return jnp.sum(jnp.where(labels_SN >= 0, token_nll(logits_SNV, labels_SN), 0.0))
+def corrupt(key, batch, seq_len: int, cfg: ObjectiveConfig):
+  """Nothing is corrupted: every clean row with a label is scored, with weight 1."""
+  del key, seq_len, cfg
+  scored = batch.labels >= 0
+  return batch, batch.tokens, scored, jnp.ones(scored.shape)
+
+
+def score(logits_SNV, labels_SN, scored_SN, weight_SN, cfg: ObjectiveConfig):
+  """Summed next-token NLL of the scored rows."""
+  del cfg
+  return jnp.sum(jnp.where(scored_SN, weight_SN * token_nll(logits_SNV, labels_SN), 0.0))

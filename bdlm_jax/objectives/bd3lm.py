@@ -40,7 +40,8 @@ def corrupt(key, batch, seq_len: int, cfg: ObjectiveConfig):
   """Masks rows in *logical* coordinates, so every layout sees the same corruption.
 
   t is drawn per (sequence, block) and a uniform per (sequence, position); each row reads
-  its own values through its position and block. Returns (inputs, masked, weight) per row.
+  its own values through its position and block. Returns (batch, inputs, masked, weight)
+  per row; a masked row is scored with weight w(t).
   """
   t_SN, u_SL = draw_noise(key, batch.tokens.shape[0], seq_len, cfg)
   t_row = jnp.take_along_axis(t_SN, batch.block, axis=1)
@@ -48,7 +49,7 @@ def corrupt(key, batch, seq_len: int, cfg: ObjectiveConfig):
   masked = batch.maskable & (u_row < t_row)
   inputs = jnp.where(masked, cfg.mask_token_id, batch.tokens)
   weight = 1.0 / t_row if cfg.loss_weight == "inv_t" else jnp.ones_like(t_row)
-  return inputs, masked, weight
+  return batch, inputs, masked, weight
 
 
 def token_nll(logits_SNV, labels_SN):
@@ -62,3 +63,7 @@ def subs_loss(logits_SNV, labels_SN, masked_SN, weight_SN, mask_token_id: int):
   nll = token_nll(logits_SNV.at[..., mask_token_id].set(-jnp.inf), labels_SN)
   take = masked_SN & (labels_SN >= 0)
   return jnp.sum(jnp.where(take, weight_SN * nll, 0.0))
+
+
+def score(logits_SNV, labels_SN, scored_SN, weight_SN, cfg: ObjectiveConfig):
+  return subs_loss(logits_SNV, labels_SN, scored_SN, weight_SN, cfg.mask_token_id)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bdlm_jax.config import ObjectiveConfig
-from bdlm_jax.objectives.bd3lm import draw_noise
+from bdlm_jax.objectives.bd3lm import draw_noise, subs_loss
 from bdlm_jax.objectives.streams import logical_stream
 
 LOSS_SLOT = "all"  # noisy rows inside blocks, clean rows at the block ends
@@ -70,7 +70,8 @@ def _interleave(a_SR, b_SR):
 
 
 def corrupt(key, batch, seq_len: int, cfg: ObjectiveConfig):
-  """Both complementary copies: (batch2, inputs, scored), each with 2S sequences.
+  """Both complementary copies: (batch2, inputs, scored, weight), each with 2S sequences;
+  every weight is 1.
 
   `hit` = "position p is masked in the first copy" = u_p < t_block(p), drawn in logical
   coordinates. Row r's input is masked when its own position hits (copy 1) or misses
@@ -87,4 +88,9 @@ def corrupt(key, batch, seq_len: int, cfg: ObjectiveConfig):
   inputs = jnp.where(masked, cfg.mask_token_id, _interleave(batch.tokens, batch.tokens))
   scored = _interleave(has_label & hit_next, has_label & ~hit_next)
   batch2 = jax.tree.map(lambda x: _interleave(x, x), batch)
-  return batch2, inputs, scored
+  return batch2, inputs, scored, jnp.ones(scored.shape)
+
+
+def score(logits_SNV, labels_SN, scored_SN, weight_SN, cfg: ObjectiveConfig):
+  """The SUBS cross-entropy of the scored rows ([MASK] is never a prediction)."""
+  return subs_loss(logits_SNV, labels_SN, scored_SN, weight_SN, cfg.mask_token_id)

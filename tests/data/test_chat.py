@@ -75,8 +75,8 @@ def test_prompt_tokens_are_never_masked_and_never_in_the_loss(chat_batch, object
   prompt = np.take_along_axis(chat_batch["protected"] | (chat_batch["segment_ids"] == 0),
                               noisy_pos, 1)
   assert not batch.maskable[:, :L][prompt].any()
-  out = get_objective(objective).corrupt(jax.random.key(0), batch, L, cfg.objective)
-  inputs = np.asarray(out[1] if objective == "fast_dllm_v2" else out[0])  # [copies * S, R]
+  _, inputs, _, _ = get_objective(objective).corrupt(jax.random.key(0), batch, L, cfg.objective)
+  inputs = np.asarray(inputs)  # [copies * S, R]
   masked = (inputs == cfg.objective.mask_token_id).reshape(len(prompt), -1, 2 * L)[..., :L]
   assert masked.any() and not (masked & prompt[:, None]).any()
   # Labels are exactly the response tokens (shifted by one row for fast_dllm_v2, whose first
