@@ -56,8 +56,8 @@ class ModelConfig:
   remat: str = "none"
   attention_impl: str = "xla"
   attention_chunk: int = 512  # keys per step of the flash-style loop
-  # Rows per rank whose [rows, vocab] logits exist at once in the loss (recomputed in the
-  # backward); 0 computes all rows' logits at once.
+  # Rows of each sequence held on a device whose float32 logits exist at once in the loss,
+  # [local sequences, chunk, vocab] (recomputed in the backward); 0: all rows at once.
   logits_chunk: int = 1024
 
 
@@ -325,6 +325,7 @@ _RANGES = {
     "sample.steps_per_block": (">= 0 (0: one token per step)", lambda x: x >= 0),
     "sample.temperature": (">= 0 (0: greedy)", lambda x: x >= 0),
     "sample.checkpoint_step": _STEP,
+    "seed": ("in [0, 2**32) (Grain's shuffle seed range)", lambda x: 0 <= x < 2**32),
     "export.checkpoint_step": _STEP,
 }
 

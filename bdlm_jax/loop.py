@@ -29,8 +29,8 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
   finished before the exception propagates, so `resume` can continue from them.
 
   A step that `train_step` skips (a non-finite loss, gradient or update) is counted in the
-  logged `skipped_steps` and not checkpointed; `train.max_bad_steps` in a row raise
-  `BadStepsError`.
+  logged `skipped_steps` and gets no regular checkpoint (the final one is still written);
+  `train.max_bad_steps` in a row raise `BadStepsError`.
   """
   initialize_distributed(cfg)
   mesh = make_mesh(cfg)
@@ -63,6 +63,7 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not progress or jax.process_index())
     last_time, last_step = time.perf_counter(), start
     bad_in_a_row = skipped_since_row = 0
+    good_state = start > 0  # a restored state, or one some step of this run has updated
     for step in range(start, cfg.train.steps):
       raw = next(data)
       batch = make_batch(cfg, raw["tokens"], raw["segment_ids"], raw.get("protected"))
@@ -70,6 +71,7 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
       state, metrics = train_step(state, batch, jax.random.fold_in(step_key, step))
       done = step + 1
       skipped = int(metrics.pop("skipped"))  # waits for the step: its state may be saved below
+      good_state |= not skipped
       bad_in_a_row = bad_in_a_row + 1 if skipped else 0
       skipped_since_row += skipped
       if done % cfg.train.log_every == 0 or done == cfg.train.steps:
@@ -88,14 +90,18 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
       bar.update(1)
       if bad_in_a_row == cfg.train.max_bad_steps:
         ckpt.wait()
-        last = ckpt.latest_step()
-        good = f"{ckpt.step_dir(last)} (step {last})" if last is not None else "none yet"
+        saved = ckpt.latest_step()
+        good = f"{ckpt.step_dir(saved)} (step {saved})" if saved is not None else "none yet"
         raise BadStepsError(
             f"steps {done - bad_in_a_row + 1}-{done} had a non-finite loss, gradient or update "
             f"(train.max_bad_steps={cfg.train.max_bad_steps} in a row); stopped at step {done}. "
             f"Last good checkpoint: {good}")
-      if not skipped:  # a skipped step changed nothing, and its state may be a NaN init_from
-        ckpt.save(done, state, data.get_state(), force=done == cfg.train.steps)
+      final = done == cfg.train.steps
+      # A skipped step changed nothing: its regular save would only rotate out an older good
+      # checkpoint. The final save is forced, unless no step ever applied (the state may be a
+      # NaN init_from).
+      if not skipped or (final and good_state):
+        ckpt.save(done, state, data.get_state(), force=final)
     bar.close()
     return history
   finally:

@@ -108,6 +108,17 @@ def test_non_finite_steps_are_skipped_and_stop_the_run_keeping_the_good_checkpoi
   assert [(row["step"], row["skipped_steps"]) for row in rows(workdir)] == [(2, 0), (4, 0), (6, 2)]
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_a_skipped_last_step_still_writes_the_final_checkpoint(trained, tmp_path):
+  """Steps 5 and 6 are skipped (fewer than max_bad_steps in a row): step 5 gets no save of
+  its own, but the run's final checkpoint (the last good state) is written at step 6."""
+  workdir = str(tmp_path / "run")
+  shutil.copytree(trained, workdir)
+  assert run.main(argv("train.steps=6", "train.lr=1e39", "train.ckpt_every=1",
+                       "train.max_bad_steps=3", workdir=workdir, flags=["--resume"])) == 0
+  assert checkpoint_steps(workdir)[-2:] == [4, 6]
+
+
 def test_resume_of_a_finished_run_says_there_is_nothing_to_train(trained, capsys):
   before = snapshot(trained)
   assert run.main(argv(f"train.steps={STEPS}", workdir=trained, flags=["--resume"])) == 0

@@ -15,13 +15,13 @@ def test_overrides_parse_with_the_type_of_their_field():
   cfg = override(Config(), ["model.qk_norm=yes", "train.async_checkpoint=off", "train.steps=1_000",
                             "model.vocab_size=0x200", "train.warmup_steps=1e2", "train.lr=3e-4",
                             "train.grad_clip=2", "parallel.strategy=csbp_ring",
-                            "data.path= spaced name.txt", "seed=-3"])
+                            "data.path= spaced name.txt", "sample.checkpoint_step=-1"])
   assert cfg.model.qk_norm is True and cfg.train.async_checkpoint is False
   assert cfg.train.steps == 1000 and cfg.model.vocab_size == 512
   assert cfg.train.warmup_steps == 100 and type(cfg.train.warmup_steps) is int
   assert cfg.train.lr == 3e-4 and cfg.train.grad_clip == 2.0 and type(cfg.train.grad_clip) is float
   assert cfg.parallel.strategy == "csbp_ring" and cfg.data.path == " spaced name.txt"
-  assert cfg.seed == -3
+  assert cfg.sample.checkpoint_step == -1
 
 
 @pytest.mark.parametrize("value", ["true", "True", "1", "on", "YES"])
@@ -150,6 +150,8 @@ def test_a_config_round_trips_through_a_dict():
     ("objective.eps_min=0", "need 0 < objective.eps_min <= objective.eps_max <= 1"),
     ("objective.eps_min=0.5,objective.eps_max=0.4", "objective.eps_min <= objective.eps_max"),
     ("train.batch_size=0", "train.batch_size must be >= 1"),
+    ("seed=-1", "seed must be in [0, 2**32)"),
+    ("seed=4294967296", "seed must be in [0, 2**32)"),
 ])
 def test_a_number_out_of_range_names_the_key_and_the_rule(item, expected):
   with pytest.raises(ConfigError) as e:

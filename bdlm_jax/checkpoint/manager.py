@@ -31,8 +31,9 @@ COMMIT_MARKER = "commit_success.txt"  # Orbax writes it into a step before the f
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # of a step folder Orbax is still writing
 
 # Model keys that change how the model runs, not what its parameters mean: a run may resume
-# with a different kernel, remat policy or compute dtype.
-RUNTIME_MODEL_KEYS = ("attention_impl", "attention_chunk", "remat", "compute_dtype")
+# with a different kernel, remat policy, compute dtype or loss chunk.
+RUNTIME_MODEL_KEYS = ("attention_impl", "attention_chunk", "remat", "compute_dtype",
+                      "logits_chunk")
 
 
 # Key of the config item that records `Tokenizer.fingerprint`: what the token ids meant.

@@ -28,6 +28,21 @@ def _tokenize(tokenizer: Tokenizer, text: str) -> np.ndarray:
   return np.asarray(tokenizer.encode(text) + [tokenizer.eos_id], dtype=np.int32)
 
 
+class _WithoutToken:
+  """`tokenizer` whose `encode` never yields `token_id`: a document that spells out the
+  [MASK] token literally (a tokenizer matches special tokens in raw text) loses that token,
+  instead of stopping training at `make_batch`, which refuses [MASK] in the data."""
+
+  def __init__(self, tokenizer: Tokenizer, token_id: int):
+    self._tokenizer, self._token_id = tokenizer, token_id
+
+  def encode(self, text: str) -> list[int]:
+    return [i for i in self._tokenizer.encode(text) if i != self._token_id]
+
+  def __getattr__(self, name):
+    return getattr(self._tokenizer, name)
+
+
 def check_tokenizer(tokenizer: Tokenizer, data_cfg: DataConfig, vocab_size: int,
                     mask_token_id: int | None = None) -> None:
   """The tokenizer fits the model: its ids index the embedding, it has an EOS, and
@@ -57,7 +72,7 @@ def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size
   Process p reads documents p, p + P, p + 2P, ... of the source (disjoint shards); each
   epoch is reshuffled from `seed` when `data.shuffle`. Padding is `tokenizer.pad_id` with
   segment 0. `mask_token_id`, the objective's [MASK] (None for `ar`), is checked against the
-  tokenizer before anything is read.
+  tokenizer before anything is read, and dropped from documents that spell it out.
   """
   if not 0 <= process_index < process_count:
     raise ConfigError(f"process_index={process_index} must lie in [0, {process_count})")
@@ -65,6 +80,8 @@ def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size
     raise ConfigError(f"batch_size={batch_size} must be >= 1")
   tokenizer = make_tokenizer(data_cfg)
   check_tokenizer(tokenizer, data_cfg, vocab_size, mask_token_id)
+  if mask_token_id is not None:
+    tokenizer = _WithoutToken(tokenizer, mask_token_id)
   is_chat = data_cfg.format == "chat"
   source = chat.ChatSource(data_cfg.path, data_cfg.chat_template) if is_chat else make_source(
       data_cfg, seed)

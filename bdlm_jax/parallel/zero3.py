@@ -2,8 +2,13 @@
 
 Parameters, gradients and both Adam moments are sharded alike (`zero3_shardings`); every
 seq rank computes with all the weights, so each layer gathers its weights where it runs
-(inside the layer scan, one layer at a time) and returns their gradient with one
-reduce-scatter (`gathered_weights`). `data` stays plain replication.
+(inside the layer scan, one layer at a time) and returns their gradient to the shards with
+one reduce-scatter (`gathered_weights`; XLA:CPU compiles it as an all-reduce and a slice,
+which its byte counts then show). `data` stays plain replication.
+
+Only with `model.remat=full` is a layer's gathered copy dropped after its forward (and
+gathered again in its backward); without remat the backward keeps every layer's gathered
+weights, as it keeps every other activation.
 """
 
 import jax

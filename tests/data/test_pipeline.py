@@ -127,6 +127,18 @@ def test_a_mask_id_the_data_can_hold_is_refused_before_reading(hf_tokenizer_path
                            mask_token_id=tok.mask_id))["tokens"].shape == (2, 128)
 
 
+def test_a_document_spelling_out_the_mask_token_loses_it(tmp_path, hf_tokenizer_path):
+  tok = HFTokenizer(hf_tokenizer_path)
+  (tmp_path / "docs.txt").write_text("the [MASK] cat sat\n" * 4)
+  assert tok.mask_id in tok.encode("the [MASK] cat sat")  # a tokenizer matches it in text
+  cfg = DataConfig(source="text", path=str(tmp_path / "docs.txt"), tokenizer=hf_tokenizer_path,
+                   seq_len=16)
+  tokens = next(make_dataset(cfg, batch_size=2, seed=0, vocab_size=tok.vocab_size,
+                             mask_token_id=tok.mask_id))["tokens"]
+  assert tok.mask_id not in tokens
+  assert tok.decode(tokens[0, :4].tolist()) == "the cat sat"
+
+
 def test_more_processes_than_documents_is_a_clear_error(tmp_path):
   (tmp_path / "one.txt").write_text("only line\n")
   cfg = DataConfig(source="text", path=str(tmp_path / "one.txt"))
