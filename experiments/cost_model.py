@@ -19,7 +19,9 @@ A plain model, not a simulator. Per rank and per step:
   exposed (attention needs the gathered K/V; the backward gathers them again). The bytes are
   what the transports issue (`bdlm_jax.parallel.step_report.attention_traffic`).
 * Memory, where `experiments/scale_probe.py` compiled the setting (`--probe-csv`): the
-  compiled per-device peak of the real train step. Elsewhere it is *assumed*: model states
+  compiled per-device peak of the real train step, also for the other block sizes of that
+  (model, L, strategy) (B moves memory only through layout padding). Elsewhere it is
+  *assumed*: model states
   (ZeRO-3 over all GPUs) + what full remat saves per layer (the layer input, the attention
   output and its LSE) + the largest transient (one layer's backward, or one loss chunk of
   `model.logits_chunk` rows). The report prints both figures and their ratio where both
@@ -315,6 +317,16 @@ def load_probe(path: str, hw: Hardware) -> dict:
           and int(r["layers"]) == MODELS[r["model"]].n_layers}
 
 
+def compiled_peak(compiled: dict, model: str, seq_len: int, block_size: int, strategy: str):
+  """The compiled peak of this setting, else of the same (model, L, strategy) compiled at
+  another block size, else None."""
+  exact = compiled.get((model, seq_len, block_size, strategy))
+  if exact is not None:
+    return exact
+  return next((v for (m, n, _, s), v in compiled.items() if (m, n, s) == (model, seq_len,
+                                                                           strategy)), None)
+
+
 def project(hw: Hardware, scenarios: dict, models=MODELS, seq_lens=SEQ_LENS,
             block_sizes=BLOCK_SIZES, strategies=STRATEGIES, compiled=None) -> dict:
   """{scenario: one row per (model, L, B, strategy)}; each plan is built once. `mfu` is the
@@ -332,7 +344,8 @@ def project(hw: Hardware, scenarios: dict, models=MODELS, seq_lens=SEQ_LENS,
           for name, m in models.items():
             row = dict(model=name, seq_len=seq_len, block_size=block_size, strategy=s,
                        **step_time(m, work, hw, a), **peak_memory(m, work, hw, a))
-            row["compiled_bytes"] = compiled.get((name, seq_len, block_size, s))
+            row["compiled_bytes"] = compiled_peak(compiled, name, seq_len, block_size, s)
+            row["compiled_here"] = (name, seq_len, block_size, s) in compiled
             row["memory_bytes"] = row["compiled_bytes"] or row["total_bytes"]
             row["fits"] = row["memory_bytes"] <= hw.hbm_gb * GB * hw.usable_fraction
             row["mfu"] = useful[name] / (row["total_s"] * hw.num_gpus * hw.peak_tflops * 1e12)
@@ -514,14 +527,16 @@ def _memory_table(rows: list[dict], hw: Hardware, probe: str) -> list[str]:
   limit = hw.hbm_gb * hw.usable_fraction
   both = [r for r in rows if r["compiled_bytes"]]
   lines = [f"Fits / OOM against {limit:.0f} GB usable: {len(both)} of {len(rows)} verdicts "
-           f"compiled (the real train step's per-device peak, read from `{probe}`), the "
-           f"other {len(rows) - len(both)} assumed (this model's estimate).", ""]
+           f"compiled (the real train step's per-device peak, read from `{probe}`; at the "
+           f"probe's block size, and the same figure for the other block sizes), the other "
+           f"{len(rows) - len(both)} assumed (this model's estimate). Below: the probed "
+           "settings.", ""]
   if not both:
     return lines + ["No compiled figures: run `experiments/scale_probe.py` (16 devices, "
                     "block size 64, full depth) for compiled verdicts.", ""]
   lines += ["| model | L | B | strategy | assumed GB | compiled GB | assumed ÷ compiled | "
             "verdict |", "|---|---|---|---|---|---|---|---|"]
-  for r in both:
+  for r in (r for r in both if r["compiled_here"]):
     lines.append(f"| {r['model']} | {_k(r['seq_len'])} | {r['block_size']} | {r['strategy']} | "
                  f"{r['total_bytes'] / GB:.1f} | {r['compiled_bytes'] / GB:.1f} | "
                  f"{r['total_bytes'] / r['compiled_bytes']:.3f} | "

@@ -210,7 +210,8 @@ def markdown(rows, grid: Grid, dtype: str) -> str:
       "Per device and step. *attn MiB*: bytes each device sends for attention K/V and their "
       "gradients (HLO collectives inside the attention `shard_map`, converted to "
       "ring-algorithm wire bytes); *all-reduce MiB*: the weight-gradient reduction (HLO "
-      "operand bytes), the same program for every strategy. *max pairs*: allowed (query, key) "
+      "operand bytes; XLA:CPU compiles ZeRO-3's reduce-scatter of the gradients as an "
+      "all-reduce and a slice). *max pairs*: allowed (query, key) "
       "pairs on the busiest rank. *XLA GFLOP* counts each while-loop body once (scans over key "
       "chunks and ring steps are undercounted); *model GFLOP* is the useful work per device. "
       f"*step ms*: median of {grid.steps} steps after {grid.warmup} warm-up, the strategies of "
@@ -262,7 +263,7 @@ def summary(rows) -> list[str]:
     bp = [r["attn_wire_bytes"] for r in rows if r["strategy"] == "bp"]
     lines.append(f"* bp sends {_span(bp, '.0f')} attention bytes.")
   all_reduce = [r["all_reduce_bytes"] / MiB for r in sharded]
-  lines.append(f"* The weight-gradient all-reduce is {_span(all_reduce, '.3f')} MiB for every "
+  lines.append(f"* The weight-gradient all-reduce is {_span(all_reduce, '.3f')} MiB over every "
                "sharded strategy and configuration.")
   for strategy in STRATEGIES:
     mine = [r for r in sharded if r["strategy"] == strategy and r["strategy"] != BASELINE

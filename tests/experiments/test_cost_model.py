@@ -122,12 +122,17 @@ def test_compiled_memory_decides_the_verdict_where_the_probe_ran(tmp_path):
   rows = cm.project(cm.Hardware(), {"default": cm.Assumptions()}, seq_lens=(16384,),
                     block_sizes=(64,), compiled=compiled)["default"]
   at = {(r["model"], r["strategy"]): r for r in rows}
-  ring = at[("llama3-8b", "csbp_ring")]
+  ring_key = ("llama3-8b", "csbp_ring")
+  ring = at[ring_key]
   assert ring["memory_bytes"] == 5e11 and not ring["fits"] and ring["total_bytes"] < 5e11
   assumed = at[("llama3-8b", "cp_ring")]
   assert assumed["compiled_bytes"] is None and assumed["memory_bytes"] == assumed["total_bytes"]
   text = "\n".join(cm._memory_table(rows, cm.Hardware(), "scale_probe.csv"))
   assert f"1 of {len(rows)} verdicts compiled" in text and "OOM (compiled)" in text
+  other_block = cm.project(cm.Hardware(), {"default": cm.Assumptions()}, seq_lens=(16384,),
+                           block_sizes=(16,), compiled=compiled)["default"]
+  ring16 = next(r for r in other_block if (r["model"], r["strategy"]) == ring_key)
+  assert ring16["compiled_bytes"] == 5e11 and not ring16["compiled_here"] and not ring16["fits"]
 
 
 def test_kernel_csv_sets_attention_tflops_from_pallas_fwd_bwd_on_bdlm_masks(tmp_path):
