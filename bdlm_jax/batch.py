@@ -68,17 +68,8 @@ def make_batch(cfg: Config, tokens, segment_ids=None, protected=None) -> Batch:
   rows = get_objective(cfg.objective.name).logical_rows(tokens, seg, prot, cfg.objective)
   plan = plan_for(cfg)
   rows = apply_layout(plan, rows, PAD_VALUES)
-  rows["labels"] = np.where(_first_copies(plan)[None], rows["labels"], -1)
+  rows["labels"] = np.where(plan.first_copies[None], rows["labels"], -1)
   return Batch(**{f: rows[f] for f in Batch._fields})
-
-
-def _first_copies(plan) -> np.ndarray:
-  """bool [P * rows_per_rank]: False on the later copies of a row that a layout repeats
-  (`bp` replicates the clean prefix), so that a label there is counted and scored once."""
-  flat = plan.rows.reshape(-1)
-  first = np.zeros(flat.shape, bool)
-  first[np.unique(flat, return_index=True)[1]] = True
-  return first
 
 
 def abstract_batch(cfg: Config, mesh) -> Batch:

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bdlm_jax.config import ObjectiveConfig
-from bdlm_jax.objectives.bd3lm import draw_noise, subs_loss
+from bdlm_jax.objectives import bd3lm
+from bdlm_jax.objectives.bd3lm import draw_noise
 from bdlm_jax.objectives.streams import logical_stream
 
 LOSS_SLOT = "all"  # noisy rows inside blocks, clean rows at the block ends
@@ -91,6 +92,4 @@ def corrupt(key, batch, seq_len: int, cfg: ObjectiveConfig):
   return batch2, inputs, scored, jnp.ones(scored.shape)
 
 
-def score(logits_SNV, labels_SN, scored_SN, weight_SN, cfg: ObjectiveConfig):
-  """The SUBS cross-entropy of the scored rows ([MASK] is never a prediction)."""
-  return subs_loss(logits_SNV, labels_SN, scored_SN, weight_SN, cfg.mask_token_id)
+score = bd3lm.score  # the SUBS cross-entropy of the scored rows, as in BD3-LM (weights are 1)

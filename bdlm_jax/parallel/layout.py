@@ -13,6 +13,7 @@ Adding a strategy means adding a plan here; the model and the objective never ch
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -48,6 +49,16 @@ class LayoutPlan:
     valid = self.rows != PAD
     block = (self.rows % L) // B
     return np.where(valid, B * (block + 1), 0).sum(axis=1).astype(np.int64)
+
+  @functools.cached_property
+  def first_copies(self) -> np.ndarray:
+    """bool [P * rows_per_rank]: False on the later copies of a row that a layout repeats
+    (`bp` replicates the clean prefix), so that a label there is counted and scored once.
+    Computed once per plan, not per batch."""
+    flat = self.rows.reshape(-1)
+    first = np.zeros(flat.shape, bool)
+    first[np.unique(flat, return_index=True)[1]] = True
+    return first
 
   def valid_rows(self) -> np.ndarray:
     """int64 [P]: non-padding rows held by each rank (what activation memory scales with)."""
