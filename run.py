@@ -1,6 +1,7 @@
 """Command line: python run.py --config configs/quickstart.py [--set a.b=c ...] [--resume]."""
 
 import argparse
+import json
 import os
 import sys
 
@@ -46,6 +47,13 @@ def main(argv=None) -> int:
       from bdlm_jax.parallel.step_report import plan_report
       print(plan_report(cfg, progress=lambda line: print(line, file=sys.stderr)))
       return 0
+    if cfg.mode == "eval":
+      from bdlm_jax.evaluate import describe, evaluate_checkpoint
+      step, metrics = evaluate_checkpoint(cfg, workdir)
+      if jax.process_index() == 0:
+        print(f"step {step} of {workdir}: {describe(metrics, cfg.objective.name)}")
+        print(json.dumps(dict(step=step, **metrics)))
+      return 0
     if cfg.mode == "sample":
       from bdlm_jax.sample import sample_checkpoint
       step, prompt, completion = sample_checkpoint(cfg, workdir)
@@ -67,6 +75,10 @@ def main(argv=None) -> int:
     first, last = history[0], history[-1]
     print(f"trained {last['step']} steps: loss {first['loss']:.4f} (step {first['step']}) -> "
           f"{last['loss']:.4f}; {last['tokens_per_s']:.0f} tokens/s; workdir {workdir}")
+    if "eval_loss" in last:
+      from bdlm_jax.evaluate import describe, show_sample
+      print(describe(last, cfg.objective.name))
+      print(show_sample(cfg, workdir))
   return 0
 
 

@@ -30,7 +30,7 @@ OBJECTIVES = ("bd3lm", "fast_dllm_v2", "ar")
 ATTENTION_IMPLS = ("xla", "pallas")
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full")
-MODES = ("train", "sample", "export", "plan")
+MODES = ("train", "eval", "sample", "export", "plan")
 DATA_SOURCES = ("arithmetic", "text", "jsonl", "array_record")
 DATA_FORMATS = ("text", "chat")
 CHAT_TEMPLATES = ("plain", "chatml")  # defined in bdlm_jax/data/chat.py
@@ -74,6 +74,11 @@ class DataConfig:
   seq_len: int = 128  # L
   shuffle: bool = True
   num_threads: int = 2  # grain read threads (2-core friendly)
+  # The held-out split (evaluation). The embedded source draws it from another seed; file
+  # sources read `eval_path` (same format) if set, else hold out the last `holdout` fraction
+  # of their documents (rounded down), which training then never sees.
+  eval_path: str = ""
+  holdout: float = 0.01
 
 
 @dataclasses.dataclass
@@ -122,6 +127,7 @@ class TrainConfig:
   peak_tflops: float = 0.0  # per device, for the MFU estimate; 0 guesses from the backend
   # Steps with a non-finite loss, gradient or update are skipped; this many in a row stop the run.
   max_bad_steps: int = 3
+  eval_every: int = 0  # steps between held-out evaluations (and one at the end); 0: never
 
 
 @dataclasses.dataclass
@@ -135,6 +141,16 @@ class SampleConfig:
   temperature: float = 0.0  # 0: greedy
   use_cache: bool = True  # KV cache of the clean blocks before the current one
   checkpoint_step: int = -1  # -1: latest
+
+
+@dataclasses.dataclass
+class EvalConfig:
+  """Held-out evaluation (mode=eval, train.eval_every): NELBO / NLL per token, arithmetic."""
+  batches: int = 4  # held-out batches of train.batch_size sequences, the same at every eval
+  noise_draws: int = 4  # fixed noise draws averaged per batch (diffusion objectives)
+  t_min: float = 1e-3  # bd3lm's NELBO integrates t over [t_min, 1] with weight 1/t
+  prompts: int = 64  # held-out arithmetic prompts (embedded data only; 0: skip)
+  checkpoint_step: int = -1  # mode=eval: -1: latest
 
 
 @dataclasses.dataclass
@@ -159,10 +175,11 @@ class Config:
   parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
   sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
+  eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
   export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
   plan: PlanConfig = dataclasses.field(default_factory=PlanConfig)
   seed: int = 0
-  mode: str = "train"  # train | sample | export | plan
+  mode: str = "train"  # train | eval | sample | export | plan
   init_from: str = ""  # a Hugging Face folder whose weights initialise training (conversion)
 
   def to_dict(self) -> dict:
@@ -325,6 +342,11 @@ _RANGES = {
     "sample.steps_per_block": (">= 0 (0: one token per step)", lambda x: x >= 0),
     "sample.temperature": (">= 0 (0: greedy)", lambda x: x >= 0),
     "sample.checkpoint_step": _STEP,
+    "data.holdout": ("in [0, 1)", lambda x: 0 <= x < 1),
+    "train.eval_every": (">= 0 (0: never)", lambda x: x >= 0),
+    "eval.t_min": ("in (0, 1)", lambda x: 0 < x < 1),
+    "eval.prompts": (">= 0 (0: no arithmetic eval)", lambda x: x >= 0),
+    "eval.checkpoint_step": _STEP,
     "seed": ("in [0, 2**32) (Grain's shuffle seed range)", lambda x: 0 <= x < 2**32),
     "export.checkpoint_step": _STEP,
 }
@@ -364,7 +386,8 @@ def validate(cfg: Config) -> None:
       "train.batch_size": t.batch_size, "train.grad_accum": t.grad_accum,
       "train.log_every": t.log_every, "train.ckpt_every": t.ckpt_every,
       "train.max_to_keep": t.max_to_keep, "train.max_bad_steps": t.max_bad_steps,
-      "sample.max_new_tokens": cfg.sample.max_new_tokens,
+      "sample.max_new_tokens": cfg.sample.max_new_tokens, "eval.batches": cfg.eval.batches,
+      "eval.noise_draws": cfg.eval.noise_draws,
   }
   for key, value in positive.items():
     if value < 1:
@@ -435,7 +458,7 @@ def replace(cfg: Config, **sections: dict) -> Config:
 
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "DataConfig", "ObjectiveConfig",
-           "ParallelConfig", "TrainConfig", "SampleConfig", "ExportConfig", "PlanConfig",
+           "ParallelConfig", "TrainConfig", "SampleConfig", "EvalConfig", "ExportConfig", "PlanConfig",
            "load_config",
            "override", "validate", "all_keys",
            "replace"]

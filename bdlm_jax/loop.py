@@ -7,13 +7,13 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from bdlm_jax.batch import make_batch
 from bdlm_jax.checkpoint import Checkpointer
 from bdlm_jax.checkpoint.hf_import import params_from_hf
 from bdlm_jax.config import Config
-from bdlm_jax.data import make_dataset
+from bdlm_jax.evaluate import HeldOut
+from bdlm_jax.feed import Feed
 from bdlm_jax.metrics import MetricsWriter, model_flops_per_step, peak_flops, peak_memory_bytes
-from bdlm_jax.parallel.mesh import data_shard, initialize_distributed, make_mesh, put_batch
+from bdlm_jax.parallel.mesh import initialize_distributed, make_mesh
 from bdlm_jax.train import abstract_state, init_state, make_train_step
 
 
@@ -31,6 +31,9 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
   A step that `train_step` skips (a non-finite loss, gradient or update) is counted in the
   logged `skipped_steps` and gets no regular checkpoint (the final one is still written);
   `train.max_bad_steps` in a row raise `BadStepsError`.
+
+  Every `train.eval_every` steps and at the last step, the held-out metrics of evaluate.py
+  join that step's row.
   """
   initialize_distributed(cfg)
   mesh = make_mesh(cfg)
@@ -42,12 +45,7 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
       raise FileExistsError(f"{workdir} already holds checkpoints (latest step "
                             f"{ckpt.latest_step()}); pass --resume or choose a new --workdir")
     ckpt.remove_unfinished_saves()  # the workdir is ours to write
-    shard, n_shards, local = data_shard(mesh, cfg.train.batch_size)
-    data = make_dataset(cfg.data, batch_size=local.stop - local.start, seed=cfg.seed,
-                        vocab_size=cfg.model.vocab_size, process_index=shard,
-                        process_count=n_shards, block_size=cfg.objective.block_size,
-                        mask_token_id=None if cfg.objective.name == "ar"
-                        else cfg.objective.mask_token_id)
+    data = Feed(cfg, mesh)
     init_key, step_key = jax.random.split(jax.random.key(cfg.seed))
     if resume and ckpt.latest_step() is not None:
       start, state, data_state = ckpt.restore(abstract_state(cfg, mesh))
@@ -56,6 +54,7 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
       params = params_from_hf(cfg, mesh) if cfg.init_from else None  # AR -> BDLM conversion
       start, state = 0, init_state(cfg, init_key, mesh, params)
     train_step = make_train_step(cfg, mesh)
+    held_out = HeldOut(cfg, mesh) if cfg.train.eval_every else None
     writer = MetricsWriter(ckpt.workdir, start)
     flops, peak = model_flops_per_step(cfg), peak_flops(cfg)
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
@@ -65,16 +64,15 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
     bad_in_a_row = skipped_since_row = 0
     good_state = start > 0  # a restored state, or one some step of this run has updated
     for step in range(start, cfg.train.steps):
-      raw = next(data)
-      batch = make_batch(cfg, raw["tokens"], raw["segment_ids"], raw.get("protected"))
-      batch = put_batch(batch, mesh, cfg.train.batch_size, local)
-      state, metrics = train_step(state, batch, jax.random.fold_in(step_key, step))
+      state, metrics = train_step(state, next(data), jax.random.fold_in(step_key, step))
       done = step + 1
       skipped = int(metrics.pop("skipped"))  # waits for the step: its state may be saved below
       good_state |= not skipped
       bad_in_a_row = bad_in_a_row + 1 if skipped else 0
       skipped_since_row += skipped
-      if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+      evaluate = held_out is not None and (done % cfg.train.eval_every == 0
+                                           or done == cfg.train.steps)
+      if done % cfg.train.log_every == 0 or done == cfg.train.steps or evaluate:
         metrics = jax.device_get(metrics)
         now = time.perf_counter()
         step_time = (now - last_time) / (done - last_step)  # the first row includes compiling
@@ -83,6 +81,9 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
                    step_time_s=step_time, tokens_per_s=tokens_per_step / step_time,
                    mfu=flops / step_time / peak if peak else None,
                    peak_memory_bytes=peak_memory_bytes(), skipped_steps=skipped_since_row)
+        if evaluate:
+          row.update(held_out(state.params))
+          last_time = time.perf_counter()  # the eval is not step time
         skipped_since_row = 0
         history.append(row)
         writer.write(done, {k: v for k, v in row.items() if k != "step"})

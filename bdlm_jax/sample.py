@@ -73,6 +73,27 @@ def _rows_forward(model, tokens_1R, pos_1R, meta: RowMeta, cache: KVCache, block
   return model.final_norm(x), ks, vs
 
 
+def _commit_rows(model, cache: KVCache, tokens_1R, seg_1R, start, block_size: int, chunk: int):
+  """Runs clean rows at positions start.. over [cache ; themselves] and writes their K/V into
+  the cache: (hidden states [1, R, D], cache)."""
+  pos = start + jnp.arange(tokens_1R.shape[1])[None]
+  meta = _meta(CLEAN, pos, seg_1R, block_size)
+  h, k, v = _rows_forward(model, tokens_1R, pos, meta, cache, block_size, chunk)
+  at = (0, 0, start, 0, 0)
+  return h, KVCache(jax.lax.dynamic_update_slice(cache.k, k, at),
+                    jax.lax.dynamic_update_slice(cache.v, v, at),
+                    jax.lax.dynamic_update_slice(cache.seg, seg_1R.astype(jnp.int32), (0, start)))
+
+
+def _predict(logits_RV, key, temperature):
+  """Argmax (temperature 0) or a sample at `temperature` (Gumbel-max), per row."""
+  noisy = logits_RV / jnp.maximum(temperature, 1e-6) + jax.random.gumbel(key, logits_RV.shape)
+  return jnp.where(temperature > 0, jnp.argmax(noisy, -1), jnp.argmax(logits_RV, -1))
+
+
+_pick = jax.jit(_predict)
+
+
 class _Steps(NamedTuple):
   """The jitted pieces of one model/objective configuration."""
 
@@ -94,13 +115,7 @@ def _steps(cfg_json: str) -> _Steps:
 
   def commit(params, cache, tokens_1B, seg_1B, start):
     model = merge(cfg, params)
-    pos = block_pos(start)
-    h, k, v = _rows_forward(model, tokens_1B, pos, _meta(CLEAN, pos, seg_1B, bs), cache, bs,
-                            chunk)
-    at = (0, 0, start, 0, 0)
-    cache = KVCache(jax.lax.dynamic_update_slice(cache.k, k, at),
-                    jax.lax.dynamic_update_slice(cache.v, v, at),
-                    jax.lax.dynamic_update_slice(cache.seg, seg_1B.astype(jnp.int32), (0, start)))
+    h, cache = _commit_rows(model, cache, tokens_1B, seg_1B, start, bs, chunk)
     return cache, model.logits(h[:, -1])[0] if shift else None  # the next block's first token
 
   def denoise(params, cache, tokens_1B, start):
@@ -122,8 +137,7 @@ def _steps(cfg_json: str) -> _Steps:
 
   def reveal(logits_BV, tokens_B, masked_B, n, key, temperature, priority_B, by_confidence):
     logits = logits_BV.at[:, mask_id].set(-jnp.inf)  # [MASK] is never a prediction
-    noisy = logits / jnp.maximum(temperature, 1e-6) + jax.random.gumbel(key, logits.shape)
-    pred = jnp.where(temperature > 0, jnp.argmax(noisy, -1), jnp.argmax(logits, -1))
+    pred = _predict(logits, key, temperature)
     if by_confidence:
       priority_B = jnp.take_along_axis(jax.nn.softmax(logits), pred[:, None], 1)[:, 0]
     rank = jnp.argsort(jnp.argsort(-jnp.where(masked_B, priority_B, -jnp.inf)))
@@ -153,7 +167,8 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
            eos_id: int | None = None) -> np.ndarray:
   """Tokens generated after `prompt_tokens` (int [T]): int32 [<= max_new_tokens].
 
-  Options default to `cfg.sample`; `eos_id` defaults to the EOS of `data.tokenizer`. The
+  Block diffusion objectives generate block by block (above); `ar` decodes one token at a
+  time with a KV cache (the block options do not apply). Options default to `cfg.sample`; `eos_id` defaults to the EOS of `data.tokenizer`. The
   result ends with EOS if generation stopped there. Same key, same tokens, with or without
   the KV cache. Prompt ids must index the embedding and not be the [MASK] id.
   """
@@ -163,10 +178,7 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
   strategy = o.strategy if strategy is None else strategy
   temperature = o.temperature if temperature is None else temperature
   use_cache = o.use_cache if use_cache is None else use_cache
-  eos_id = _tokenizer(cfg).eos_id if eos_id is None else eos_id
-  if cfg.objective.name not in ("bd3lm", "fast_dllm_v2"):
-    raise ConfigError(f"sampling needs a block diffusion objective (bd3lm or fast_dllm_v2), "
-                      f"got objective.name={cfg.objective.name!r}")
+  eos_id = checked_tokenizer(cfg).eos_id if eos_id is None else eos_id
   if strategy not in ("confidence", "first_hitting"):
     raise ConfigError(f"sample strategy {strategy!r} is not 'confidence' or 'first_hitting'")
   prompt = np.asarray(prompt_tokens).reshape(-1)
@@ -175,9 +187,10 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
                       f"got {prompt.size} prompt tokens, {max_new_tokens}, {steps}")
   check_token_ids(cfg, prompt, "the prompt")
   prompt = prompt.astype(np.int32)
+  if cfg.objective.name == "ar":
+    return _sample_ar(params, cfg, prompt, key, max_new_tokens, temperature, use_cache, eos_id)
   m, bs = cfg.model, cfg.objective.block_size
-  d = cfg.to_dict()
-  fns = _steps(json.dumps(dict(model=d["model"], objective=d["objective"]), sort_keys=True))
+  fns = _steps(_model_json(cfg))
   shift = cfg.objective.name == "fast_dllm_v2"  # position j is predicted by row j-1
   first = -prompt.size % bs + prompt.size  # the prompt ends on a block boundary
   n_blocks = -(-max_new_tokens // bs)
@@ -221,7 +234,60 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
   return np.asarray(out, np.int32)
 
 
-def _tokenizer(cfg: Config):
+def _model_json(cfg: Config) -> str:
+  d = cfg.to_dict()
+  return json.dumps(dict(model=d["model"], objective=d["objective"]), sort_keys=True)
+
+
+_AR_PROMPT_BUCKET = 16  # prompts are left-padded to a multiple: few shapes, few compiles
+
+
+@functools.lru_cache(maxsize=8)
+def _ar_extend(cfg_json: str) -> Callable:
+  """(params, cache, tokens_1T, seg_1T, start) -> (cache, logits [V] of the next token):
+  appends T causal rows to the cache (an AR mask is block-causal with blocks of one token)."""
+  cfg = Config.from_dict(json.loads(cfg_json))
+
+  def extend(params, cache, tokens_1T, seg_1T, start):
+    model = merge(cfg, params)
+    h, cache = _commit_rows(model, cache, tokens_1T, seg_1T, start, 1, cfg.model.attention_chunk)
+    return cache, model.logits(h[:, -1])[0]
+
+  return jax.jit(extend)
+
+
+def _sample_ar(params, cfg: Config, prompt_T, key, max_new_tokens: int, temperature: float,
+               use_cache: bool, eos_id: int) -> np.ndarray:
+  """Plain autoregressive decoding; `use_cache=False` re-runs the whole causal forward for
+  every token (the reference the cache is tested against)."""
+  from bdlm_jax.loss import ar_logits  # loss imports the strategies; sampling rarely needs them
+  m = cfg.model
+  tokens = prompt_T.tolist()
+  if use_cache:
+    extend = _ar_extend(_model_json(cfg))
+    first = -(-prompt_T.size // _AR_PROMPT_BUCKET) * _AR_PROMPT_BUCKET
+    shape = (m.n_layers, 1, first + max_new_tokens, m.n_kv_heads, m.head_dim)
+    cache = KVCache(jnp.zeros(shape, m.compute_dtype), jnp.zeros(shape, m.compute_dtype),
+                    jnp.zeros((1, shape[2]), jnp.int32))
+    padded = np.zeros((1, first), np.int32)
+    padded[0, first - prompt_T.size:] = prompt_T
+    cache, logits = extend(params, cache, padded, (np.arange(first) >= first - prompt_T.size)[None],
+                           0)
+  for i in range(max_new_tokens):
+    if not use_cache:
+      logits = ar_logits(params, cfg, np.asarray(tokens)[None])[0, -1]
+    token = int(_pick(logits[None], jax.random.fold_in(key, i), temperature)[0])
+    tokens.append(token)
+    if token == eos_id:
+      break
+    if use_cache and i + 1 < max_new_tokens:
+      one = np.ones((1, 1), np.int32)
+      cache, logits = extend(params, cache, one * token, one, first + i)
+  return np.asarray(tokens[prompt_T.size:], np.int32)
+
+
+def checked_tokenizer(cfg: Config):
+  """`data.tokenizer`, checked against the model's vocabulary and [MASK] id."""
   from bdlm_jax.data.pipeline import check_tokenizer  # the data package imports grain
   from bdlm_jax.data.tokenizers import make_tokenizer
   tokenizer = make_tokenizer(cfg.data)
@@ -232,10 +298,9 @@ def _tokenizer(cfg: Config):
 def sample_checkpoint(cfg: Config, workdir: str) -> tuple[int, str, str]:
   """mode=sample: (step, prompt, completion) from checkpoint `sample.checkpoint_step` (-1:
   latest) of `workdir`, prompted by `sample.prompt` or the text of `sample.prompt_file`."""
-  from bdlm_jax.checkpoint import Checkpointer
+  from bdlm_jax.checkpoint import restore_state
   from bdlm_jax.data.chat import prompt_text
   from bdlm_jax.parallel.mesh import make_mesh
-  from bdlm_jax.train import abstract_state
   o = cfg.sample
   if bool(o.prompt) == bool(o.prompt_file):
     raise ConfigError("mode=sample needs exactly one of sample.prompt or sample.prompt_file, "
@@ -245,13 +310,9 @@ def sample_checkpoint(cfg: Config, workdir: str) -> tuple[int, str, str]:
       prompt = f.read()
   else:
     prompt = o.prompt
-  tokenizer = _tokenizer(cfg)
+  tokenizer = checked_tokenizer(cfg)
   shown = prompt_text(prompt, cfg.data.chat_template) if cfg.data.format == "chat" else prompt
-  mesh = make_mesh(cfg)
-  want = o.checkpoint_step if o.checkpoint_step >= 0 else None
-  with Checkpointer(workdir, cfg, save_every=cfg.train.ckpt_every,
-                    max_to_keep=cfg.train.max_to_keep, async_save=False) as ckpt:
-    step, state, _ = ckpt.restore(abstract_state(cfg, mesh), step=want)
+  step, state = restore_state(cfg, workdir, make_mesh(cfg), o.checkpoint_step)
   params = jax.device_get(state.params)  # sampling runs on one device
   tokens = sample(params, cfg, tokenizer.encode(shown), jax.random.key(cfg.seed),
                   eos_id=tokenizer.eos_id)

@@ -1,5 +1,5 @@
 """Checkpointing: Orbax-managed train state, data iterator state and config per step."""
 
-from bdlm_jax.checkpoint.manager import CheckpointError, Checkpointer
+from bdlm_jax.checkpoint.manager import CheckpointError, Checkpointer, restore_state
 
-__all__ = ["Checkpointer", "CheckpointError"]
+__all__ = ["Checkpointer", "CheckpointError", "restore_state"]

@@ -18,10 +18,9 @@ from jax.experimental import multihost_utils
 
 from bdlm_jax.checkpoint.hf_import import INDEX_FILE
 from bdlm_jax.checkpoint.hf_names import get_path, hf_config, tensor_map
-from bdlm_jax.checkpoint.manager import Checkpointer
+from bdlm_jax.checkpoint.manager import restore_state
 from bdlm_jax.config import Config, ConfigError
 from bdlm_jax.parallel.mesh import make_mesh
-from bdlm_jax.train import abstract_state
 
 MAX_SHARD_BYTES = 5 * 2**30
 _OUR_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
@@ -64,11 +63,7 @@ def export_checkpoint(cfg: Config, workdir: str) -> tuple[int, str]:
   `workdir` -> `export.out_dir`; returns (step, out_dir)."""
   if not cfg.export.out_dir:
     raise ConfigError("mode=export needs export.out_dir, e.g. --set export.out_dir=runs/hf")
-  mesh = make_mesh(cfg)
-  want = cfg.export.checkpoint_step if cfg.export.checkpoint_step >= 0 else None
-  with Checkpointer(workdir, cfg, save_every=cfg.train.ckpt_every,
-                    max_to_keep=cfg.train.max_to_keep, async_save=False) as ckpt:
-    step, state, _ = ckpt.restore(abstract_state(cfg, mesh), step=want)
+  step, state = restore_state(cfg, workdir, make_mesh(cfg), cfg.export.checkpoint_step)
   export_hf(state.params, cfg, cfg.export.out_dir)
   return step, cfg.export.out_dir
 

@@ -44,6 +44,16 @@ class CheckpointError(RuntimeError):
   """No usable checkpoint: every candidate step is missing, truncated or corrupt."""
 
 
+def restore_state(cfg: Config, workdir: epath.PathLike, mesh, step: int = -1):
+  """(step, train state) of checkpoint `step` (-1: the latest usable) of `workdir`, on
+  `mesh`: what mode=eval, sample and export start from."""
+  from bdlm_jax.train import abstract_state  # train builds the step; restoring rarely needs it
+  with Checkpointer(workdir, cfg, save_every=cfg.train.ckpt_every,
+                    max_to_keep=cfg.train.max_to_keep, async_save=False) as ckpt:
+    found, state, _ = ckpt.restore(abstract_state(cfg, mesh), step=step if step >= 0 else None)
+  return found, state
+
+
 class Checkpointer:
   """Saves and restores (state, data iterator state, config) per step under `workdir`, a
   local folder or a URL Orbax can write (`gs://bucket/run`)."""

@@ -29,10 +29,16 @@ def _statement(rng: random.Random) -> str:
 
 
 class ArithmeticSource:
-  """Grain random-access source of arithmetic documents, deterministic in (seed, index)."""
+  """Grain random-access source of arithmetic documents, deterministic in (seed, index).
 
-  def __init__(self, seed: int = 0, size: int = 10**7):
-    self._seed = seed
+  `split="eval"` is the held-out split: documents drawn from another stream of the same seed
+  (single statements recur across splits, as in any finite table; whole documents rarely do).
+  """
+
+  def __init__(self, seed: int = 0, size: int = 10**7, split: str = "train"):
+    if split not in ("train", "eval"):
+      raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    self._key = f"{seed}" if split == "train" else f"eval:{seed}"
     self._size = size
 
   def __len__(self) -> int:
@@ -41,9 +47,15 @@ class ArithmeticSource:
   def __getitem__(self, index: int) -> str:
     if not 0 <= index < self._size:
       raise IndexError(f"index {index} out of range for ArithmeticSource of size {self._size}")
-    rng = random.Random(f"{self._seed}:{index}")  # str seeds hash stably (sha512)
+    rng = random.Random(f"{self._key}:{index}")  # str seeds hash stably (sha512)
     n = rng.randint(*_STATEMENTS_PER_DOC)
     return " ".join(_statement(rng) for _ in range(n))
+
+
+def split_statement(statement: str) -> tuple[str, str]:
+  """("a+b=", "c") from "a+b=c": a prompt and the answer it asks for."""
+  question, _, answer = statement.rpartition("=")
+  return question + "=", answer
 
 
 def check_arithmetic(text: str) -> tuple[int, int]:

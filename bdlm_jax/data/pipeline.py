@@ -15,7 +15,7 @@ import numpy as np
 from bdlm_jax.config import ConfigError, DataConfig
 from bdlm_jax.data import chat
 from bdlm_jax.data.packing import pack
-from bdlm_jax.data.sources import DataError, make_source
+from bdlm_jax.data.sources import DataError, held_out, make_source
 from bdlm_jax.data.tokenizers import EOS_NAMES, Tokenizer, check_mask_id, make_tokenizer
 
 # Documents read ahead. Grain's default (500) costs O(buffer) per element in grain 0.2.18
@@ -62,8 +62,8 @@ def check_tokenizer(tokenizer: Tokenizer, data_cfg: DataConfig, vocab_size: int,
 
 def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size: int,
                  process_index: int = 0, process_count: int = 1,
-                 block_size: int = 1,
-                 mask_token_id: int | None = None) -> grain.DatasetIterator:
+                 block_size: int = 1, mask_token_id: int | None = None,
+                 split: str = "train") -> grain.DatasetIterator:
   """This process's batches {"tokens", "segment_ids"}: int32 [batch_size, L], forever.
 
   With `data.format="chat"` batches also hold "protected" bool [batch_size, L] (the prompts)
@@ -72,7 +72,8 @@ def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size
   Process p reads documents p, p + P, p + 2P, ... of the source (disjoint shards); each
   epoch is reshuffled from `seed` when `data.shuffle`. Padding is `tokenizer.pad_id` with
   segment 0. `mask_token_id`, the objective's [MASK] (None for `ar`), is checked against the
-  tokenizer before anything is read, and dropped from documents that spell it out.
+  tokenizer before anything is read, and dropped from documents that spell it out. `split`
+  ("train" or "eval") picks the training documents or the held-out ones (sources.held_out).
   """
   if not 0 <= process_index < process_count:
     raise ConfigError(f"process_index={process_index} must lie in [0, {process_count})")
@@ -83,9 +84,12 @@ def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size
   if mask_token_id is not None:
     tokenizer = _WithoutToken(tokenizer, mask_token_id)
   is_chat = data_cfg.format == "chat"
-  source = chat.ChatSource(data_cfg.path, data_cfg.chat_template) if is_chat else make_source(
-      data_cfg, seed)
-  docs = grain.MapDataset.source(source)[process_index::process_count]
+  if is_chat:
+    path = data_cfg.eval_path if split == "eval" and data_cfg.eval_path else data_cfg.path
+    source = chat.ChatSource(path, data_cfg.chat_template)
+  else:
+    source = make_source(data_cfg, seed, split)
+  docs = held_out(grain.MapDataset.source(source), data_cfg, split)[process_index::process_count]
   if not len(docs):
     raise DataError(
         f"data.path={data_cfg.path!r} has {len(source)} documents, too few to give each of "

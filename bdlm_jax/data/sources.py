@@ -12,6 +12,7 @@ Files are indexed once (line offsets) and read lazily, so large corpora stay out
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import glob
 import json
 import os
@@ -144,10 +145,12 @@ def _text_field(record, field: str, where: str) -> str:
   return record[field]
 
 
-def make_source(data_cfg: DataConfig, seed: int):
-  """The random-access source named by `data.source`."""
+def make_source(data_cfg: DataConfig, seed: int, split: str = "train"):
+  """The random-access source named by `data.source`, before any hold-out (`held_out`)."""
   if data_cfg.source == "arithmetic":
-    return ArithmeticSource(seed)
+    return ArithmeticSource(seed, split=split)
+  if split == "eval" and data_cfg.eval_path:
+    data_cfg = dataclasses.replace(data_cfg, path=data_cfg.eval_path)
   if not data_cfg.path:
     raise ConfigError(f"data.source={data_cfg.source!r} needs data.path")
   if data_cfg.source == "text":
@@ -157,3 +160,19 @@ def make_source(data_cfg: DataConfig, seed: int):
   if data_cfg.source == "array_record":
     return ArrayRecordSource(data_cfg.path, data_cfg.text_field)
   raise ConfigError(f"data.source={data_cfg.source!r} is not one of {list(DATA_SOURCES)}")
+
+
+def held_out(docs: grain.MapDataset, data_cfg: DataConfig, split: str) -> grain.MapDataset:
+  """The documents of `split` of a file source: the last `data.holdout` fraction is held out
+  unless `data.eval_path` names separate held-out files (then training keeps every one)."""
+  if data_cfg.source == "arithmetic" or data_cfg.eval_path:
+    return docs  # the split was chosen by make_source
+  n_held = int(len(docs) * data_cfg.holdout)
+  if split == "train":
+    return docs[:len(docs) - n_held]
+  if not n_held:
+    raise DataError(
+        f"data.path={data_cfg.path!r} has {len(docs)} documents; data.holdout="
+        f"{data_cfg.holdout} holds out none of them for evaluation: raise data.holdout or set "
+        f"data.eval_path to held-out files")
+  return docs[len(docs) - n_held:]

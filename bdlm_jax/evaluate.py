@@ -1,0 +1,168 @@
+"""Held-out evaluation: the numbers a researcher compares across runs, objectives and strategies.
+
+* `eval_loss`, nats per held-out token, with `eval_ppl = exp(eval_loss)`:
+  - `bd3lm`: the NELBO. With the linear schedule it is E_t[(1/t) * CE of the masked tokens],
+    t over [eval.t_min, 1] whatever the training clip, drawn antithetically and averaged over
+    `eval.noise_draws` fixed draws; an upper bound on the NLL, so `eval_ppl` bounds perplexity.
+  - `ar`: the exact next-token NLL (no noise to draw).
+  - `fast_dllm_v2`: its own training loss (no likelihood bound), averaged like bd3lm's.
+  The batches and noise keys are fixed, so two evals differ only through the parameters; the
+  noise is drawn in logical coordinates, so every strategy gives the same number.
+* `eval_accuracy` / `eval_chance` on the embedded arithmetic data: held-out prompts "... a+b="
+  completed by the model's own sampler (`sample`, greedy); chance scores the same completions
+  against the answers of the *other* prompts (right form and size, wrong operands).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from bdlm_jax.config import Config, replace
+from bdlm_jax.data.arithmetic import ArithmeticSource, split_statement
+from bdlm_jax.feed import Feed
+from bdlm_jax.loss import loss_fn
+from bdlm_jax.parallel.mesh import row_sharding
+from bdlm_jax.sample import checked_tokenizer, sample
+from bdlm_jax.train import state_shardings
+
+_EVAL_KEY = 0x5EED  # folded into the seed: eval noise never reuses a training step's key
+
+
+def eval_config(cfg: Config) -> Config:
+  """The objective as evaluated: bd3lm's loss made the NELBO (1/t weights over [t_min, 1])."""
+  if cfg.objective.name != "bd3lm":
+    return cfg
+  return replace(cfg, objective=dict(loss_weight="inv_t", eps_min=cfg.eval.t_min, eps_max=1.0))
+
+
+def noise_draws(cfg: Config) -> int:
+  return 1 if cfg.objective.name == "ar" else cfg.eval.noise_draws
+
+
+def make_eval_step(cfg: Config, mesh):
+  """A jitted `(params, batch, key) -> (summed token loss, valid tokens)`, the loss averaged
+  over `noise_draws(cfg)` draws split from `key`."""
+  ecfg, draws = eval_config(cfg), noise_draws(cfg)
+
+  def eval_step(params, batch, key):
+    def one_draw(k):
+      loss, metrics = loss_fn(params, batch, k, ecfg, mesh)
+      return loss * metrics["valid_tokens"], metrics["valid_tokens"]
+
+    totals, counts = jax.lax.map(one_draw, jax.random.split(key, draws))
+    return jnp.mean(totals), counts[0]
+
+  replicated = NamedSharding(mesh, P())
+  return jax.jit(eval_step,
+                 in_shardings=(state_shardings(cfg, mesh).params, row_sharding(mesh), replicated),
+                 out_shardings=replicated)
+
+
+class HeldOut:
+  """Fixed held-out batches and noise keys; `(params) -> metrics` evaluates them."""
+
+  def __init__(self, cfg: Config, mesh):
+    self._cfg = cfg
+    feed = Feed(cfg, mesh, split="eval")
+    self._batches = [next(feed) for _ in range(cfg.eval.batches)]
+    self._step = make_eval_step(cfg, mesh)
+    self._key = jax.random.fold_in(jax.random.key(cfg.seed), _EVAL_KEY)
+    self._prompts = arithmetic_prompts(cfg, cfg.eval.prompts) if (
+        cfg.data.source == "arithmetic" and cfg.eval.prompts) else []
+
+  def __call__(self, params) -> dict[str, float]:
+    total, count = 0.0, 0
+    for i, batch in enumerate(self._batches):
+      loss, n = self._step(params, batch, jax.random.fold_in(self._key, i))
+      total, count = total + float(loss), count + int(n)
+    loss = total / max(count, 1)
+    metrics = dict(eval_loss=loss, eval_ppl=math.exp(min(loss, 700.0)), eval_tokens=count)
+    if self._prompts:
+      accuracy, chance, _ = arithmetic_accuracy(jax.device_get(params), self._cfg, self._prompts)
+      metrics.update(eval_accuracy=accuracy, eval_chance=chance)
+    return metrics
+
+
+def arithmetic_prompts(cfg: Config, n: int) -> list[tuple[str, str]]:
+  """`n` held-out (prompt, answer) pairs: a held-out document up to one statement's "=" (the
+  statement drawn at random), and that statement's result."""
+  source = ArithmeticSource(cfg.seed, split="eval")
+  rng = np.random.default_rng(cfg.seed)
+  pairs = []
+  for i in range(n):
+    statements = source[i].split(" ")
+    k = int(rng.integers(len(statements)))
+    question, answer = split_statement(statements[k])
+    pairs.append((" ".join(statements[:k] + [question]), answer))
+  return pairs
+
+
+def _answer(completion: str) -> str:
+  """The number a completion starts with ("" if none)."""
+  found = re.match(r"\d+", completion)
+  return found.group() if found else ""
+
+
+def arithmetic_accuracy(params, cfg: Config, pairs: list[tuple[str, str]],
+                        key=None) -> tuple[float, float, list[str]]:
+  """(accuracy, chance, completions) of greedy completions of `pairs`' prompts.
+
+  Chance is the rate at which a completion equals the answer of another prompt, over all
+  ordered pairs of distinct prompts: what answers of the same distribution, blind to the
+  operands, would score.
+  """
+  tokenizer = checked_tokenizer(cfg)
+  key = jax.random.key(cfg.seed) if key is None else key
+  longest = max(len(answer) for _, answer in pairs)
+  completions = [tokenizer.decode(sample(params, cfg, tokenizer.encode(prompt), key,
+                                         max_new_tokens=longest + 1, temperature=0.0,
+                                         eos_id=tokenizer.eos_id))
+                 for prompt, _ in pairs]
+  got = np.asarray([_answer(c) or None for c in completions], dtype=object)
+  want = np.asarray([answer for _, answer in pairs], dtype=object)
+  hits = got[:, None] == want[None, :]
+  n = len(pairs)
+  accuracy = float(np.mean(np.diag(hits)))
+  chance = float((hits.sum() - np.trace(hits)) / max(n * (n - 1), 1))
+  return accuracy, chance, completions
+
+
+def evaluate_checkpoint(cfg: Config, workdir: str) -> tuple[int, dict[str, float]]:
+  """mode=eval: (step, metrics) of checkpoint `eval.checkpoint_step` (-1: latest) of
+  `workdir`, on the mesh and strategy of `cfg`."""
+  from bdlm_jax.checkpoint import restore_state
+  from bdlm_jax.parallel.mesh import make_mesh
+  mesh = make_mesh(cfg)
+  step, state = restore_state(cfg, workdir, mesh, cfg.eval.checkpoint_step)
+  return step, HeldOut(cfg, mesh)(state.params)
+
+
+def describe(metrics: dict[str, float], objective: str) -> str:
+  """One line for people: the held-out loss under its right name, and accuracy vs chance."""
+  name = {"bd3lm": "NELBO", "ar": "NLL"}.get(objective, f"{objective} loss")
+  bound = " bound" if objective == "bd3lm" else ""
+  line = (f"held-out {name} {metrics['eval_loss']:.4f} nats/token (perplexity{bound} "
+          f"{metrics['eval_ppl']:.2f}, {int(metrics['eval_tokens'])} tokens)")
+  if "eval_accuracy" in metrics:
+    line += (f"; arithmetic accuracy {metrics['eval_accuracy']:.1%} "
+             f"(chance {metrics['eval_chance']:.1%})")
+  return line
+
+
+def show_sample(cfg: Config, workdir: str) -> str:
+  """One generation from the latest checkpoint of `workdir`, prompted by `sample.prompt`
+  (embedded data: by default the first statement of a held-out document)."""
+  from bdlm_jax.sample import sample_checkpoint
+  if not (cfg.sample.prompt or cfg.sample.prompt_file):
+    if cfg.data.source != "arithmetic":
+      return "(set sample.prompt to see a sample here)"
+    prompt = ArithmeticSource(cfg.seed, split="eval")[0].split(" ")[0] + " "
+    cfg = replace(cfg, sample=dict(prompt=prompt))
+  _, prompt, completion = sample_checkpoint(cfg, workdir)
+  return f"sample: {prompt!r} -> {completion!r}"

@@ -1,0 +1,37 @@
+"""This process's data on the mesh: packed batches from the pipeline, laid out for the
+strategy on the host and placed on the devices that hold them. Training and held-out
+evaluation read through the same feed, so they see data the same way."""
+
+from bdlm_jax.batch import Batch, make_batch
+from bdlm_jax.config import Config
+from bdlm_jax.data import make_dataset
+from bdlm_jax.parallel.mesh import data_shard, put_batch
+
+
+class Feed:
+  """An endless, checkpointable iterator of global `Batch`es of `train.batch_size` sequences
+  from `split` ("train" or the held-out "eval"); `get_state` / `set_state` are the pipeline's."""
+
+  def __init__(self, cfg: Config, mesh, split: str = "train"):
+    self._cfg, self._mesh = cfg, mesh
+    shard, n_shards, self._local = data_shard(mesh, cfg.train.batch_size)
+    self._data = make_dataset(
+        cfg.data, batch_size=self._local.stop - self._local.start, seed=cfg.seed,
+        vocab_size=cfg.model.vocab_size, process_index=shard, process_count=n_shards,
+        block_size=cfg.objective.block_size,
+        mask_token_id=None if cfg.objective.name == "ar" else cfg.objective.mask_token_id,
+        split=split)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> Batch:
+    raw = next(self._data)
+    batch = make_batch(self._cfg, raw["tokens"], raw["segment_ids"], raw.get("protected"))
+    return put_batch(batch, self._mesh, self._cfg.train.batch_size, self._local)
+
+  def get_state(self) -> dict:
+    return self._data.get_state()
+
+  def set_state(self, state: dict) -> None:
+    self._data.set_state(state)
