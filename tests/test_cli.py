@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import run
-from bdlm_jax import loop
+from bdlm_jax import feed
 from tests.test_train import StopAfter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,8 +144,8 @@ def error_line(capsys) -> str:
 
 
 def test_ctrl_c_keeps_the_checkpoints_and_says_how_to_resume(tmp_path, capsys, monkeypatch):
-  make_dataset = loop.make_dataset
-  monkeypatch.setattr(loop, "make_dataset",
+  make_dataset = feed.make_dataset
+  monkeypatch.setattr(feed, "make_dataset",
                       lambda *a, **kw: StopAfter(make_dataset(*a, **kw), 3, KeyboardInterrupt))
   workdir = tmp_path / "run"
   code = run.main(argv(f"train.steps={STEPS}", "train.async_checkpoint=true", workdir=workdir))

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bdlm_jax import loop
+from bdlm_jax import feed, loop
 from bdlm_jax.batch import make_batch
 from bdlm_jax.checkpoint import Checkpointer
 from bdlm_jax.config import ConfigError, load_config, replace
@@ -91,12 +91,12 @@ def test_every_logged_row_has_the_throughput_metrics(straight_run):
 def test_resume_equals_uninterrupted_run(straight_run, tmp_path, monkeypatch):
   history, straight_dir = straight_run
   workdir = str(tmp_path / "resumed")
-  make_dataset = loop.make_dataset
+  make_dataset = feed.make_dataset
   # Killed after step 30; the last checkpoint is step 20, so steps 21-30 are trained again.
-  monkeypatch.setattr(loop, "make_dataset", lambda *a, **kw: StopAfter(make_dataset(*a, **kw), 30))
+  monkeypatch.setattr(feed, "make_dataset", lambda *a, **kw: StopAfter(make_dataset(*a, **kw), 30))
   with pytest.raises(Preempted):
     loop.train(tiny_config(async_checkpoint=True), workdir, progress=False)
-  monkeypatch.setattr(loop, "make_dataset", make_dataset)
+  monkeypatch.setattr(feed, "make_dataset", make_dataset)
   cfg = tiny_config(async_checkpoint=False)
   resumed = loop.train(cfg, workdir, resume=True, progress=False)
 
