@@ -146,7 +146,8 @@ class SampleConfig:
 @dataclasses.dataclass
 class EvalConfig:
   """Held-out evaluation (mode=eval, train.eval_every): NELBO / NLL per token, arithmetic."""
-  batches: int = 4  # held-out batches of train.batch_size sequences, the same at every eval
+  # Held-out batches, the same at every eval, of train.batch_size / train.grad_accum sequences.
+  batches: int = 4
   noise_draws: int = 4  # fixed noise draws averaged per batch (diffusion objectives)
   t_min: float = 1e-3  # bd3lm's NELBO integrates t over [t_min, 1] with weight 1/t
   prompts: int = 64  # held-out arithmetic prompts (embedded data only; 0: skip)

@@ -27,7 +27,7 @@ from bdlm_jax.config import Config, replace
 from bdlm_jax.data.arithmetic import ArithmeticSource, split_statement
 from bdlm_jax.feed import Feed
 from bdlm_jax.loss import loss_fn
-from bdlm_jax.parallel.mesh import row_sharding
+from bdlm_jax.parallel.mesh import row_sharding, to_host
 from bdlm_jax.sample import checked_tokenizer, sample
 from bdlm_jax.train import state_shardings
 
@@ -69,9 +69,12 @@ class HeldOut:
 
   def __init__(self, cfg: Config, mesh):
     self._cfg = cfg
-    feed = Feed(cfg, mesh, split="eval")
+    # Batches of one micro-batch: what a train step holds at once.
+    micro = replace(cfg, train=dict(batch_size=cfg.train.batch_size // cfg.train.grad_accum,
+                                     grad_accum=1))
+    feed = Feed(micro, mesh, split="eval")
     self._batches = [next(feed) for _ in range(cfg.eval.batches)]
-    self._step = make_eval_step(cfg, mesh)
+    self._step = make_eval_step(micro, mesh)
     self._key = jax.random.fold_in(jax.random.key(cfg.seed), _EVAL_KEY)
     self._prompts = arithmetic_prompts(cfg, cfg.eval.prompts) if (
         cfg.data.source == "arithmetic" and cfg.eval.prompts) else []
@@ -84,7 +87,8 @@ class HeldOut:
     loss = total / max(count, 1)
     metrics = dict(eval_loss=loss, eval_ppl=math.exp(min(loss, 700.0)), eval_tokens=count)
     if self._prompts:
-      accuracy, chance, _ = arithmetic_accuracy(jax.device_get(params), self._cfg, self._prompts)
+      host_params = jax.tree.map(to_host, params)  # sampling runs on one device
+      accuracy, chance, _ = arithmetic_accuracy(host_params, self._cfg, self._prompts)
       metrics.update(eval_accuracy=accuracy, eval_chance=chance)
     return metrics
 

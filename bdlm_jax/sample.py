@@ -300,7 +300,7 @@ def sample_checkpoint(cfg: Config, workdir: str) -> tuple[int, str, str]:
   latest) of `workdir`, prompted by `sample.prompt` or the text of `sample.prompt_file`."""
   from bdlm_jax.checkpoint import restore_state
   from bdlm_jax.data.chat import prompt_text
-  from bdlm_jax.parallel.mesh import make_mesh
+  from bdlm_jax.parallel.mesh import make_mesh, to_host
   o = cfg.sample
   if bool(o.prompt) == bool(o.prompt_file):
     raise ConfigError("mode=sample needs exactly one of sample.prompt or sample.prompt_file, "
@@ -313,7 +313,7 @@ def sample_checkpoint(cfg: Config, workdir: str) -> tuple[int, str, str]:
   tokenizer = checked_tokenizer(cfg)
   shown = prompt_text(prompt, cfg.data.chat_template) if cfg.data.format == "chat" else prompt
   step, state = restore_state(cfg, workdir, make_mesh(cfg), o.checkpoint_step)
-  params = jax.device_get(state.params)  # sampling runs on one device
+  params = jax.tree.map(to_host, state.params)  # sampling runs on one device
   tokens = sample(params, cfg, tokenizer.encode(shown), jax.random.key(cfg.seed),
                   eos_id=tokenizer.eos_id)
   return step, shown, tokenizer.decode(tokens)

@@ -53,9 +53,10 @@ def _uniform(params):
 def test_a_uniform_models_nll_is_log_vocab_and_its_nelbo_log_vocab_without_mask():
   """AR: exactly log V. BD3-LM: the NELBO's 1/t weights undo the masking rate, so its
   expectation is the per-token CE, log(V - 1) with [MASK] excluded (SUBS)."""
+  # bd3lm: one draw of 1024 tokens has a ~7.6% standard error (the 1/t weights); 64 draws ~1%.
   for objective, expected, rel in (("ar", math.log(260), 1e-5),
-                                   ("bd3lm", math.log(259), 0.06)):
-    cfg = replace(_tiny(objective), train=dict(batch_size=16), eval=dict(noise_draws=8))
+                                   ("bd3lm", math.log(259), 0.04)):
+    cfg = replace(_tiny(objective), train=dict(batch_size=16), eval=dict(noise_draws=64))
     mesh = make_mesh(cfg)
     params = _uniform(init_params(cfg, jax.random.key(0), mesh))
     tokens = np.random.default_rng(1).integers(0, 256, (16, cfg.data.seq_len))

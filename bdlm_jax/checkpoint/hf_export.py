@@ -14,13 +14,12 @@ import re
 import jax
 import numpy as np
 import safetensors.numpy
-from jax.experimental import multihost_utils
 
 from bdlm_jax.checkpoint.hf_import import INDEX_FILE
 from bdlm_jax.checkpoint.hf_names import get_path, hf_config, tensor_map
 from bdlm_jax.checkpoint.manager import restore_state
 from bdlm_jax.config import Config, ConfigError
-from bdlm_jax.parallel.mesh import make_mesh
+from bdlm_jax.parallel.mesh import make_mesh, to_host
 
 MAX_SHARD_BYTES = 5 * 2**30
 _OUR_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
@@ -35,7 +34,7 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
   host, tensors = {}, {}
   for t in tensor_map(cfg.model):
     if t.path not in host:  # a stacked weight is gathered once for all its layers
-      host[t.path] = _to_host(get_path(params, t.path), dtype)
+      host[t.path] = to_host(get_path(params, t.path)).astype(dtype)
     x = host[t.path] if t.layer is None else host[t.path][t.layer]
     tensors[t.name] = np.ascontiguousarray(x.T if t.transposed else x)
   if jax.process_index() != 0:
@@ -66,12 +65,6 @@ def export_checkpoint(cfg: Config, workdir: str) -> tuple[int, str]:
   step, state = restore_state(cfg, workdir, make_mesh(cfg), cfg.export.checkpoint_step)
   export_hf(state.params, cfg, cfg.export.out_dir)
   return step, cfg.export.out_dir
-
-
-def _to_host(x: jax.Array, dtype) -> np.ndarray:
-  if not x.is_fully_addressable:
-    x = multihost_utils.process_allgather(x, tiled=True)
-  return np.asarray(x).astype(dtype)
 
 
 def _split(tensors: dict, max_bytes: int) -> list[dict]:

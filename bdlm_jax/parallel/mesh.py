@@ -7,6 +7,7 @@ Parameters, gradients and optimiser moments are sharded over fsdp*seq (zero3.py)
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from bdlm_jax.config import Config, ConfigError
@@ -67,6 +68,13 @@ def data_shard(mesh, global_batch: int) -> tuple[int, int, slice]:
   distinct = sorted(set(ranges.values()))
   mine = ranges[jax.process_index()]
   return distinct.index(mine), len(distinct), slice(*mine)
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+  """The whole of `x` on this host, also where other hosts hold some of its shards."""
+  if not x.is_fully_addressable:
+    x = multihost_utils.process_allgather(x, tiled=True)
+  return np.asarray(x)
 
 
 def put_batch(local_batch, mesh, global_batch: int, local_slice: slice):
