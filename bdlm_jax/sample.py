@@ -1,4 +1,5 @@
-"""Block-wise semi-autoregressive sampling from a BDLM (`bd3lm` or `fast_dllm_v2`).
+"""Block-wise semi-autoregressive sampling from a BDLM (`bd3lm` or `fast_dllm_v2`), and
+plain autoregressive decoding of `ar` models through the same `sample` (at the end).
 
 Generation proceeds one block of B tokens at a time. A new block starts all-[MASK] and is
 run as the *noisy* rows of the training stream: bidirectional inside the block, attending
@@ -168,9 +169,10 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
   """Tokens generated after `prompt_tokens` (int [T]): int32 [<= max_new_tokens].
 
   Block diffusion objectives generate block by block (above); `ar` decodes one token at a
-  time with a KV cache (the block options do not apply). Options default to `cfg.sample`; `eos_id` defaults to the EOS of `data.tokenizer`. The
-  result ends with EOS if generation stopped there. Same key, same tokens, with or without
-  the KV cache. Prompt ids must index the embedding and not be the [MASK] id.
+  time with a KV cache (the block options do not apply). Options default to `cfg.sample`;
+  `eos_id` defaults to the EOS of `data.tokenizer`. The result ends with EOS if generation
+  stopped there. Same key, same tokens, with or without the KV cache. Prompt ids must index
+  the embedding and not be the [MASK] id.
   """
   o = cfg.sample
   max_new_tokens = o.max_new_tokens if max_new_tokens is None else max_new_tokens

@@ -1,17 +1,25 @@
-"""A small BDLM on the embedded arithmetic data; trains on a 2-core CPU in a few minutes.
+"""A small BDLM on the embedded arithmetic data; trains on a 2-core CPU in about 5 minutes.
 
   python run.py --config configs/quickstart.py
+
+It ends by printing its held-out NELBO, its arithmetic accuracy next to chance, and one sample.
+Choices measured on that budget (README, "Evaluate"): blocks of 4 learn faster than 16 or
+L; unit loss weights (every masked token alike) learn the answers faster than BD3-LM's 1/t
+(the eval still reports the 1/t NELBO); samples at temperature 0.7, as greedy decoding loops.
 """
 
-from bdlm_jax.config import Config, DataConfig, ModelConfig, ObjectiveConfig, TrainConfig
+from bdlm_jax.config import (Config, DataConfig, ModelConfig, ObjectiveConfig, SampleConfig,
+                             TrainConfig)
 
 
 def get_config() -> Config:
   return Config(
       model=ModelConfig(vocab_size=260, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
                         head_dim=32, d_ff=384),
-      data=DataConfig(source="arithmetic", seq_len=128),
-      objective=ObjectiveConfig(name="bd3lm", block_size=16, mask_token_id=259),
-      train=TrainConfig(steps=300, batch_size=16, lr=3e-3, warmup_steps=20, log_every=10,
-                        ckpt_every=100),
+      data=DataConfig(source="arithmetic", seq_len=64),
+      objective=ObjectiveConfig(name="bd3lm", block_size=4, mask_token_id=259,
+                                loss_weight="unit"),
+      train=TrainConfig(steps=900, batch_size=32, lr=3e-3, warmup_steps=20, log_every=10,
+                        ckpt_every=300, eval_every=300),
+      sample=SampleConfig(temperature=0.7),
   )

@@ -3,7 +3,8 @@
   python experiments/block_size_sweep.py            # 3 seeds x (ar + 3 block sizes), ~25 min on 2 CPU cores
   python experiments/block_size_sweep.py --tiny     # smoke run, < 1 min
 
-Every run trains configs/quickstart.py's model for the same number of steps on the same
+Every run trains configs/quickstart.py's model (BD3-LM's 1/t weights, t over [1e-3, 1],
+whatever the quickstart trains with) for the same number of steps on the same
 batches (one token budget: steps x batch x L data tokens), then evaluates the held-out split
 (evaluate.py: fixed batches, NELBO over `eval.noise_draws` fixed draws with t over
 [eval.t_min, 1]; exact NLL for ar) and the arithmetic accuracy of greedy completions against
@@ -32,6 +33,7 @@ FIELDS = ["objective", "block_size", "seed", "steps", "tokens", "eval_loss", "ev
 
 def run_one(objective: str, block_size: int, seed: int, args) -> dict:
   overrides = [f"objective.name={objective}", f"objective.block_size={block_size}",
+               "objective.loss_weight=inv_t", "objective.eps_min=0.001", "objective.eps_max=1.0",
                f"data.seq_len={args.seq_len}", f"train.batch_size={args.batch_size}",
                f"train.steps={args.steps}", f"train.eval_every={args.steps}",
                f"train.log_every={args.steps}", f"train.ckpt_every={args.steps}",
@@ -43,6 +45,11 @@ def run_one(objective: str, block_size: int, seed: int, args) -> dict:
               seed=seed, steps=args.steps, tokens=args.steps * args.batch_size * args.seq_len,
               eval_loss=last["eval_loss"], eval_accuracy=last.get("eval_accuracy"),
               eval_chance=last.get("eval_chance"), train_loss=last["loss"])
+
+
+def _parse(row: dict) -> dict:
+  number = {k: float(v) if v else None for k, v in row.items() if k != "objective"}
+  return dict(number, objective=row["objective"], block_size=int(row["block_size"]))
 
 
 def _mean_sd(values) -> str:
@@ -75,7 +82,25 @@ def table(rows: list[dict], args) -> str:
     lines.append(f"| {objective} | {b} | {_mean_sd(losses)} | {ppl:.2f} | "
                  f"{_mean_sd([r['eval_accuracy'] for r in rs])} | "
                  f"{_mean_sd([r['eval_chance'] for r in rs])} |")
-  return "\n".join(lines) + "\n"
+  return "\n".join(lines + ["", verdict(groups)]) + "\n"
+
+
+def verdict(groups: dict) -> str:
+  """Does the held-out loss fall as B shrinks toward AR? Neighbours in B whose means differ by
+  less than the larger spread over seeds are called unresolved, not ordered."""
+  order = sorted(groups, key=lambda key: (key[0] != "ar", key[1]))
+  stats = [(f"B={b}" if o != "ar" else "ar", [r["eval_loss"] for r in groups[(o, b)]])
+           for o, b in order]
+  parts = []
+  for (name_a, a), (name_b, b) in zip(stats, stats[1:]):
+    gap = statistics.mean(b) - statistics.mean(a)
+    spread = max(statistics.stdev(x) if len(x) > 1 else 0.0 for x in (a, b))
+    if abs(gap) <= spread:
+      parts.append(f"{name_a} vs {name_b}: unresolved ({gap:+.3f}, seed sd {spread:.3f})")
+    else:
+      parts.append(f"{name_a} {'<' if gap > 0 else '>'} {name_b} ({gap:+.3f}, seed sd "
+                   f"{spread:.3f})")
+  return "Tighter toward AR? " + "; ".join(parts) + "."
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -111,24 +136,31 @@ def main(argv=None):
   parser.add_argument("--steps", type=int, default=400)
   parser.add_argument("--prompts", type=int, default=64)
   parser.add_argument("--tiny", action="store_true", help="smoke run: 2 block sizes, 3 steps")
+  parser.add_argument("--replot", action="store_true",
+                      help="no training: rewrite the table and plot from --out's CSV (pass the "
+                           "options it was run with)")
   args = parser.parse_args(argv)
   if args.tiny:
     args.block_sizes, args.seeds, args.seq_len, args.batch_size, args.steps, args.prompts = (
         [4, 16], [0], 16, 4, 3, 4)
   os.makedirs(args.out, exist_ok=True)
-  rows = []
-  for seed in args.seeds:
-    for objective, b in [("ar", args.block_sizes[0])] + [("bd3lm", b) for b in args.block_sizes]:
-      rows.append(run_one(objective, b, seed, args))
-      print({k: rows[-1][k] for k in ("objective", "block_size", "seed", "eval_loss",
-                                       "eval_accuracy", "eval_chance")}, flush=True)
-  with open(os.path.join(args.out, "block_size_sweep.csv"), "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=FIELDS)
-    writer.writeheader()
-    writer.writerows(rows)
+  path = os.path.join(args.out, "block_size_sweep.csv")
+  if args.replot:
+    rows = [_parse(r) for r in csv.DictReader(open(path))]
+  else:
+    rows = []
+    for seed in args.seeds:
+      for objective, b in [("ar", args.block_sizes[0])] + [("bd3lm", b) for b in args.block_sizes]:
+        rows.append(run_one(objective, b, seed, args))
+        print({k: rows[-1][k] for k in ("objective", "block_size", "seed", "eval_loss",
+                                         "eval_accuracy", "eval_chance")}, flush=True)
+    with open(path, "w", newline="") as f:
+      writer = csv.DictWriter(f, fieldnames=FIELDS)
+      writer.writeheader()
+      writer.writerows(rows)
   text = table(rows, args)
   with open(os.path.join(args.out, "block_size_sweep.md"), "w") as f:
-    f.write(text + "\n![held-out loss per block size](block_size_sweep.png)\n")
+    f.write(text)
   plot(rows, os.path.join(args.out, "block_size_sweep.png"))
   write_results_readme(args.out)
   print(text)

@@ -17,7 +17,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(REPO, "configs", "quickstart.py")
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
         "model.head_dim=16", "model.d_ff=64", "data.seq_len=32", "objective.block_size=8",
-        "train.batch_size=4", "train.warmup_steps=1", "train.log_every=2", "train.ckpt_every=2"]
+        "train.batch_size=4", "train.warmup_steps=1", "train.log_every=2", "train.ckpt_every=2",
+        "train.eval_every=0"]  # tests/test_evaluate.py runs the eval
 STEPS = 4
 
 

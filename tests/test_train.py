@@ -27,7 +27,7 @@ def tiny_config(**train):
       model=dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64),
       data=dict(seq_len=32), objective=dict(block_size=8),
       train=dict(dict(steps=STEPS, batch_size=16, lr=1e-2, warmup_steps=5, log_every=1,
-                      ckpt_every=20), **train))
+                      ckpt_every=20, eval_every=0), **train))
 
 
 class Preempted(Exception):
