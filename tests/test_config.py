@@ -152,6 +152,11 @@ def test_a_config_round_trips_through_a_dict():
     ("train.batch_size=0", "train.batch_size must be >= 1"),
     ("seed=-1", "seed must be in [0, 2**32)"),
     ("seed=4294967296", "seed must be in [0, 2**32)"),
+    ("data.holdout=1", "data.holdout must be in [0, 1), got 1.0"),
+    ("train.eval_every=-1", "train.eval_every must be >= 0 (0: never)"),
+    ("eval.t_min=0", "eval.t_min must be in (0, 1)"),
+    ("eval.noise_draws=0", "eval.noise_draws must be >= 1"),
+    ("eval.batches=0", "eval.batches must be >= 1"),
 ])
 def test_a_number_out_of_range_names_the_key_and_the_rule(item, expected):
   with pytest.raises(ConfigError) as e:
