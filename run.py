@@ -61,6 +61,10 @@ def main(argv=None) -> int:
       print(completion)
       return 0
     history = train(cfg, workdir, resume=args.resume, progress=not args.no_progress)
+    shown = None
+    if history and "eval_loss" in history[-1]:
+      from bdlm_jax.evaluate import show_sample
+      shown = show_sample(cfg, workdir)  # on every process: restoring the params is collective
   except (ConfigError, DataError, CheckpointError, BadStepsError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -75,10 +79,10 @@ def main(argv=None) -> int:
     first, last = history[0], history[-1]
     print(f"trained {last['step']} steps: loss {first['loss']:.4f} (step {first['step']}) -> "
           f"{last['loss']:.4f}; {last['tokens_per_s']:.0f} tokens/s; workdir {workdir}")
-    if "eval_loss" in last:
-      from bdlm_jax.evaluate import describe, show_sample
+    if shown is not None:
+      from bdlm_jax.evaluate import describe
       print(describe(last, cfg.objective.name))
-      print(show_sample(cfg, workdir))
+      print(shown)
   return 0
 
 

@@ -4,13 +4,16 @@
   - `bd3lm`: the NELBO. With the linear schedule it is E_t[(1/t) * CE of the masked tokens],
     t over [eval.t_min, 1] whatever the training clip, drawn antithetically and averaged over
     `eval.noise_draws` fixed draws; an upper bound on the NLL, so `eval_ppl` bounds perplexity.
-  - `ar`: the exact next-token NLL (no noise to draw).
+  - `ar`: the exact next-token NLL (no noise to draw) of every token but each document's
+    first, which has no context to be predicted from (packing adds no BOS); bd3lm scores
+    those too (1 token in ~60 on the embedded data).
   - `fast_dllm_v2`: its own training loss (no likelihood bound), averaged like bd3lm's.
   The batches and noise keys are fixed, so two evals differ only through the parameters; the
   noise is drawn in logical coordinates, so every strategy gives the same number.
 * `eval_accuracy` / `eval_chance` on the embedded arithmetic data: held-out prompts "... a+b="
   completed by the model's own sampler (`sample`, greedy); chance scores the same completions
-  against the answers of the *other* prompts (right form and size, wrong operands).
+  against the answers of the *other* prompts, all operators mixed: what answers drawn like the
+  model's, blind to the prompt, would score.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from bdlm_jax.checkpoint import restore_state
 from bdlm_jax.config import Config, replace
 from bdlm_jax.data.arithmetic import ArithmeticSource, split_statement
 from bdlm_jax.feed import Feed
 from bdlm_jax.loss import loss_fn
-from bdlm_jax.parallel.mesh import row_sharding, to_host
+from bdlm_jax.parallel.mesh import make_mesh, row_sharding, to_host
 from bdlm_jax.sample import checked_tokenizer, sample
 from bdlm_jax.train import state_shardings
 
@@ -109,8 +113,8 @@ def arithmetic_prompts(cfg: Config, n: int) -> list[tuple[str, str]]:
 
 def score_answers(completions: list[str], answers: list[str]) -> tuple[float, float]:
   """(accuracy, chance): how often completion i starts with answer i, and how often it starts
-  with the answer of another prompt j != i, over all such pairs: what answers of the same
-  distribution but blind to the operands would score."""
+  with the answer of another prompt j != i, over all such pairs (all operators mixed): what
+  answers drawn like the model's, but blind to the prompt, would score."""
   got = np.asarray([_leading_number(c) for c in completions], dtype=object)
   hits = got[:, None] == np.asarray(answers, dtype=object)[None, :]
   n = len(answers)
@@ -140,8 +144,6 @@ def arithmetic_accuracy(params, cfg: Config, pairs: list[tuple[str, str]],
 def evaluate_checkpoint(cfg: Config, workdir: str) -> tuple[int, dict[str, float]]:
   """mode=eval: (step, metrics) of checkpoint `eval.checkpoint_step` (-1: latest) of
   `workdir`, on the mesh and strategy of `cfg`."""
-  from bdlm_jax.checkpoint import restore_state
-  from bdlm_jax.parallel.mesh import make_mesh
   mesh = make_mesh(cfg)
   step, state = restore_state(cfg, workdir, mesh, cfg.eval.checkpoint_step)
   return step, HeldOut(cfg, mesh)(state.params)
@@ -149,10 +151,11 @@ def evaluate_checkpoint(cfg: Config, workdir: str) -> tuple[int, dict[str, float
 
 def describe(metrics: dict[str, float], objective: str) -> str:
   """One line for people: the held-out loss under its right name, and accuracy vs chance."""
-  name = {"bd3lm": "NELBO", "ar": "NLL"}.get(objective, f"{objective} loss")
-  bound = " bound" if objective == "bd3lm" else ""
-  line = (f"held-out {name} {metrics['eval_loss']:.4f} nats/token (perplexity{bound} "
-          f"{metrics['eval_ppl']:.2f}, {int(metrics['eval_tokens'])} tokens)")
+  likelihood = {"bd3lm": ("NELBO", "perplexity bound"), "ar": ("NLL", "perplexity")}
+  name, ppl = likelihood.get(objective, (f"{objective} loss", None))
+  extra = f"{ppl} {metrics['eval_ppl']:.2f}, " if ppl else ""
+  line = (f"held-out {name} {metrics['eval_loss']:.4f} nats/token ({extra}"
+          f"{int(metrics['eval_tokens'])} tokens)")
   if "eval_accuracy" in metrics:
     line += (f"; arithmetic accuracy {metrics['eval_accuracy']:.1%} "
              f"(chance {metrics['eval_chance']:.1%})")

@@ -74,12 +74,14 @@ def _rows_forward(model, tokens_1R, pos_1R, meta: RowMeta, cache: KVCache, block
   return model.final_norm(x), ks, vs
 
 
-def _commit_rows(model, cache: KVCache, tokens_1R, seg_1R, start, block_size: int, chunk: int):
-  """Runs clean rows at positions start.. over [cache ; themselves] and writes their K/V into
-  the cache: (hidden states [1, R, D], cache)."""
-  pos = start + jnp.arange(tokens_1R.shape[1])[None]
-  meta = _meta(CLEAN, pos, seg_1R, block_size)
-  h, k, v = _rows_forward(model, tokens_1R, pos, meta, cache, block_size, chunk)
+def _commit_rows(model, cache: KVCache, tokens_1R, seg_1R, start, block_size: int, chunk: int,
+                 pad=0):
+  """Runs clean rows in cache slots start.. over [cache ; themselves] and writes their K/V into
+  the cache: (hidden states [1, R, D], cache). Slot s holds position s - `pad` (RoPE), so a
+  prompt left-padded by `pad` slots starts at position 0."""
+  slot = start + jnp.arange(tokens_1R.shape[1])[None]
+  meta = _meta(CLEAN, slot, seg_1R, block_size)  # masks compare slots: the same order
+  h, k, v = _rows_forward(model, tokens_1R, slot - pad, meta, cache, block_size, chunk)
   at = (0, 0, start, 0, 0)
   return h, KVCache(jax.lax.dynamic_update_slice(cache.k, k, at),
                     jax.lax.dynamic_update_slice(cache.v, v, at),
@@ -246,13 +248,14 @@ _AR_PROMPT_BUCKET = 16  # prompts are left-padded to a multiple: few shapes, few
 
 @functools.lru_cache(maxsize=8)
 def _ar_extend(cfg_json: str) -> Callable:
-  """(params, cache, tokens_1T, seg_1T, start) -> (cache, logits [V] of the next token):
+  """(params, cache, tokens_1T, seg_1T, start, pad) -> (cache, logits [V] of the next token):
   appends T causal rows to the cache (an AR mask is block-causal with blocks of one token)."""
   cfg = Config.from_dict(json.loads(cfg_json))
 
-  def extend(params, cache, tokens_1T, seg_1T, start):
+  def extend(params, cache, tokens_1T, seg_1T, start, pad):
     model = merge(cfg, params)
-    h, cache = _commit_rows(model, cache, tokens_1T, seg_1T, start, 1, cfg.model.attention_chunk)
+    h, cache = _commit_rows(model, cache, tokens_1T, seg_1T, start, 1, cfg.model.attention_chunk,
+                            pad)
     return cache, model.logits(h[:, -1])[0]
 
   return jax.jit(extend)
@@ -271,10 +274,10 @@ def _sample_ar(params, cfg: Config, prompt_T, key, max_new_tokens: int, temperat
     shape = (m.n_layers, 1, first + max_new_tokens, m.n_kv_heads, m.head_dim)
     cache = KVCache(jnp.zeros(shape, m.compute_dtype), jnp.zeros(shape, m.compute_dtype),
                     jnp.zeros((1, shape[2]), jnp.int32))
+    pad = first - prompt_T.size
     padded = np.zeros((1, first), np.int32)
-    padded[0, first - prompt_T.size:] = prompt_T
-    cache, logits = extend(params, cache, padded, (np.arange(first) >= first - prompt_T.size)[None],
-                           0)
+    padded[0, pad:] = prompt_T
+    cache, logits = extend(params, cache, padded, (np.arange(first) >= pad)[None], 0, pad)
   for i in range(max_new_tokens):
     if not use_cache:
       logits = ar_logits(params, cfg, np.asarray(tokens)[None])[0, -1]
@@ -284,16 +287,17 @@ def _sample_ar(params, cfg: Config, prompt_T, key, max_new_tokens: int, temperat
       break
     if use_cache and i + 1 < max_new_tokens:
       one = np.ones((1, 1), np.int32)
-      cache, logits = extend(params, cache, one * token, one, first + i)
+      cache, logits = extend(params, cache, one * token, one, first + i, pad)
   return np.asarray(tokens[prompt_T.size:], np.int32)
 
 
 def checked_tokenizer(cfg: Config):
-  """`data.tokenizer`, checked against the model's vocabulary and [MASK] id."""
+  """`data.tokenizer`, checked against the model's vocabulary and [MASK] id (none for `ar`)."""
   from bdlm_jax.data.pipeline import check_tokenizer  # the data package imports grain
   from bdlm_jax.data.tokenizers import make_tokenizer
   tokenizer = make_tokenizer(cfg.data)
-  check_tokenizer(tokenizer, cfg.data, cfg.model.vocab_size, cfg.objective.mask_token_id)
+  mask_id = None if cfg.objective.name == "ar" else cfg.objective.mask_token_id  # as training
+  check_tokenizer(tokenizer, cfg.data, cfg.model.vocab_size, mask_id)
   return tokenizer
 
 

@@ -15,6 +15,7 @@ block_size_sweep.{csv,md,png} under --out and refreshes README_results.md there.
 
 import argparse
 import csv
+import math
 import os
 import statistics
 import sys
@@ -74,11 +75,12 @@ def table(rows: list[dict], args) -> str:
            f"ar is B = 1 (exact NLL). Accuracy: greedy completion of {args.prompts} held-out "
            f"'... a+b=' prompts; chance: the same completions scored against other prompts' "
            f"answers.", "",
-           "| objective | B | held-out nats/token | perplexity (bound) | accuracy | chance |",
+           "| objective | B | held-out nats/token | exp(mean): perplexity (bound) | accuracy | "
+           "chance |",
            "|---|---|---|---|---|---|"]
   for (objective, b), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] != "ar", kv[0][1])):
     losses = [r["eval_loss"] for r in rs]
-    ppl = statistics.mean(2.718281828459045 ** x for x in losses)
+    ppl = math.exp(statistics.mean(losses))
     lines.append(f"| {objective} | {b} | {_mean_sd(losses)} | {ppl:.2f} | "
                  f"{_mean_sd([r['eval_accuracy'] for r in rs])} | "
                  f"{_mean_sd([r['eval_chance'] for r in rs])} |")

@@ -126,3 +126,11 @@ def test_training_logs_held_out_metrics_and_mode_eval_repeats_them_under_another
     assert got["step"] == 4
     assert got["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-5), strategy
     assert got["eval_accuracy"] == last["eval_accuracy"]
+
+
+def test_mode_eval_on_a_missing_workdir_says_so_and_creates_nothing(tmp_path, capsys):
+  workdir = tmp_path / "never_trained"
+  assert run.main(["--config", "configs/quickstart.py", "--workdir", str(workdir),
+                   "--set", "mode=eval"]) == 2
+  assert f"{workdir} does not exist: no checkpoint to restore" in capsys.readouterr().err
+  assert not workdir.exists()

@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 
 from bdlm_jax import ar_logits, init_params, load_config, make_batch, make_mesh, sample
-from bdlm_jax.checkpoint import Checkpointer
+from bdlm_jax.checkpoint import restore_state
 from bdlm_jax.config import Config, ConfigError, replace
 from bdlm_jax.data import ArithmeticSource, ByteTokenizer
 from bdlm_jax.params import merge
 from bdlm_jax.sample import KVCache, _steps
 from bdlm_jax.parallel.strategies import make_attend
-from bdlm_jax.train import abstract_state
 
 PROMPT = list(b"12+7=")
 
@@ -148,8 +147,7 @@ def test_trained_model_writes_well_formed_statements_far_above_chance(tmp_path):
                              "train.log_every=100", "train.eval_every=0",
                              "sample.temperature=0"])
   train(cfg, str(tmp_path), progress=False)
-  with Checkpointer(str(tmp_path), cfg, save_every=1, max_to_keep=1, async_save=False) as ckpt:
-    _, state, _ = ckpt.restore(abstract_state(cfg, make_mesh(cfg)))
+  _, state = restore_state(cfg, str(tmp_path), make_mesh(cfg))
   tok = ByteTokenizer()
   prompts = [ArithmeticSource(seed=999)[i].split(" ")[0] + " " for i in range(8)]
 

@@ -48,6 +48,9 @@ def restore_state(cfg: Config, workdir: epath.PathLike, mesh, step: int = -1):
   """(step, train state) of checkpoint `step` (-1: the latest usable) of `workdir`, on
   `mesh`: what mode=eval, sample and export start from."""
   from bdlm_jax.train import abstract_state  # train builds the step; restoring rarely needs it
+  if not workdir_path(workdir).exists():  # a reader does not create the folder it reads
+    raise CheckpointError(f"{workdir} does not exist: no checkpoint to restore (train first, "
+                          f"or check --workdir)")
   with Checkpointer(workdir, cfg, save_every=cfg.train.ckpt_every,
                     max_to_keep=cfg.train.max_to_keep, async_save=False) as ckpt:
     found, state, _ = ckpt.restore(abstract_state(cfg, mesh), step=step if step >= 0 else None)

@@ -89,11 +89,14 @@ def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size
     source = chat.ChatSource(path, data_cfg.chat_template)
   else:
     source = make_source(data_cfg, seed, split)
-  docs = held_out(grain.MapDataset.source(source), data_cfg, split)[process_index::process_count]
+  split_docs = held_out(grain.MapDataset.source(source), data_cfg, split)
+  docs = split_docs[process_index::process_count]
   if not len(docs):
-    raise DataError(
-        f"data.path={data_cfg.path!r} has {len(source)} documents, too few to give each of "
-        f"{process_count} processes one")
+    where = (f"the held-out split of data.path={data_cfg.path!r} (data.eval_path="
+             f"{data_cfg.eval_path!r}, data.holdout={data_cfg.holdout})" if split == "eval"
+             else f"data.path={data_cfg.path!r}")
+    raise DataError(f"{where} has {len(split_docs)} documents, too few to give each of "
+                    f"{process_count} processes one")
   if data_cfg.shuffle:
     docs = docs.shuffle(seed)
   encode = (functools.partial(chat.encode, tokenizer, block_size, data_cfg.seq_len) if is_chat
