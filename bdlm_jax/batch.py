@@ -50,7 +50,8 @@ def check_token_ids(cfg: Config, tokens: np.ndarray, where: str) -> None:
   if lo < 0 or hi >= cfg.model.vocab_size:
     raise ConfigError(f"token ids must lie in [0, model.vocab_size={cfg.model.vocab_size}); "
                       f"got min {lo}, max {hi} in {where}")
-  if cfg.objective.name != "ar" and np.any(tokens == cfg.objective.mask_token_id):
+  mask_id = cfg.objective.reserved_mask_id
+  if mask_id is not None and np.any(tokens == mask_id):
     raise ConfigError(f"token id {cfg.objective.mask_token_id} is objective.mask_token_id, "
                       f"reserved for [MASK], and appears in {where}")
 

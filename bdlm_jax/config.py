@@ -90,6 +90,11 @@ class ObjectiveConfig:
   loss_weight: str = "inv_t"  # or "unit"
   mask_token_id: int = 259
 
+  @property
+  def reserved_mask_id(self) -> int | None:
+    """The id no data may hold: [MASK], for objectives that corrupt (None for `ar`)."""
+    return None if self.name == "ar" else self.mask_token_id
+
 
 @dataclasses.dataclass
 class ParallelConfig:
@@ -459,7 +464,7 @@ def replace(cfg: Config, **sections: dict) -> Config:
 
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "DataConfig", "ObjectiveConfig",
-           "ParallelConfig", "TrainConfig", "SampleConfig", "EvalConfig", "ExportConfig", "PlanConfig",
-           "load_config",
+           "ParallelConfig", "TrainConfig", "SampleConfig", "EvalConfig", "ExportConfig",
+           "PlanConfig", "load_config",
            "override", "validate", "all_keys",
            "replace"]

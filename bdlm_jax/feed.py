@@ -19,8 +19,7 @@ class Feed:
         cfg.data, batch_size=self._local.stop - self._local.start, seed=cfg.seed,
         vocab_size=cfg.model.vocab_size, process_index=shard, process_count=n_shards,
         block_size=cfg.objective.block_size,
-        mask_token_id=None if cfg.objective.name == "ar" else cfg.objective.mask_token_id,
-        split=split)
+        mask_token_id=cfg.objective.reserved_mask_id, split=split)
 
   def __iter__(self):
     return self

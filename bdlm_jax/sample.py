@@ -296,8 +296,7 @@ def checked_tokenizer(cfg: Config):
   from bdlm_jax.data.pipeline import check_tokenizer  # the data package imports grain
   from bdlm_jax.data.tokenizers import make_tokenizer
   tokenizer = make_tokenizer(cfg.data)
-  mask_id = None if cfg.objective.name == "ar" else cfg.objective.mask_token_id  # as training
-  check_tokenizer(tokenizer, cfg.data, cfg.model.vocab_size, mask_id)
+  check_tokenizer(tokenizer, cfg.data, cfg.model.vocab_size, cfg.objective.reserved_mask_id)
   return tokenizer
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from bdlm_jax.config import ConfigError, DataConfig
 from bdlm_jax.data import chat
 from bdlm_jax.data.packing import pack
-from bdlm_jax.data.sources import DataError, held_out, make_source
+from bdlm_jax.data.sources import DataError, held_out, make_source, split_path
 from bdlm_jax.data.tokenizers import EOS_NAMES, Tokenizer, check_mask_id, make_tokenizer
 
 # Documents read ahead. Grain's default (500) costs O(buffer) per element in grain 0.2.18
@@ -85,8 +85,7 @@ def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size
     tokenizer = _WithoutToken(tokenizer, mask_token_id)
   is_chat = data_cfg.format == "chat"
   if is_chat:
-    path = data_cfg.eval_path if split == "eval" and data_cfg.eval_path else data_cfg.path
-    source = chat.ChatSource(path, data_cfg.chat_template)
+    source = chat.ChatSource(split_path(data_cfg, split), data_cfg.chat_template)
   else:
     source = make_source(data_cfg, seed, split)
   split_docs = held_out(grain.MapDataset.source(source), data_cfg, split)

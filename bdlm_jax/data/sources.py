@@ -149,8 +149,7 @@ def make_source(data_cfg: DataConfig, seed: int, split: str = "train"):
   """The random-access source named by `data.source`, before any hold-out (`held_out`)."""
   if data_cfg.source == "arithmetic":
     return ArithmeticSource(seed, split=split)
-  if split == "eval" and data_cfg.eval_path:
-    data_cfg = dataclasses.replace(data_cfg, path=data_cfg.eval_path)
+  data_cfg = dataclasses.replace(data_cfg, path=split_path(data_cfg, split))
   if not data_cfg.path:
     raise ConfigError(f"data.source={data_cfg.source!r} needs data.path")
   if data_cfg.source == "text":
@@ -160,6 +159,11 @@ def make_source(data_cfg: DataConfig, seed: int, split: str = "train"):
   if data_cfg.source == "array_record":
     return ArrayRecordSource(data_cfg.path, data_cfg.text_field)
   raise ConfigError(f"data.source={data_cfg.source!r} is not one of {list(DATA_SOURCES)}")
+
+
+def split_path(data_cfg: DataConfig, split: str) -> str:
+  """The files of `split`: `data.eval_path` for "eval" where set, else `data.path`."""
+  return data_cfg.eval_path if split == "eval" and data_cfg.eval_path else data_cfg.path
 
 
 def held_out(docs: grain.MapDataset, data_cfg: DataConfig, split: str) -> grain.MapDataset:
