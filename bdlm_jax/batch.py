@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from bdlm_jax.config import Config, ConfigError
-from bdlm_jax.kernels.mask import RowMeta
+from bdlm_jax.kernels.mask import RowMeta, row_meta
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.objectives.streams import PAD_VALUES
 from bdlm_jax.parallel.layout import apply_layout
@@ -31,7 +31,7 @@ class Batch(NamedTuple):
 
   @property
   def meta(self) -> RowMeta:
-    return RowMeta(self.stream, self.block, self.seg)
+    return row_meta(self.stream, self.block, self.seg, self.pos)
 
 
 def _check_tokens(cfg: Config, tokens: np.ndarray) -> None:

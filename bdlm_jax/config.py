@@ -28,6 +28,8 @@ STRATEGIES = ("none", "cp_allgather", "cp_ring", "cp_ring_balanced", "bp", "csbp
               "csbp_ring")
 OBJECTIVES = ("bd3lm", "fast_dllm_v2", "ar")
 ATTENTION_IMPLS = ("xla", "pallas")
+LAYER_TYPES = ("global", "local")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama, Qwen3), GeGLU (Gemma 3)
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full")
 MODES = ("train", "eval", "sample", "export", "plan")
@@ -47,6 +49,18 @@ class ModelConfig:
   d_ff: int = 384
   rope_theta: float = 10000.0
   qk_norm: bool = False  # Qwen3-style RMSNorm on q and k per head
+  # Attention type of each layer as a repeating period, comma-separated "global" / "local"
+  # (Gemma 3: "local,local,local,local,local,global"); the layers scan over one period.
+  # Local layers see a sliding window of `sliding_window` positions (DESIGN.md section 11).
+  layer_pattern: str = "global"
+  sliding_window: int = 0  # W, needed (>= 1) when the pattern has a local layer
+  rope_local_theta: float = 0.0  # RoPE base of local layers; 0: rope_theta
+  # Gemma 3's departures from Llama (all off for Llama and Qwen3):
+  post_norms: bool = False  # an RMSNorm on the attention and MLP outputs, before each residual add
+  scale_embeddings: bool = False  # input embeddings times sqrt(d_model); the tied head is not
+  query_pre_attn_scalar: int = 0  # attention logits scaled by its ** -0.5; 0: head_dim
+  mlp_activation: str = "silu"  # of the gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+  logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
   tie_embeddings: bool = True
   norm_eps: float = 1e-6
   param_dtype: str = "float32"
@@ -333,6 +347,8 @@ _STEP = (">= -1 (-1: the latest)", lambda x: x >= -1)
 _RANGES = {
     "model.rope_theta": _ABOVE_0,
     "model.norm_eps": ("in (0, 1)", lambda x: 0 < x < 1),
+    "model.query_pre_attn_scalar": (">= 0 (0: head_dim)", lambda x: x >= 0),
+    "model.logit_softcap": (">= 0 (0: no soft cap)", lambda x: x >= 0),
     "data.num_threads": _AT_LEAST_0,
     "train.lr": _ABOVE_0,
     "train.warmup_steps": _AT_LEAST_0,
@@ -372,6 +388,7 @@ def validate(cfg: Config) -> None:
   _choice("model.param_dtype", m.param_dtype, DTYPES)
   _choice("model.compute_dtype", m.compute_dtype, DTYPES)
   _choice("model.remat", m.remat, REMAT)
+  _choice("model.mlp_activation", m.mlp_activation, MLP_ACTIVATIONS)
   _choice("objective.loss_weight", o.loss_weight, ("inv_t", "unit"))
   _choice("data.source", d.source, DATA_SOURCES)
   _choice("data.format", d.format, DATA_FORMATS)
@@ -411,6 +428,7 @@ def validate(cfg: Config) -> None:
                       f"{cfg.plan.device_memory_gb}")
   if m.logits_chunk < 0:
     raise ConfigError(f"model.logits_chunk must be >= 0 (0: no chunking), got {m.logits_chunk}")
+  _check_layer_pattern(m)
   if m.n_heads % m.n_kv_heads:
     raise ConfigError(
         f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={m.n_kv_heads}")
@@ -448,6 +466,28 @@ def validate(cfg: Config) -> None:
   plan_for(cfg)
 
 
+def layer_types(m: ModelConfig) -> tuple[str, ...]:
+  """The attention type of every layer: `m.layer_pattern` repeated over `m.n_layers`."""
+  period = [t.strip() for t in m.layer_pattern.split(",")]
+  return tuple(period[i % len(period)] for i in range(m.n_layers))
+
+
+def _check_layer_pattern(m: ModelConfig) -> None:
+  period = [t.strip() for t in m.layer_pattern.split(",")]
+  for t in period:
+    if t not in LAYER_TYPES:
+      raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has the layer type {t!r}; "
+                        f"valid types: {list(LAYER_TYPES)}, comma-separated")
+  if "local" in period and m.sliding_window < 1:
+    raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has local layers, whose "
+                      f"model.sliding_window must be >= 1 position; got {m.sliding_window}")
+  if m.sliding_window < 0:
+    raise ConfigError(f"model.sliding_window must be >= 0, got {m.sliding_window}")
+  if m.rope_local_theta < 0:
+    raise ConfigError(f"model.rope_local_theta must be > 0 (or 0: model.rope_theta), got "
+                      f"{m.rope_local_theta}")
+
+
 def replace(cfg: Config, **sections: dict) -> Config:
   """Functional update by section: replace(cfg, model=dict(n_layers=4))."""
   d = cfg.to_dict()
@@ -465,6 +505,6 @@ def replace(cfg: Config, **sections: dict) -> Config:
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "DataConfig", "ObjectiveConfig",
            "ParallelConfig", "TrainConfig", "SampleConfig", "EvalConfig", "ExportConfig",
-           "PlanConfig", "load_config",
+           "PlanConfig", "load_config", "layer_types",
            "override", "validate", "all_keys",
            "replace"]

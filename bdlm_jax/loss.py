@@ -43,8 +43,10 @@ def _check_batch(cfg, batch, plan):
                       f"with make_batch(cfg, ...) using the same config")
 
 
-def chunked_loss(head, score_fn, chunk: int, h_SND, labels_SN, take_SN, weight_SN):
-  """`score_fn(logits, labels, take, weight)` summed over chunks of `chunk` rows.
+def chunked_loss(head, score_fn, chunk: int, softcap: float, h_SND, labels_SN, take_SN,
+                 weight_SN):
+  """`score_fn(logits, labels, take, weight)` summed over chunks of `chunk` rows; the logits
+  are `head_logits(head, h, softcap)`.
 
   Only one chunk's float32 logits [S, chunk, vocab] exist at a time, never [rows, vocab]:
   the chunks run as a `lax.scan` whose body is rematerialised, so the backward recomputes
@@ -62,14 +64,14 @@ def chunked_loss(head, score_fn, chunk: int, h_SND, labels_SN, take_SN, weight_S
   @jax.checkpoint
   def body(total, xs):
     h, labels, take, weight = xs
-    return total + score_fn(head_logits(head, h), labels, take, weight), None
+    return total + score_fn(head_logits(head, h, softcap), labels, take, weight), None
 
   xs = (split(h_SND, 0), split(labels_SN, -1), split(take_SN, False), split(weight_SN, 0))
   total = jnp.zeros_like(weight_SN, shape=())  # zeros_like: varies over mesh axes as the rows
   return jax.lax.scan(body, total, xs)[0]
 
 
-def _loss_on_every_device(head, score_fn, chunk: int, mesh, *rows):
+def _loss_on_every_device(head, score_fn, chunk: int, softcap: float, mesh, *rows):
   """`chunked_loss` run by every device on the rows it holds, summed over the mesh.
 
   Under `shard_map` each device accumulates the head's gradient over its own chunks and the
@@ -77,7 +79,7 @@ def _loss_on_every_device(head, score_fn, chunk: int, mesh, *rows):
   loop would all-reduce it once per chunk.
   """
   if mesh is None or mesh.size == 1:  # (XLA keeps a one-device psum as an all-reduce)
-    return chunked_loss(head, score_fn, chunk, *rows)
+    return chunked_loss(head, score_fn, chunk, softcap, *rows)
   graphdef, state = nnx.split(head)
   axes = tuple(mesh.axis_names)
 
@@ -85,7 +87,7 @@ def _loss_on_every_device(head, score_fn, chunk: int, mesh, *rows):
     # Varying from here on, so the transpose (the gradient's sum over devices) happens here,
     # once, and not inside the loop where each chunk would mark it varying again.
     state = jax.tree.map(lambda w: jax.lax.pcast(w, axes, to="varying"), state)
-    total = chunked_loss(nnx.merge(graphdef, state), score_fn, chunk, *rows)
+    total = chunked_loss(nnx.merge(graphdef, state), score_fn, chunk, softcap, *rows)
     return jax.lax.psum(total, axes)
 
   row_specs = [P(BATCH_AXES, "seq", *[None] * (x.ndim - 2)) for x in rows]
@@ -110,7 +112,8 @@ def loss_fn(params, batch, key, cfg: Config, mesh=None):
                  layer_weights=gathered_weights(mesh, jnp.dtype(cfg.model.compute_dtype)))
   score = functools.partial(objective.score, cfg=cfg.objective)
   rows = [_slot_rows(x, plan, objective.LOSS_SLOT) for x in (hidden, batch.labels, scored, weight)]
-  total = _loss_on_every_device(model.head, score, cfg.model.logits_chunk, mesh, *rows)
+  total = _loss_on_every_device(model.head, score, cfg.model.logits_chunk,
+                                cfg.model.logit_softcap, mesh, *rows)
   loss = total / jnp.maximum(n_valid, 1)
   metrics = dict(loss=loss, valid_tokens=n_valid,
                  masked_tokens=jnp.sum(scored & (batch.labels >= 0)))

@@ -40,8 +40,8 @@ import numpy as np
 
 from bdlm_jax.batch import check_token_ids
 from bdlm_jax.config import Config, ConfigError
-from bdlm_jax.kernels import xla
-from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta
+from bdlm_jax.kernels import with_windows, xla
+from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta, row_meta
 from bdlm_jax.params import merge
 
 
@@ -54,7 +54,8 @@ class KVCache(NamedTuple):
 
 
 def _meta(stream: int, pos_1R, seg_1R, block_size: int) -> RowMeta:
-  return RowMeta(jnp.full_like(pos_1R, stream), pos_1R // block_size, seg_1R.astype(jnp.int32))
+  return row_meta(jnp.full_like(pos_1R, stream), pos_1R // block_size, seg_1R.astype(jnp.int32),
+                  pos_1R)
 
 
 def _rows_forward(model, tokens_1R, pos_1R, meta: RowMeta, cache: KVCache, block_size: int,
@@ -63,14 +64,16 @@ def _rows_forward(model, tokens_1R, pos_1R, meta: RowMeta, cache: KVCache, block
   cache_pos = jnp.arange(cache.seg.shape[1])[None]
   kv_meta = _meta(CLEAN, cache_pos, cache.seg, block_size).concat(meta)
 
-  def layer(block, x, k_cache, v_cache):
-    q, k, v = block.project(x, pos_1R)
+  attend = with_windows(functools.partial(xla.attend, chunk=chunk), block_size)
+
+  def layer(block, x, k_cache, v_cache, kind):
+    q, k, v = block.project(x, pos_1R, kind)
     k_all = jnp.concatenate([k_cache, k], axis=1)
     v_all = jnp.concatenate([v_cache, v], axis=1)
-    out, _ = xla.attend(q, k_all, v_all, meta, kv_meta, chunk)
+    out, _ = attend(q, k_all, v_all, meta, kv_meta, window=block.window(kind))
     return block.finish(x, out), (k, v)
 
-  x, (ks, vs) = model.scan_layers(layer, model.embed(tokens_1R), cache.k, cache.v)
+  x, (ks, vs) = model.scan_layers(layer, model.embed_tokens(tokens_1R), cache.k, cache.v)
   return model.final_norm(x), ks, vs
 
 
@@ -135,7 +138,7 @@ def _steps(cfg_json: str) -> _Steps:
     ctx_pos, pos = jnp.arange(c)[None], block_pos(start)
     meta = _meta(CLEAN, ctx_pos, seg_1C, bs).concat(_meta(NOISY, pos, jnp.ones_like(pos), bs))
     h = model(jnp.concatenate([ctx_1C, tokens_1B], 1), jnp.concatenate([ctx_pos, pos], 1),
-              meta, functools.partial(xla.attend, chunk=chunk))
+              meta, with_windows(functools.partial(xla.attend, chunk=chunk), bs))
     return model.logits(h[:, c:])[0], model.logits(h[:, start - 1])[0]
 
   def reveal(logits_BV, tokens_B, masked_B, n, key, temperature, priority_B, by_confidence):

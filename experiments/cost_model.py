@@ -585,9 +585,10 @@ def write_results_readme(results_dir: str) -> str:
            "`python experiments/parallel_bench.py --quick && python experiments/scale_probe.py "
            "&& python experiments/scale_probe.py --ablate --models llama3-8b --lens 262144 "
            "--strategies csbp_ring csbp_allgather && python experiments/cost_model.py` "
-           "(and `python experiments/block_size_sweep.py` for the last section).", ""]
+           "(and `python experiments/window_traffic.py`, `python experiments/block_size_sweep.py` "
+           "for the last sections).", ""]
   for name in ("parallel_bench.md", "scale_probe.md", "scale_probe_ablation.md",
-               "cost_model.md", "block_size_sweep.md"):
+               "cost_model.md", "window_traffic.md", "block_size_sweep.md"):
     path = os.path.join(results_dir, name)
     if os.path.exists(path):
       with open(path) as f:

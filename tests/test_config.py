@@ -64,6 +64,12 @@ def test_an_unknown_strategy_lists_the_strategies():
     override(Config(), ["parallel.strategy=zigzag"])
 
 
+def test_an_unknown_mlp_activation_lists_the_activations():
+  with pytest.raises(ConfigError,
+                     match=r"model.mlp_activation='gelu' is not one of \['silu', 'gelu_tanh'\]"):
+    override(Config(), ["model.mlp_activation=gelu"])
+
+
 def test_override_does_not_touch_the_config_it_was_given():
   cfg = Config()
   override(cfg, ["train.steps=7"])
@@ -142,6 +148,8 @@ def test_a_config_round_trips_through_a_dict():
     ("train.weight_decay=-1e-4", "train.weight_decay must be >= 0"),
     ("train.min_lr_ratio=2", "train.min_lr_ratio must be in [0, 1]"),
     ("model.norm_eps=0", "model.norm_eps must be in (0, 1)"),
+    ("model.logit_softcap=-30", "model.logit_softcap must be >= 0 (0: no soft cap)"),
+    ("model.query_pre_attn_scalar=-1", "model.query_pre_attn_scalar must be >= 0 (0: head_dim)"),
     ("data.num_threads=-1", "data.num_threads must be >= 0"),
     ("sample.temperature=-0.5", "sample.temperature must be >= 0"),
     ("sample.max_new_tokens=0", "sample.max_new_tokens must be >= 1"),

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from bdlm_jax import init_params, loss_fn, make_batch, make_mesh
+from bdlm_jax import ar_logits, init_params, loss_fn, make_batch, make_mesh
 from bdlm_jax.config import Config, replace
 from bdlm_jax.parallel import hlo_stats
 
@@ -36,6 +36,23 @@ def test_chunked_loss_equals_the_loss_over_all_rows(objective, chunk):
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
   for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
     assert np.linalg.norm(g - ref) <= 1e-5 * np.linalg.norm(ref)
+
+
+def test_chunked_loss_and_ar_logits_both_soft_cap_the_logits():
+  """`model.logit_softcap` holds in the loss's head chunks as in `Transformer.logits`: the ar
+  loss is the mean next-token NLL of `ar_logits`, with or without the cap."""
+  tokens = np.random.default_rng(0).integers(0, 250, (4, L))
+
+  def loss_and_nll(cap):
+    cfg = replace(_cfg(7, "ar"), model=dict(logit_softcap=cap))
+    params = init_params(cfg, jax.random.key(3))
+    loss = loss_fn(params, make_batch(cfg, tokens), jax.random.key(4), cfg)[0]
+    logp = np.asarray(jax.nn.log_softmax(ar_logits(params, cfg, tokens)[:, :-1]))
+    return float(loss), -np.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
+
+  (plain, plain_nll), (capped, capped_nll) = loss_and_nll(0.0), loss_and_nll(0.1)
+  np.testing.assert_allclose([plain, capped], [plain_nll, capped_nll], rtol=1e-5)
+  assert abs(capped - plain) > 1e-3  # init logits are ~0.1: a cap of 0.1 bends them
 
 
 def test_chunks_stay_on_their_rank_under_a_seq_strategy():

@@ -19,15 +19,20 @@ from bdlm_jax.parallel.strategies import make_attend
 PROMPT = list(b"12+7=")
 
 
-def _tiny(objective):
-  return replace(Config(), model=dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                      head_dim=8, d_ff=64),
+LOCAL = dict(n_layers=3, layer_pattern="local,global", sliding_window=6, rope_local_theta=500.0)
+
+
+def _tiny(objective, **model):
+  return replace(Config(), model={**dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                         head_dim=8, d_ff=64), **model},
                  data=dict(seq_len=32), objective=dict(name=objective, block_size=4))
 
 
-@pytest.mark.parametrize("objective", ["bd3lm", "fast_dllm_v2"])
-def test_kv_cache_sampler_equals_full_recompute_token_for_token(objective):
-  cfg = _tiny(objective)
+@pytest.mark.parametrize("objective,model", [("bd3lm", {}), ("fast_dllm_v2", {}),
+                                             ("bd3lm", LOCAL)], ids=["bd3lm", "fast_dllm_v2",
+                                                                     "bd3lm_local_layers"])
+def test_kv_cache_sampler_equals_full_recompute_token_for_token(objective, model):
+  cfg = _tiny(objective, **model)
   params = init_params(cfg, jax.random.key(0))
   for options in (dict(strategy="confidence", steps_per_block=0, temperature=0.0),
                   dict(strategy="first_hitting", steps_per_block=3, temperature=1.0)):
@@ -38,10 +43,11 @@ def test_kv_cache_sampler_equals_full_recompute_token_for_token(objective):
     np.testing.assert_array_equal(cached, full)
 
 
-def test_ar_decoding_with_the_kv_cache_equals_the_plain_causal_forward():
+@pytest.mark.parametrize("model", [{}, LOCAL], ids=["global", "local_layers"])
+def test_ar_decoding_with_the_kv_cache_equals_the_plain_causal_forward(model):
   """`ar` models sample through the same front end, one token at a time; the cached
   decoder matches re-running `ar_logits` over the whole prefix for every token."""
-  cfg = _tiny("ar")
+  cfg = _tiny("ar", **model)
   params = init_params(cfg, jax.random.key(0))
   for temperature in (0.0, 1.0):
     cached, full = (sample(params, cfg, PROMPT, jax.random.key(1), max_new_tokens=5,
@@ -56,10 +62,11 @@ def test_ar_decoding_with_the_kv_cache_equals_the_plain_causal_forward():
                                        temperature=0.0, eos_id=-1), greedy[len(PROMPT):])
 
 
-def test_a_denoising_step_over_the_cache_gives_the_training_forwards_logits():
+@pytest.mark.parametrize("model", [{}, LOCAL], ids=["global", "local_layers"])
+def test_a_denoising_step_over_the_cache_gives_the_training_forwards_logits(model):
   """The sampler's own wiring (KV cache, `Block.project` / `finish`) computes for a partly
   masked block what the training forward computes for the same block's noisy rows."""
-  cfg = _tiny("bd3lm")
+  cfg = _tiny("bd3lm", **model)
   L, bs, mask = cfg.data.seq_len, cfg.objective.block_size, cfg.objective.mask_token_id
   start = L - bs  # the last block is denoised; every block before it is clean context
   tokens = np.random.default_rng(3).integers(0, 250, (1, L))

@@ -18,18 +18,23 @@ import numpy as np
 import safetensors
 from jax.sharding import SingleDeviceSharding
 
-from bdlm_jax.checkpoint.hf_names import (IGNORED_SUFFIXES, SHAPE_KEYS, get_path,
+from bdlm_jax.checkpoint.hf_names import (IGNORED_SUFFIXES, SHAPE_KEYS, Tensor, get_path,
                                           model_config_from_hf, set_path, tensor_map)
-from bdlm_jax.config import Config, ConfigError, replace
+from bdlm_jax.config import Config, ConfigError, ModelConfig, replace
 from bdlm_jax.params import abstract_params
 from bdlm_jax.parallel.zero3 import zero3_shardings
 
 INDEX_FILE = "model.safetensors.index.json"
 VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # [vocab, d_model] in HF
+# ModelConfig fields a config.json sets that leave the params' shapes alone.
+_BEHAVIOUR_KEYS = ("rope_theta", "rope_local_theta", "norm_eps", "layer_pattern",
+                   "sliding_window", "scale_embeddings", "query_pre_attn_scalar",
+                   "mlp_activation", "logit_softcap")
 
 
 def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dict]:
-  """(cfg, params) from a Llama or Qwen3 Hugging Face folder, params placed on `mesh`.
+  """(cfg, params) from a Llama, Qwen3 or Gemma 3 (text) Hugging Face folder, params placed
+  on `mesh`.
 
   `cfg.model` comes from config.json (params and compute in `dtype`); every other section
   keeps the `Config()` defaults, except:
@@ -64,20 +69,20 @@ def params_from_hf(cfg: Config, mesh=None) -> dict:
   """Params of the HF folder `cfg.init_from`, which must have the shapes of `cfg.model`.
 
   Only shapes are enforced, and the vocabulary may be larger than the folder's (a [MASK] row
-  `import_hf` added starts as the mean row); rope_theta or norm_eps that differ from the
+  `import_hf` added starts as the mean row); other architecture fields that differ from the
   folder's (e.g. a longer-context RoPE base for conversion) are used as configured, with a
   warning.
   """
   path = cfg.init_from
-  hf_model = model_config_from_hf(read_hf_config(path), path)
+  hf_model = vars(ModelConfig(**model_config_from_hf(read_hf_config(path), path)))
   ours = vars(cfg.model)
+  shape_keys = (*SHAPE_KEYS, "qk_norm", "post_norms")
   fits = lambda k: (hf_model[k] <= ours[k]) if k == "vocab_size" else hf_model[k] == ours[k]
-  wrong = [f"{k} (folder {hf_model[k]!r}, config {ours[k]!r})"
-           for k in (*SHAPE_KEYS, "qk_norm") if not fits(k)]
+  wrong = [f"{k} (folder {hf_model[k]!r}, config {ours[k]!r})" for k in shape_keys if not fits(k)]
   if wrong:
     raise ConfigError(f"init_from={path} does not fit model.*: {'; '.join(wrong)}. Set those "
                       f"model.* keys to the folder's values (import_hf(path) returns them)")
-  differ = [f"{k}={ours[k]} (folder has {hf_model[k]})" for k in ("rope_theta", "norm_eps")
+  differ = [f"{k}={ours[k]!r} (folder has {hf_model[k]!r})" for k in _BEHAVIOUR_KEYS
             if hf_model[k] != ours[k]]
   if differ:
     warnings.warn(f"init_from={path}: training with {', '.join(differ)}")
@@ -120,7 +125,7 @@ def _read_params(path: str, cfg: Config, mesh) -> dict:
         if tuple(tensor.get_shape()) != hf_shape:
           raise ConfigError(f"{path}: tensor {t.name!r} has shape {tuple(tensor.get_shape())}, "
                             f"but config.json implies {hf_shape}")
-      set_path(params, where, _place(slices, stacked, tensors[0].transposed, want,
+      set_path(params, where, _place(slices, stacked, tensors[0], want,
                                      get_path(shardings, where)))
     used = {t.name for t in names}
     unused = sorted(n for n in files.names - used if not n.endswith(IGNORED_SUFFIXES)
@@ -130,11 +135,13 @@ def _read_params(path: str, cfg: Config, mesh) -> dict:
   return params
 
 
-def _place(slices: list, stacked: bool, transposed: bool, want, sharding) -> jax.Array:
+def _place(slices: list, stacked: bool, hf: Tensor, want, sharding) -> jax.Array:
   """One global array; each device reads only its own slice from the files (for a stacked
-  weight: its slice of every layer it holds, one HF tensor per layer)."""
+  weight: its slice of every layer it holds, one HF tensor per layer). `hf` says how HF
+  stores it: transposed, or offset (added in float32 before the cast, as HF computes it)."""
   def read_one(tensor, index):
-    return tensor[index[::-1]].T if transposed else tensor[index]
+    x = tensor[index[::-1]].T if hf.transposed else tensor[index]
+    return x.astype(np.float32) + hf.offset if hf.offset else x
 
   def read(index):
     if stacked:

@@ -1,20 +1,26 @@
-"""Hugging Face Llama/Qwen3 <-> bdlm_jax: tensor names and model config fields.
+"""Hugging Face Llama/Qwen3/Gemma 3 <-> bdlm_jax: tensor names and model config fields.
 
 The one place that knows both vocabularies; import (hf_import.py) and export (hf_export.py)
-read the same tables in opposite directions. The architectures match exactly: pre-norm
-decoder, RMSNorm in float32 with a multiplicative weight, SwiGLU MLP, grouped-query attention
+read the same tables in opposite directions. Llama and Qwen3 match our decoder exactly:
+pre-norm, RMSNorm in float32 with a multiplicative weight, SwiGLU MLP, grouped-query attention
 without biases, half-split ("rotate_half") RoPE, and for Qwen3 an RMSNorm on q and k per head
-before RoPE. HF `nn.Linear` weights are [out, in]; our flax kernels are [in, out].
+before RoPE. Gemma 3 (`gemma3_text`, text only) is Qwen3 plus what `ModelConfig` has fields
+for: norms on the attention and MLP outputs, embeddings times sqrt(d_model), GeGLU, its own
+attention scale, a final logit soft cap and sliding-window layers. Its RMSNorms multiply by
+(1 + w) in float32, so our `scale` is HF's w + 1, added in float32 as HF does. HF `nn.Linear`
+weights are [out, in]; our flax kernels are [in, out].
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from bdlm_jax.config import ConfigError, ModelConfig
+from bdlm_jax.config import ConfigError, ModelConfig, layer_types
 
-MODEL_TYPES = ("llama", "qwen3")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GEMMA3 = "gemma3_text"
+MODEL_TYPES = ("llama", "qwen3", GEMMA3)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 GEMMA3: "Gemma3ForCausalLM"}
 # Tensors an HF folder may hold that carry nothing we need (old Llama checkpoints keep the
 # RoPE frequencies as a buffer).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -31,21 +37,33 @@ SHAPE_KEYS = {
     "tie_embeddings": "tie_word_embeddings",
 }
 
-_LAYER = {  # HF name inside `model.layers.{i}.` -> (our path inside `layers`, transposed)
-    "input_layernorm.weight": (("attn_norm", "scale"), False),
-    "self_attn.q_proj.weight": (("attn", "q_proj", "kernel"), True),
-    "self_attn.k_proj.weight": (("attn", "k_proj", "kernel"), True),
-    "self_attn.v_proj.weight": (("attn", "v_proj", "kernel"), True),
-    "self_attn.o_proj.weight": (("attn", "o_proj", "kernel"), True),
-    "post_attention_layernorm.weight": (("mlp_norm", "scale"), False),
-    "mlp.gate_proj.weight": (("mlp", "gate_proj", "kernel"), True),
-    "mlp.up_proj.weight": (("mlp", "up_proj", "kernel"), True),
-    "mlp.down_proj.weight": (("mlp", "down_proj", "kernel"), True),
+_LINEARS = {  # HF name inside `model.layers.{i}.` -> our path inside `layers` (transposed)
+    "self_attn.q_proj.weight": ("attn", "q_proj", "kernel"),
+    "self_attn.k_proj.weight": ("attn", "k_proj", "kernel"),
+    "self_attn.v_proj.weight": ("attn", "v_proj", "kernel"),
+    "self_attn.o_proj.weight": ("attn", "o_proj", "kernel"),
+    "mlp.gate_proj.weight": ("mlp", "gate_proj", "kernel"),
+    "mlp.up_proj.weight": ("mlp", "up_proj", "kernel"),
+    "mlp.down_proj.weight": ("mlp", "down_proj", "kernel"),
 }
-_QK_NORM = {
-    "self_attn.q_norm.weight": (("attn", "q_norm", "scale"), False),
-    "self_attn.k_norm.weight": (("attn", "k_norm", "scale"), False),
-}
+# Per model type, HF layer norm -> ours. The same HF name means different norms: Llama's
+# "post_attention_layernorm" is the norm before the MLP, Gemma's the one on the attention output.
+_LLAMA_NORMS = {"input_layernorm.weight": ("attn_norm",),
+                "post_attention_layernorm.weight": ("mlp_norm",)}
+_NORMS = {"llama": _LLAMA_NORMS, "qwen3": _LLAMA_NORMS, GEMMA3: {
+    "input_layernorm.weight": ("attn_norm",),
+    "post_attention_layernorm.weight": ("post_attn_norm",),
+    "pre_feedforward_layernorm.weight": ("mlp_norm",),
+    "post_feedforward_layernorm.weight": ("post_mlp_norm",),
+}}
+_QK_NORMS = {"self_attn.q_norm.weight": ("attn", "q_norm"),
+             "self_attn.k_norm.weight": ("attn", "k_norm")}
+_LAYER_TYPES = {"full_attention": "global", "sliding_attention": "local"}  # HF -> ours
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF -> ours
+# Gemma3TextConfig's defaults, for keys a hand-written config.json may leave out.
+_GEMMA3_DEFAULTS = dict(head_dim=256, hidden_activation="gelu_pytorch_tanh", rope_theta=1e6,
+                        rope_local_base_freq=1e4, query_pre_attn_scalar=256, sliding_window=4096,
+                        sliding_window_pattern=6, tie_word_embeddings=True)
 
 
 class Tensor(NamedTuple):
@@ -59,16 +77,43 @@ class Tensor(NamedTuple):
   path: tuple  # keys into our params pytree
   transposed: bool  # HF nn.Linear [out, in] vs our kernel [in, out]
   layer: int | None  # index on the stacked layer axis, None for unstacked weights
+  offset: float = 0.0  # ours = HF + offset, in float32 (1 for Gemma's (1 + w) norms)
+
+
+def hf_model_type(m: ModelConfig) -> str:
+  """The HF family that expresses `m`: Gemma 3 when it has Gemma's norms and embedding
+  scale, else Qwen3 (q/k norms) or Llama; a ConfigError when no family fits."""
+  gemma = ("post_norms", "scale_embeddings", "qk_norm")
+  if m.post_norms or m.scale_embeddings:
+    missing = [f"model.{k}" for k in gemma if not getattr(m, k)]
+    if missing:
+      raise ConfigError(f"no Hugging Face family expresses this model: it has Gemma 3 features, "
+                        f"but Gemma 3 also needs {', '.join(missing)}=true")
+    return GEMMA3
+  not_llama = [f"model.{k}={getattr(m, k)!r}" for k, fits in (
+      ("layer_pattern", "local" not in layer_types(m)),
+      ("mlp_activation", m.mlp_activation == "silu"),
+      ("query_pre_attn_scalar", m.query_pre_attn_scalar in (0, m.head_dim)),
+      ("logit_softcap", m.logit_softcap == 0)) if not fits]
+  if not_llama:
+    raise ConfigError(f"no Hugging Face family expresses this model: Llama and Qwen3 cannot "
+                      f"have {', '.join(not_llama)}, and Gemma 3 needs "
+                      f"{', '.join(f'model.{k}' for k in gemma)} all true")
+  return "qwen3" if m.qk_norm else "llama"
 
 
 def tensor_map(m: ModelConfig) -> list[Tensor]:
   """Every HF tensor of `m`, with where it lives in our params pytree."""
+  model_type = hf_model_type(m)
+  offset = 1.0 if model_type == GEMMA3 else 0.0
+  norms = {**_NORMS[model_type], **(_QK_NORMS if m.qk_norm else {})}
+  per_layer = [(name, (*path, "scale"), False, offset) for name, path in norms.items()]
+  per_layer += [(name, path, True, 0.0) for name, path in _LINEARS.items()]
   out = [Tensor("model.embed_tokens.weight", ("embed", "embedding"), False, None)]
-  per_layer = {**_LAYER, **(_QK_NORM if m.qk_norm else {})}
   for i in range(m.n_layers):
-    out += [Tensor(f"model.layers.{i}.{name}", ("layers", *path), t, i)
-            for name, (path, t) in per_layer.items()]
-  out.append(Tensor("model.norm.weight", ("final_norm", "scale"), False, None))
+    out += [Tensor(f"model.layers.{i}.{name}", ("layers", *path), t, i, off)
+            for name, path, t, off in per_layer]
+  out.append(Tensor("model.norm.weight", ("final_norm", "scale"), False, None, offset))
   if not m.tie_embeddings:
     out.append(Tensor("lm_head.weight", ("lm_head", "kernel"), True, None))
   return out
@@ -92,42 +137,93 @@ def model_config_from_hf(hf: dict, where: str) -> dict:
   if model_type not in MODEL_TYPES:
     raise ConfigError(f"{where}: model_type={model_type!r} is not supported; bdlm_jax imports "
                       f"{list(MODEL_TYPES)}")
-
-  def require(key, allowed, what):
-    if hf.get(key, allowed[0]) not in allowed:
-      raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported ({what}); bdlm_jax "
-                        f"needs {key} in {allowed}")
-
-  require("hidden_act", ("silu",), "the MLP is SwiGLU")
-  require("attention_bias", (False,), "attention projections have no bias")
-  require("mlp_bias", (False,), "MLP projections have no bias")
-  require("use_sliding_window", (False,), "every layer attends to the full context")
+  _require(hf, where, "attention_bias", (False,), "attention projections have no bias")
+  n_heads = hf["num_attention_heads"]
+  fields = dict(
+      vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+      n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+      d_ff=hf["intermediate_size"], norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
+  if model_type == GEMMA3:
+    return {**fields, **_gemma3_fields(hf, where)}
+  _require(hf, where, "hidden_act", ("silu",), "the MLP is SwiGLU")
+  _require(hf, where, "mlp_bias", (False,), "MLP projections have no bias")
+  _require(hf, where, "use_sliding_window", (False,), "every layer attends to the full context")
   if any(t != "full_attention" for t in hf.get("layer_types") or ()):
     raise ConfigError(f"{where}: layer_types={hf['layer_types']} has sliding-window layers; "
                       f"bdlm_jax supports only 'full_attention'")
-  n_heads = hf["num_attention_heads"]
+  params, key = ((hf["rope_parameters"], "rope_parameters") if hf.get("rope_parameters") else
+                 (hf.get("rope_scaling") or {}, "rope_scaling"))
   return dict(
-      vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-      n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-      d_ff=hf["intermediate_size"], rope_theta=float(_rope_theta(hf, where)),
-      qk_norm=model_type == "qwen3", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
+      fields, head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+      rope_theta=_plain_rope_theta(params, key, where, hf.get("rope_theta", 10000.0)),
+      qk_norm=model_type == "qwen3", tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
 
 
-def _rope_theta(hf: dict, where: str) -> float:
-  """Plain RoPE only: transformers 5 writes `rope_parameters`, older files `rope_scaling`."""
-  params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+def _require(hf: dict, where: str, key: str, allowed: tuple, what: str) -> None:
+  if hf.get(key, allowed[0]) not in allowed:
+    raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported ({what}); bdlm_jax "
+                      f"needs {key} in {allowed}")
+
+
+def _gemma3_fields(hf: dict, where: str) -> dict:
+  """The fields a Gemma 3 config.json sets beyond the shared ones (a key left out or null
+  takes Gemma3TextConfig's default)."""
+  hf = {**_GEMMA3_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+  _require(hf, where, "hidden_activation", tuple(_ACTIVATIONS), "the MLP is GeGLU or SwiGLU")
+  _require(hf, where, "use_bidirectional_attention", (False,), "attention is causal")
+  if hf.get("attn_logit_softcapping") is not None:
+    raise ConfigError(f"{where}: attn_logit_softcapping={hf['attn_logit_softcapping']!r} is not "
+                      f"supported (bdlm_jax's attention kernels do not soft-cap attention "
+                      f"logits); bdlm_jax needs attn_logit_softcapping null")
+  n_layers = hf["num_hidden_layers"]
+  every = hf["sliding_window_pattern"]  # the layer_types of configs from before layer_types
+  hf_types = hf.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else
+                                       "sliding_attention" for i in range(n_layers)]
+  unknown = sorted(set(hf_types) - set(_LAYER_TYPES))
+  if unknown:
+    raise ConfigError(f"{where}: layer_types has the unsupported type(s) {unknown}; bdlm_jax "
+                      f"knows {list(_LAYER_TYPES)}")
+  if len(hf_types) != n_layers:
+    raise ConfigError(f"{where}: layer_types has {len(hf_types)} entries for "
+                      f"num_hidden_layers={n_layers}")
+  types = [_LAYER_TYPES[t] for t in hf_types]
+  period = next(p for p in range(1, n_layers + 1)
+                if all(types[i] == types[i % p] for i in range(n_layers)))
+  has_local = "local" in types
+  rope = hf.get("rope_parameters") or {}
+  if "full_attention" in rope or "sliding_attention" in rope:  # transformers >= 5
+    full, full_key = rope.get("full_attention") or {}, "rope_parameters.full_attention"
+    local, local_key = rope.get("sliding_attention") or {}, "rope_parameters.sliding_attention"
+  else:  # transformers 4.x: rope_scaling for the global layers; local ones are plain
+    full = rope or hf.get("rope_scaling") or {}
+    full_key = "rope_parameters" if rope else "rope_scaling"
+    local, local_key = {}, "rope_local_base_freq"
+  return dict(
+      head_dim=hf["head_dim"], qk_norm=True, post_norms=True, scale_embeddings=True,
+      layer_pattern=",".join(types[:period]),
+      sliding_window=int(hf["sliding_window"]) if has_local else 0,
+      rope_theta=_plain_rope_theta(full, full_key, where, hf["rope_theta"]),
+      rope_local_theta=(_plain_rope_theta(local, local_key, where, hf["rope_local_base_freq"])
+                        if has_local else 0.0),
+      query_pre_attn_scalar=int(hf["query_pre_attn_scalar"]),
+      mlp_activation=_ACTIVATIONS[hf["hidden_activation"]],
+      logit_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+      tie_embeddings=bool(hf["tie_word_embeddings"]))
+
+
+def _plain_rope_theta(params: dict, key: str, where: str, default: float) -> float:
+  """The base of plain RoPE, from transformers 5's `rope_parameters` or 4.x's `rope_scaling`
+  (`key` names the one read); scaled or partial RoPE raises ConfigError."""
   rope_type = params.get("rope_type", params.get("type", "default"))
   if rope_type != "default" or params.get("partial_rotary_factor", 1.0) != 1.0:
-    raise ConfigError(f"{where}: RoPE scaling {params} is not supported; bdlm_jax implements "
-                      f"plain RoPE (rope_scaling null / rope_type 'default') only")
-  return params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    raise ConfigError(f"{where}: RoPE scaling {key}={params} is not supported; bdlm_jax "
+                      f"implements plain RoPE ({key} null or rope_type 'default') only")
+  return float(params.get("rope_theta", default))
 
 
 def hf_config(m: ModelConfig, dtype: str, max_positions: int, extra: dict) -> dict:
-  """config.json for `m` that transformers loads as Llama (or Qwen3 when m.qk_norm)."""
-  model_type = "qwen3" if m.qk_norm else "llama"
+  """config.json for `m` that transformers loads as its family (`hf_model_type`)."""
+  model_type = hf_model_type(m)
   out = {
       "architectures": [ARCHITECTURES[model_type]],
       "model_type": model_type,
@@ -138,17 +234,49 @@ def hf_config(m: ModelConfig, dtype: str, max_positions: int, extra: dict) -> di
       "num_key_value_heads": m.n_kv_heads,
       "head_dim": m.head_dim,
       "intermediate_size": m.d_ff,
-      "hidden_act": "silu",
       "rms_norm_eps": m.norm_eps,
-      # Both spellings: transformers >= 5 reads rope_parameters, 4.x reads rope_theta.
-      "rope_theta": m.rope_theta,
-      "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
       "attention_bias": False,
-      "mlp_bias": False,
       "tie_word_embeddings": m.tie_embeddings,
       "max_position_embeddings": max_positions,
       "dtype": dtype,
   }
+  if model_type == GEMMA3:
+    out.update(_gemma3_config(m, max_positions))
+  else:
+    out.update({
+        "hidden_act": "silu",
+        # Both spellings: transformers >= 5 reads rope_parameters, 4.x reads rope_theta.
+        "rope_theta": m.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "mlp_bias": False,
+    })
   if model_type == "qwen3":
     out["use_sliding_window"] = False
   return {**out, **extra}
+
+
+def _gemma3_config(m: ModelConfig, max_positions: int) -> dict:
+  """Gemma 3's own config.json keys, readable by transformers 5 (`layer_types`,
+  `rope_parameters` per layer type) and 4.x (`sliding_window_pattern`, `rope_theta`,
+  `rope_local_base_freq`)."""
+  kinds = layer_types(m)
+  period = len(m.layer_pattern.split(","))
+  local_theta = m.rope_local_theta or m.rope_theta
+  out = {
+      "hidden_activation": {ours: hf for hf, ours in _ACTIVATIONS.items()}[m.mlp_activation],
+      "layer_types": [{ours: hf for hf, ours in _LAYER_TYPES.items()}[k] for k in kinds],
+      # Unused without local layers, but transformers builds their mask anyway.
+      "sliding_window": m.sliding_window or max_positions,
+      "rope_theta": m.rope_theta,
+      "rope_local_base_freq": local_theta,
+      "rope_parameters": {
+          "full_attention": {"rope_type": "default", "rope_theta": m.rope_theta},
+          "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
+      "query_pre_attn_scalar": m.query_pre_attn_scalar or m.head_dim,
+      "final_logit_softcapping": m.logit_softcap or None,
+      "attn_logit_softcapping": None,
+      "use_bidirectional_attention": False,
+  }
+  if kinds[:period] == ("local",) * (period - 1) + ("global",):
+    out["sliding_window_pattern"] = period  # the one pattern transformers 4.x's int expresses
+  return out

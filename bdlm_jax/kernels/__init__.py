@@ -2,7 +2,7 @@
 
 from bdlm_jax.config import ConfigError
 from bdlm_jax.kernels import xla
-from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta, allowed
+from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta, allowed, windowed
 
 
 def get_kernel(name: str):
@@ -15,4 +15,14 @@ def get_kernel(name: str):
   raise ConfigError(f"unknown model.attention_impl {name!r}; valid: 'xla', 'pallas'")
 
 
-__all__ = ["get_kernel", "RowMeta", "allowed", "NOISY", "CLEAN", "xla"]
+def with_windows(attend, block_size: int):
+  """The model's `attend(q, k, v, q_meta, k_meta, window=None)` from a kernel's `attend` over
+  one device's rows: a local layer's window W becomes its queries' window starts."""
+  def attend_layer(q, k, v, q_meta, k_meta, window=None):
+    if window is not None:
+      q_meta = windowed(q_meta, window, block_size)
+    return attend(q, k, v, q_meta, k_meta)
+  return attend_layer
+
+
+__all__ = ["get_kernel", "with_windows", "RowMeta", "allowed", "NOISY", "CLEAN", "xla"]

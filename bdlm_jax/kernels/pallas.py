@@ -121,8 +121,22 @@ def _dot(a, b, contract):
   return lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=_F32)
 
 
-def _meta_at(refs, rows) -> RowMeta:
+_N_META = len(RowMeta._fields)
+_N_KEY_META = _N_META - 1  # keys carry no window start (`mask.as_keys`)
+
+
+def _meta_at(refs, rows=Ellipsis) -> RowMeta:
   return RowMeta(*(r[rows] for r in refs))
+
+
+def _split_refs(refs, *counts):
+  """Cuts a kernel's trailing refs into groups: the query and key metadata (one ref per
+  RowMeta field each) and the outputs."""
+  groups, start = [], 0
+  for n in counts:
+    groups.append(refs[start:start + n])
+    start += n
+  return groups
 
 
 def _walk(order_ref, counts_ref, visit, carry, group: int = 1):
@@ -157,16 +171,16 @@ def _q_grid_specs(tq: int, rk_pad: int, d: int, group: int, nk: int) -> dict:
       q=pl.BlockSpec((_SQ, tq, _SQ, d), lambda i, b, h: (b, i, h, 0)),
       row=pl.BlockSpec((_SQ, tq, _SQ), lambda i, b, h: (b, i, h)),
       kv=pl.BlockSpec((_SQ, rk_pad, _SQ, d), lambda i, b, h: (b, 0, lax.div(h, group), 0)),
-      q_meta=[pl.BlockSpec((_SQ, tq), lambda i, b, h: (b, i))] * 3,
-      k_meta=[pl.BlockSpec((_SQ, rk_pad), lambda i, b, h: (b, 0))] * 3)
+      q_meta=[pl.BlockSpec((_SQ, tq), lambda i, b, h: (b, i))] * _N_META,
+      k_meta=[pl.BlockSpec((_SQ, rk_pad), lambda i, b, h: (b, 0))] * _N_KEY_META)
 
 
 # ---- forward ---------------------------------------------------------------------------------
 
-def _fwd_kernel(order_ref, counts_ref, q_ref, k_ref, v_ref, qs_ref, qb_ref, qg_ref, ks_ref,
-                kb_ref, kg_ref, out_ref, lse_ref, *, scale, tk):
+def _fwd_kernel(order_ref, counts_ref, q_ref, k_ref, v_ref, *refs, scale, tk):
+  q_refs, k_refs, (out_ref, lse_ref) = _split_refs(refs, _N_META, _N_KEY_META, 2)
   q = q_ref[...]
-  q_meta = RowMeta(qs_ref[...], qb_ref[...], qg_ref[...])
+  q_meta = _meta_at(q_refs)
   tq, d = q.shape
 
   def visit(tile, _, masked, carry):
@@ -174,7 +188,7 @@ def _fwd_kernel(order_ref, counts_ref, q_ref, k_ref, v_ref, qs_ref, qb_ref, qg_r
     rows = _rows(tile, tk)
     s = _dot(q, k_ref[rows, :], "nt") * (scale * LOG2E)
     if masked:
-      mask = allowed(q_meta, _meta_at((ks_ref, kb_ref, kg_ref), rows))
+      mask = allowed(q_meta, _meta_at(k_refs, rows))
       s = jnp.where(mask, s, NEG_INF)
     m_new = jnp.maximum(m, s.max(axis=-1))
     p = jnp.exp2(s - m_new[:, None])
@@ -212,7 +226,7 @@ def _forward(q, k, v, q_meta: RowMeta, k_meta: RowMeta, out_dtype, tiles):
       out_shape=[jax.ShapeDtypeStruct((s, rq_pad, hq, d), out_dtype),
                  jax.ShapeDtypeStruct((s, rq_pad, hq), _F32)],
       interpret=interpret, head_dim=d, tiles=tiles, name="bdlm_attention_fwd",
-  )(order, counts, q, k, v, *q_meta, *k_meta)
+  )(order, counts, q, k, v, *q_meta, *k_meta[:_N_KEY_META])
   return out[:, :rq], lse[:, :rq]
 
 
@@ -225,18 +239,19 @@ def attend_fwd(q, k, v, q_meta: RowMeta, k_meta: RowMeta, chunk: int = 512, tile
 
 # ---- backward --------------------------------------------------------------------------------
 
-def _dq_kernel(order_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref,
-               qb_ref, qg_ref, ks_ref, kb_ref, kg_ref, dq_ref, *, scale, tk):
+def _dq_kernel(order_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
+               scale, tk):
+  q_refs, k_refs, (dq_ref,) = _split_refs(refs, _N_META, _N_KEY_META, 1)
   q, do = q_ref[...], do_ref[...]
   lse2, delta = lse_ref[...] * LOG2E, delta_ref[...]
-  q_meta = RowMeta(qs_ref[...], qb_ref[...], qg_ref[...])
+  q_meta = _meta_at(q_refs)
 
   def visit(tile, _, masked, dq):
     rows = _rows(tile, tk)
     k, v = k_ref[rows, :], v_ref[rows, :]
     p = jnp.exp2(_dot(q, k, "nt") * (scale * LOG2E) - lse2[:, None])
     if masked:  # also zeroes the exp2 overflow of rows whose lse is NEG_INF (nothing allowed)
-      p = jnp.where(allowed(q_meta, _meta_at((ks_ref, kb_ref, kg_ref), rows)), p, 0.0)
+      p = jnp.where(allowed(q_meta, _meta_at(k_refs, rows)), p, 0.0)
     ds = p * (_dot(do, v, "nt") - delta[:, None])
     return dq + _dot(ds.astype(k.dtype), k, "nn")
 
@@ -244,10 +259,11 @@ def _dq_kernel(order_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
   dq_ref[...] = dq * scale
 
 
-def _dkdv_kernel(order_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref,
-                 qb_ref, qg_ref, ks_ref, kb_ref, kg_ref, dk_ref, dv_ref, *, scale, tq, group):
+def _dkdv_kernel(order_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
+                 scale, tq, group):
+  q_refs, k_refs, (dk_ref, dv_ref) = _split_refs(refs, _N_META, _N_KEY_META, 2)
   k, v = k_ref[...], v_ref[...]
-  k_meta = RowMeta(ks_ref[...], kb_ref[...], kg_ref[...])
+  k_meta = _meta_at(k_refs)
 
   def visit(tile, head, masked, carry):
     dk, dv = carry
@@ -256,7 +272,7 @@ def _dkdv_kernel(order_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, de
     lse2, delta = lse_ref[rows, head] * LOG2E, delta_ref[rows, head]
     p = jnp.exp2(_dot(q, k, "nt") * (scale * LOG2E) - lse2[:, None])
     if masked:
-      p = jnp.where(allowed(_meta_at((qs_ref, qb_ref, qg_ref), rows), k_meta), p, 0.0)
+      p = jnp.where(allowed(_meta_at(q_refs, rows), k_meta), p, 0.0)
     dv = dv + _dot(p.astype(do.dtype), do, "tn")
     ds = p * (_dot(do, v, "nt") - delta[:, None])
     return dk + _dot(ds.astype(q.dtype), q, "tn"), dv
@@ -298,7 +314,7 @@ def attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse=None, chunk: int = 
       out_specs=g["q"],
       out_shape=jax.ShapeDtypeStruct((s, rq_pad, hq, d), _F32),
       name="bdlm_attention_dq",
-  )(*by_q, q, k, v, dout, lse, delta, *q_meta, *k_meta)
+  )(*by_q, q, k, v, dout, lse, delta, *q_meta, *k_meta[:_N_KEY_META])
 
   # dk, dv: one program per (k tile, sequence, K/V head), walking query tiles x the G heads.
   kv_tile = pl.BlockSpec((_SQ, tk, _SQ, d), lambda j, b, h: (b, j, h, 0))
@@ -312,11 +328,11 @@ def attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse=None, chunk: int = 
       in_specs=[pl.BlockSpec((_SQ, _SQ, nq), lambda j, b, h: (b, j, 0)),
                 pl.BlockSpec((_SQ, _SQ, 2), lambda j, b, h: (b, j, 0)),
                 q_group, kv_tile, kv_tile, q_group, row_group, row_group,
-                *[q_meta_all] * 3, *[k_meta_tile] * 3],
+                *[q_meta_all] * _N_META, *[k_meta_tile] * _N_KEY_META],
       out_specs=[kv_tile, kv_tile],
       out_shape=[jax.ShapeDtypeStruct((s, rk_pad, hkv, d), _F32)] * 2,
       name="bdlm_attention_dkdv",
-  )(*by_k, q, k, v, dout, lse, delta, *q_meta, *k_meta)
+  )(*by_k, q, k, v, dout, lse, delta, *q_meta, *k_meta[:_N_KEY_META])
   return dq[:, :rq], dk[:, :rk], dv[:, :rk]
 
 

@@ -3,15 +3,23 @@
 Every attention `custom_vjp` (xla, pallas, the ring, the all-gather) names its output and
 LSE inside its forward rule, where they are also its residuals: a `jax.checkpoint` policy
 that saves these names then keeps them and recomputes the cheap rest (projections) without
-re-running the attention or its collectives (DESIGN.md section 9).
+re-running the attention or its collectives (DESIGN.md section 9). A local layer's windowed
+exchange names the K/V rows it received, for the same reason.
 """
 
+import jax
 from jax.ad_checkpoint import checkpoint_name
 
 OUT, LSE = "attention_out", "attention_lse"
-NAMES = (OUT, LSE)
+EXCHANGED = "attention_exchanged_kv"  # K/V rows a local layer's windowed exchange received
+NAMES = (OUT, LSE, EXCHANGED)
 
 
 def keep(out, lse):
   """(out, lse), tagged so that `models.transformer.remat_policy` saves them."""
   return checkpoint_name(out, OUT), checkpoint_name(lse, LSE)
+
+
+def keep_exchanged(rows):
+  """`rows` (a pytree), tagged so that remat keeps them rather than exchanging them again."""
+  return jax.tree.map(lambda x: checkpoint_name(x, EXCHANGED), rows)

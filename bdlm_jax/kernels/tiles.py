@@ -17,10 +17,11 @@ NumPy on a layout plan's static rows to report how much of the mask a strategy v
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta
+from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta, allowed, row_meta, windowed
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 _BIG = 2**30  # sentinel for "no such row in this tile": larger than any block or document id
@@ -38,6 +39,10 @@ class TileSummary(NamedTuple):
   clean_hi: np.ndarray
   seg_lo: np.ndarray
   seg_hi: np.ndarray
+  pos_lo: np.ndarray  # positions of the tile's rows as keys
+  pos_hi: np.ndarray
+  win_lo: np.ndarray  # window starts (RowMeta.lo) of the tile's rows as queries
+  win_hi: np.ndarray
   dense: np.ndarray  # bool: no padding row in the tile
 
 
@@ -55,21 +60,23 @@ class TileList(NamedTuple):
 def pad_meta(meta: RowMeta, multiple: int, xp) -> RowMeta:
   """Pads the rows of `meta` [S, R] to a multiple of `multiple` with padding rows (seg 0)."""
   pad = -meta.seg.shape[1] % multiple
-  return RowMeta(*(xp.pad(x, ((0, 0), (0, pad))) for x in meta))
+  return jax.tree.map(lambda x: xp.pad(x, ((0, 0), (0, pad))), meta)
 
 
 def summarize(meta: RowMeta, tile: int, xp) -> TileSummary:
   """The TileSummary of `meta` [S, R] cut into tiles of `tile` rows (R padded as needed)."""
   meta = pad_meta(meta, tile, xp)
   s, r = meta.seg.shape
-  stream, block, seg = (x.reshape(s, r // tile, tile) for x in meta)
+  win = xp.zeros_like(meta.seg) if meta.lo is None else meta.lo  # keys: no window start
+  stream, block, seg, pos, win = (x.reshape(s, r // tile, tile) for x in (*meta[:4], win))
   valid = seg > 0
   noisy = valid & (stream == NOISY)
   clean = valid & (stream == CLEAN)
   lo = lambda rows, x: xp.where(rows, x, _BIG).min(axis=-1)
   hi = lambda rows, x: xp.where(rows, x, -_BIG).max(axis=-1)
   return TileSummary(lo(noisy, block), hi(noisy, block), lo(clean, block), hi(clean, block),
-                     lo(valid, seg), hi(valid, seg), valid.all(axis=-1))
+                     lo(valid, seg), hi(valid, seg), lo(valid, pos), hi(valid, pos),
+                     lo(valid, win), hi(valid, win), valid.all(axis=-1))
 
 
 def classify(q: TileSummary, k: TileSummary, xp) -> np.ndarray:
@@ -84,13 +91,14 @@ def classify(q: TileSummary, k: TileSummary, xp) -> np.ndarray:
   noisy_noisy = (q.noisy_lo <= k.noisy_hi) & (k.noisy_lo <= q.noisy_hi)
   noisy_clean = k.clean_lo < q.noisy_hi
   clean_clean = k.clean_lo <= q.clean_hi
-  some = same_doc_possible & (noisy_noisy | noisy_clean | clean_clean)
+  in_window = k.pos_hi >= q.win_lo
+  some = same_doc_possible & in_window & (noisy_noisy | noisy_clean | clean_clean)
   # Every pair attends: one document, no padding, and each present stream pairing always allowed.
   one_doc = (q.dense & k.dense & (q.seg_lo == q.seg_hi) & (k.seg_lo == k.seg_hi)
              & (q.seg_lo == k.seg_lo))
   one_block = ((q.noisy_lo == q.noisy_hi) & (k.noisy_lo == k.noisy_hi)
                & (q.noisy_lo == k.noisy_lo))
-  every = (one_doc
+  every = (one_doc & (k.pos_lo >= q.win_hi)
            & ~(q_noisy & k_noisy & ~one_block)
            & ~(q_noisy & k_clean & ~(k.clean_hi < q.noisy_lo))
            & ~(q_clean & k_noisy)
@@ -119,15 +127,17 @@ def plan_row_meta(plan) -> RowMeta:
   valid = rows >= 0
   pos = np.where(valid, rows, 0) % plan.seq_len
   stream = np.where(rows >= plan.seq_len, CLEAN, NOISY)
-  return RowMeta(stream.astype(np.int32), (pos // plan.block_size).astype(np.int32),
-                 valid.astype(np.int32))
+  return row_meta(stream.astype(np.int32), (pos // plan.block_size).astype(np.int32),
+                  valid.astype(np.int32), pos.astype(np.int32))
 
 
-def kernel_calls(plan, transport: str):
+def kernel_calls(plan, transport: str, window: int | None = None, exchange=None):
   """(q_meta, k_meta) NumPy [1, R] pairs of every attention-kernel call a step makes.
 
   local: each rank's rows against themselves; ring: each rank's stay part, then at ring
-  step s the travelling part of rank (r - s) % P; allgather: stay part + all travel parts.
+  step s the travelling part of rank (r - s) % P; allgather: stay part + all travel parts;
+  exchange (a local layer of window W, `exchange` its parallel.window.ExchangePlan): each
+  rank's rows + the rows it receives. With a `window`, the queries carry its window starts.
   """
   meta = plan_row_meta(plan)
   p = plan.num_ranks
@@ -135,21 +145,35 @@ def kernel_calls(plan, transport: str):
   rank = lambda r, lo=0, hi=None: RowMeta(*(x[r:r + 1, lo:hi] for x in meta))
   concat = lambda parts: RowMeta(*(np.concatenate(xs, 1) for xs in zip(*parts)))
   for r in range(p):
+    q = rank(r) if window is None else windowed(rank(r), window, plan.block_size)
+    q = RowMeta(*(np.asarray(x) for x in q))
     if transport == "local":
-      yield rank(r), rank(r)
+      yield q, rank(r)
       continue
     stay = [rank(r, 0, split)] if split else []  # an empty stay part makes no kernel call
     if transport == "ring":
       for kv in stay + [rank((r - step) % p, split) for step in range(p)]:
-        yield rank(r), kv
+        yield q, kv
     elif transport == "allgather":
-      yield rank(r), concat(stay + [rank(src, split) for src in range(p)])
+      yield q, concat(stay + [rank(src, split) for src in range(p)])
+    elif transport == "exchange":
+      received = []
+      for d, send, valid in zip(exchange.distances, exchange.send, exchange.valid):
+        src = (r - d) % p
+        rows = RowMeta(*(x[:, split:][:, send[src]] for x in rank(src)))
+        received.append(rows._replace(seg=np.where(valid[src], rows.seg, 0)))
+      yield q, concat([rank(r)] + received)
     else:
-      raise ValueError(f"unknown transport {transport!r}; valid: local, ring, allgather")
+      raise ValueError(f"unknown transport {transport!r}; valid: local, ring, allgather, "
+                       f"exchange")
 
 
 def count_allowed_pairs(q_meta: RowMeta, k_meta: RowMeta) -> int:
-  """Allowed pairs of one-document NumPy metadata [1, R], counted by block histograms (O(R))."""
+  """Allowed pairs of one-document NumPy metadata [1, R], counted by block histograms (O(R));
+  queries with a window that cuts anything (lo > 0) are counted pair by pair, in row chunks."""
+  if (q_meta.lo > 0).any():
+    return sum(int(np.asarray(allowed(q_meta.slice_rows(i, i + 1024), k_meta)).sum())
+               for i in range(0, q_meta.seg.shape[1], 1024))
   n = int(max(q_meta.block.max(), k_meta.block.max())) + 2
   k_valid = k_meta.seg > 0
   count = lambda stream: np.bincount(k_meta.block[k_valid & (k_meta.stream == stream)],
@@ -162,15 +186,17 @@ def count_allowed_pairs(q_meta: RowMeta, k_meta: RowMeta) -> int:
   return int(np.where(noisy_q, noisy_in_block[qb] + earlier_clean, clean_up_to[qb]).sum())
 
 
-def visited_tiles(plan, transport: str, tile_q: int, tile_k: int) -> dict:
-  """Tiles the kernel visits for one sequence under `plan` (all ranks, all ring steps).
+def visited_tiles(plan, transport: str, tile_q: int, tile_k: int, window: int | None = None,
+                  exchange=None) -> dict:
+  """Tiles the kernel visits for one sequence under `plan` (all ranks, all ring steps), on a
+  global layer or (`window`, and `exchange` for that transport) a local one.
 
   Returns counts of visited / full / total tiles and allowed / total (query, key) pairs, and
   the two fractions a reader compares: `visited_fraction` (of all tiles) and
   `allowed_fraction` (of all pairs). Their gap is the partial tiles' masked-out area.
   """
   visited = full = total = pairs = allowed_pairs = 0
-  for q_meta, k_meta in kernel_calls(plan, transport):
+  for q_meta, k_meta in kernel_calls(plan, transport, window, exchange):
     kinds = tile_kinds(q_meta, k_meta, tile_q, tile_k, np)
     visited += int((kinds != EMPTY).sum())
     full += int((kinds == FULL).sum())

@@ -32,7 +32,7 @@ def _chunked_keys(k, v, k_meta, chunk):
     x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     return jnp.moveaxis(x.reshape(x.shape[0], n, chunk, *x.shape[2:]), 1, 0)
 
-  return split(k), split(v), RowMeta(*(split(m) for m in k_meta))
+  return split(k), split(v), jax.tree.map(split, k_meta)
 
 
 def _scores(q5, k_c, mask, scale):
@@ -57,7 +57,7 @@ def _visited_chunks(q_meta: RowMeta, km_n: RowMeta, body, init):
 
   def step(i, carry):
     j = order[i]
-    return body(carry, j, allowed(q_meta, RowMeta(*(m[j] for m in km_n))))
+    return body(carry, j, allowed(q_meta, jax.tree.map(lambda m: m[j], km_n)))
 
   return jax.lax.fori_loop(0, nonempty.sum(), step, init)
 

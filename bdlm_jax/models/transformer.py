@@ -1,19 +1,21 @@
-"""A Llama/Qwen3-family decoder in Flax NNX, with no parallelism inside.
+"""A Llama/Qwen3/Gemma 3-family decoder in Flax NNX, with no parallelism inside.
 
 The model sees packed rows in whatever order a layout chose: each row carries its token,
 its RoPE position and the metadata the attention mask needs. Attention is a function
-handed in by the caller, `attend(q, k, v, q_meta, k_meta) -> (out, lse)`, so the same
-module runs on one device or inside any sequence-parallel strategy.
+handed in by the caller, `attend(q, k, v, q_meta, k_meta, window=None) -> (out, lse)`, so
+the same module runs on one device or inside any sequence-parallel strategy; local
+(sliding-window) layers pass their window W, global ones None.
 """
 
 import functools
+import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bdlm_jax.config import ModelConfig
+from bdlm_jax.config import ModelConfig, layer_types
 from bdlm_jax.kernels import residuals
 from bdlm_jax.kernels.mask import RowMeta
 
@@ -65,47 +67,74 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, _dtype(cfg.param_dtype))
       self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, _dtype(cfg.param_dtype))
 
-  def qkv(self, x_BRD, pos_BR):
+  def qkv(self, x_BRD, pos_BR, kind: str = "global"):
     cfg = self.cfg
+    theta = cfg.rope_local_theta if kind == "local" and cfg.rope_local_theta else cfg.rope_theta
     b, r, _ = x_BRD.shape
     q = self.q_proj(x_BRD).reshape(b, r, cfg.n_heads, cfg.head_dim)
     k = self.k_proj(x_BRD).reshape(b, r, cfg.n_kv_heads, cfg.head_dim)
     v = self.v_proj(x_BRD).reshape(b, r, cfg.n_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    return rope(q, pos_BR, cfg.rope_theta), rope(k, pos_BR, cfg.rope_theta), v
+    q, k = rope(q, pos_BR, theta), rope(k, pos_BR, theta)
+    if cfg.query_pre_attn_scalar:
+      # The kernels scale logits by q's head_dim ** -0.5; Gemma wants query_pre_attn_scalar's.
+      q = q * jnp.asarray(math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar), q.dtype)
+    return q, k, v
+
+
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
 
 class MLP(nnx.Module):
-  """SwiGLU."""
+  """Gated: SwiGLU or GeGLU, by `model.mlp_activation`."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.activation = _ACTIVATIONS[cfg.mlp_activation]
     self.gate_proj = _linear(cfg.d_model, cfg.d_ff, cfg, rngs)
     self.up_proj = _linear(cfg.d_model, cfg.d_ff, cfg, rngs)
     self.down_proj = _linear(cfg.d_ff, cfg.d_model, cfg, rngs)
 
   def __call__(self, x):
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nnx.Module):
+  """One decoder layer. Local and global layers share its weights' shapes; `kind` (a static
+  argument of each call) picks the window and the RoPE base. With `model.post_norms` (Gemma)
+  the attention and MLP outputs are normed too, before their residual adds."""
+
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
     self.attn = Attention(cfg, rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
     self.mlp = MLP(cfg, rngs)
+    if cfg.post_norms:
+      self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
+      self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
 
-  def project(self, x_BRD, pos_BR):
-    return self.attn.qkv(self.attn_norm(x_BRD), pos_BR)
+  def project(self, x_BRD, pos_BR, kind: str = "global"):
+    return self.attn.qkv(self.attn_norm(x_BRD), pos_BR, kind)
+
+  def window(self, kind: str) -> int | None:
+    """The `window` argument of `attend` for a layer of this kind."""
+    return self.cfg.sliding_window if kind == "local" else None
 
   def finish(self, x_BRD, attn_BRHD):
     b, r = attn_BRHD.shape[:2]
-    x_BRD = x_BRD + self.attn.o_proj(attn_BRHD.reshape(b, r, -1))
-    return x_BRD + self.mlp(self.mlp_norm(x_BRD))
+    out_BRD = self.attn.o_proj(attn_BRHD.reshape(b, r, -1))
+    if self.cfg.post_norms:
+      out_BRD = self.post_attn_norm(out_BRD)
+    x_BRD = x_BRD + out_BRD
+    out_BRD = self.mlp(self.mlp_norm(x_BRD))
+    if self.cfg.post_norms:
+      out_BRD = self.post_mlp_norm(out_BRD)
+    return x_BRD + out_BRD
 
-  def __call__(self, x_BRD, pos_BR, meta: RowMeta, attend: AttendFn):
-    q, k, v = self.project(x_BRD, pos_BR)
-    attn_BRHD, _ = attend(q, k, v, meta, meta)
+  def __call__(self, x_BRD, pos_BR, meta: RowMeta, attend: AttendFn, kind: str = "global"):
+    q, k, v = self.project(x_BRD, pos_BR, kind)
+    attn_BRHD, _ = attend(q, k, v, meta, meta, window=self.window(kind))
     return self.finish(x_BRD, attn_BRHD)
 
 
@@ -149,20 +178,50 @@ class Transformer(nnx.Module):
       self.lm_head = _linear(cfg.d_model, cfg.vocab_size, cfg, rngs)
 
   def scan_layers(self, fn, x, *xs, remat: str = "none", layer_weights=None):
-    """(x, ys) of `fn(block, x, *xs_l) -> (x, y)` run over the layers as one `lax.scan`.
+    """(x, ys) of `fn(block, x, *xs_l, kind) -> (x, y)` run over the layers.
 
-    `xs` are per-layer inputs with a leading layer axis. `layer_weights` maps one layer's
-    weights before use (the caller's hook to cast and gather sharded weights per layer).
+    The layers run as one `lax.scan` over periods of `model.layer_pattern` (each step runs
+    one period's layers, each with its static kind), the remainder unrolled after it, so
+    compile time and program size do not grow with depth. `xs` are per-layer inputs with a
+    leading layer axis, as are the returned `ys`. `layer_weights` maps one layer's weights
+    before use (the caller's hook to cast and gather sharded weights per layer).
     """
     graphdef, stacked = nnx.split(self.layers)
+    kinds = layer_types(self.cfg)
+    period = len(self.cfg.layer_pattern.split(","))
+    n_scanned = len(kinds) // period * period
 
-    def body(x, per_layer):
-      weights, *rest = per_layer
-      if layer_weights is not None:
-        weights = layer_weights(weights)
-      return fn(nnx.merge(graphdef, weights), x, *rest)
+    def one_layer(kind, i=None):
+      # Layer i slices its weights itself (none to slice: one layer's already): a remat'd
+      # function saves its inputs, so they must be the stacked or scanned weights as given.
+      def run(x, per_layer):
+        weights, *rest = per_layer if i is None else jax.tree.map(lambda a: a[i], per_layer)
+        if layer_weights is not None:
+          weights = layer_weights(weights)
+        return fn(nnx.merge(graphdef, weights), x, *rest, kind)
+      return remat_policy(remat)(run)
 
-    return jax.lax.scan(remat_policy(remat)(body), x, (stacked, *xs))
+    def run_layers(x, per_layer, kinds_here, first=0):
+      ys = []
+      for i, kind in enumerate(kinds_here):
+        x, y = one_layer(kind, first + i)(x, per_layer)
+        ys.append(y)
+      return x, jax.tree.map(lambda *y: jnp.stack(y), *ys)
+
+    layered = (stacked, *xs)
+    ys = []
+    if n_scanned and period == 1:
+      x, y = jax.lax.scan(one_layer(kinds[0]), x, layered)
+      ys.append(y)
+    elif n_scanned:
+      periods = jax.tree.map(
+          lambda a: a[:n_scanned].reshape(n_scanned // period, period, *a.shape[1:]), layered)
+      x, y = jax.lax.scan(lambda x, p: run_layers(x, p, kinds[:period]), x, periods)
+      ys.append(jax.tree.map(lambda a: a.reshape(n_scanned, *a.shape[2:]), y))
+    if n_scanned < len(kinds):
+      x, y = run_layers(x, layered, kinds[n_scanned:], first=n_scanned)
+      ys.append(y)
+    return x, jax.tree.map(lambda *y: jnp.concatenate(y), *ys)
 
   def __call__(self, tokens_BR, pos_BR, meta: RowMeta, attend: AttendFn,
                layer_weights=None) -> jax.Array:
@@ -172,13 +231,21 @@ class Transformer(nnx.Module):
     JAX would hoist everything computed from them alone out of it, including the attention
     mask of every key chunk (and ring step) at once, O(rows^2) bytes.
     """
-    def layer(block, carry):
+    def layer(block, carry, kind):
       x_BRD, pos_BR, meta = carry
-      return (block(x_BRD, pos_BR, meta, attend), pos_BR, meta), None
+      return (block(x_BRD, pos_BR, meta, attend, kind), pos_BR, meta), None
 
-    (x_BRD, _, _), _ = self.scan_layers(layer, (self.embed(tokens_BR), pos_BR, meta),
+    (x_BRD, _, _), _ = self.scan_layers(layer, (self.embed_tokens(tokens_BR), pos_BR, meta),
                                         remat=self.cfg.remat, layer_weights=layer_weights)
     return self.final_norm(x_BRD)
+
+  def embed_tokens(self, tokens_BR) -> jax.Array:
+    """The first layer's input [B, R, D]: embeddings, times sqrt(d_model) for Gemma (as
+    Hugging Face does it: a float32 scalar cast to the embeddings' dtype)."""
+    x_BRD = self.embed(tokens_BR)
+    if self.cfg.scale_embeddings:
+      x_BRD = x_BRD * jnp.asarray(self.cfg.d_model ** 0.5, jnp.float32).astype(x_BRD.dtype)
+    return x_BRD
 
   @property
   def head(self) -> nnx.Module:
@@ -187,10 +254,12 @@ class Transformer(nnx.Module):
 
   def logits(self, h_BRD) -> jax.Array:
     """Float32 logits [B, R, vocab]."""
-    return head_logits(self.head, h_BRD)
+    return head_logits(self.head, h_BRD, self.cfg.logit_softcap)
 
 
-def head_logits(head: nnx.Module, h_BRD) -> jax.Array:
-  """Float32 logits of `Transformer.head` (usable on the head alone, split from the model)."""
+def head_logits(head: nnx.Module, h_BRD, softcap: float) -> jax.Array:
+  """Float32 logits of `Transformer.head` (usable on the head alone, split from the model),
+  soft-capped to (-softcap, softcap) when `softcap` > 0 (`model.logit_softcap`)."""
   out = head.attend(h_BRD) if isinstance(head, nnx.Embed) else head(h_BRD)
-  return out.astype(jnp.float32)
+  out = out.astype(jnp.float32)
+  return softcap * jnp.tanh(out / softcap) if softcap else out

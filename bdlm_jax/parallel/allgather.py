@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 
 from bdlm_jax.kernels import residuals
-from bdlm_jax.kernels.mask import RowMeta
 
 
 def _gather_all(axis, k_stay, v_stay, k_tr, v_tr, stay_meta, tr_meta):
@@ -22,7 +21,7 @@ def _gather_all(axis, k_stay, v_stay, k_tr, v_tr, stay_meta, tr_meta):
   gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)
   return (jnp.concatenate([k_stay, gather(k_tr)], axis=1),
           jnp.concatenate([v_stay, gather(v_tr)], axis=1),
-          stay_meta.concat(RowMeta(*(gather(m) for m in tr_meta))))
+          stay_meta.concat(jax.tree.map(gather, tr_meta)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))

@@ -31,7 +31,7 @@ def layer_config(strategy: str, seq_len: int, num_ranks: int, block_size: int, *
 
 
 def _layer(strategy, seq_len, num_ranks, block_size, *, n_heads=4, n_kv_heads=2, head_dim=32,
-           batch=1, dtype=jnp.float32, impl="xla", chunk=512):
+           batch=1, dtype=jnp.float32, impl="xla", chunk=512, window=None):
   """(grad_fn, arg_shapes, meta): the program and its abstract, sharded arguments."""
   cfg = layer_config(strategy, seq_len, num_ranks, block_size, n_heads=n_heads,
                      n_kv_heads=n_kv_heads, head_dim=head_dim, impl=impl, chunk=chunk)
@@ -43,10 +43,10 @@ def _layer(strategy, seq_len, num_ranks, block_size, *, n_heads=4, n_kv_heads=2,
   shape = lambda h: jax.ShapeDtypeStruct((batch, rows, h, head_dim), dtype, sharding=heads)
   meta_shape = jax.ShapeDtypeStruct((batch, rows), np.int32, sharding=row_sharding(mesh))
   arg_shapes = (shape(n_heads), shape(n_kv_heads), shape(n_kv_heads), shape(n_heads),
-                RowMeta(meta_shape, meta_shape, meta_shape))
+                RowMeta(*[meta_shape] * len(RowMeta._fields)))
 
   def loss(q, k, v, w, meta):
-    return (attend(q, k, v, meta, meta)[0] * w).sum()
+    return (attend(q, k, v, meta, meta, window=window)[0] * w).sum()
 
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), arg_shapes, meta
 
@@ -58,7 +58,7 @@ def attention_layer_program(strategy: str, seq_len: int, num_ranks: int, block_s
   `args = (q, k, v, w, meta)` are real arrays (q, k, v, w standard normal) in the strategy's
   layout, row-sharded over the `seq` axis of `make_mesh(cfg)`, so `grad_fn(*args)` can be
   timed. `options`: n_heads=4, n_kv_heads=2, head_dim=32, batch=1, dtype=float32,
-  impl="xla", chunk=512 (keys per step of the flash loop).
+  impl="xla", chunk=512 (keys per step of the flash loop), window=None (W: a local layer).
   """
   grad_fn, shapes, meta = _layer(strategy, seq_len, num_ranks, block_size, **options)
   keys = jax.random.split(jax.random.key(seed), 4)

@@ -34,27 +34,37 @@ import jax
 import jax.numpy as jnp
 
 from bdlm_jax.batch import abstract_batch
-from bdlm_jax.config import STRATEGIES, Config, ConfigError, override
+from bdlm_jax.config import STRATEGIES, Config, ConfigError, layer_types, override
 from bdlm_jax.kernels.mask import RowMeta
 from bdlm_jax.parallel import hlo_stats
 from bdlm_jax.parallel.layout import LayoutPlan
 from bdlm_jax.parallel.mesh import make_mesh
-from bdlm_jax.parallel.strategies import ATTENTION_SCOPE, TRANSPORTS, plan_for
+from bdlm_jax.parallel.strategies import (ATTENTION_SCOPE, TRANSPORTS, _cached_exchange,
+                                         plan_for, window_transport)
 from bdlm_jax.train import abstract_state, make_train_step
 
 GB = 1e9
-META_ROW_BYTES = len(RowMeta._fields) * 4  # int32 stream, block, segment travel with each row
+# int32 stream, block, segment and position travel with each row (`mask.as_keys`)
+META_ROW_BYTES = (len(RowMeta._fields) - 1) * 4
 COPIES = {"fast_dllm_v2": 2}  # sequences the objective runs per batch sequence (inside the loss)
 
 
 def attention_traffic(plan: LayoutPlan, kv_row_bytes: float, grad_row_bytes: float,
-                      meta_row_bytes: float, n_layers: int) -> dict[str, float]:
+                      meta_row_bytes: float, n_layers: int,
+                      window: int | None = None) -> dict[str, float]:
   """Operand bytes per device and step (hlo_stats convention), by kind, that the plan's
-  transport issues. `*_row_bytes`: K and V (their gradients, their metadata) of one
-  travelling row, summed over the sequences a device holds."""
+  transport issues on `n_layers` global layers, or local ones of window W. `*_row_bytes`:
+  K and V (their gradients, their metadata) of one travelling row, summed over the
+  sequences a device holds."""
   out = dict.fromkeys(hlo_stats.COLLECTIVE_KINDS, 0.0)
-  p, transport = plan.num_ranks, TRANSPORTS[plan.strategy]
+  p = plan.num_ranks
+  transport = TRANSPORTS[plan.strategy] if window is None else window_transport(plan, window)
   if p == 1 or transport == "local":
+    return out
+  if transport == "exchange":
+    # The received rows forward; their dK/dV back by the reverse permutes, in K/V's dtype.
+    rows = _cached_exchange(plan, window).rows_sent()
+    out["collective-permute"] = n_layers * rows * (2 * kv_row_bytes + meta_row_bytes)
     return out
   travel = plan.rows_per_rank - (plan.n_noisy if plan.travel == "clean" else 0)
   kv, grads = travel * (kv_row_bytes + meta_row_bytes), travel * grad_row_bytes
@@ -77,9 +87,12 @@ def config_attention_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype
   m, p = cfg.model, cfg.parallel
   sequences = cfg.train.batch_size // (p.data * p.fsdp) * COPIES.get(cfg.objective.name, 1)
   kv_elems = sequences * 2 * m.n_kv_heads * m.head_dim
-  return attention_traffic(plan_for(cfg), kv_elems * itemsize(m.compute_dtype),
-                           kv_elems * itemsize(p.kv_grad_dtype), sequences * META_ROW_BYTES,
-                           m.n_layers)
+  rows = (kv_elems * itemsize(m.compute_dtype), kv_elems * itemsize(p.kv_grad_dtype),
+          sequences * META_ROW_BYTES)
+  kinds = layer_types(m)
+  by_window = [(None, kinds.count("global")), (m.sliding_window, kinds.count("local"))]
+  totals = [attention_traffic(plan_for(cfg), *rows, n, window) for window, n in by_window if n]
+  return {kind: sum(t[kind] for t in totals) for kind in hlo_stats.COLLECTIVE_KINDS}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,9 @@
 Only attention needs `shard_map`; embeddings, norms, MLPs and the loss run as ordinary jit
 code on row-sharded arrays. The transport decides how the plan's travelling K/V reach the
 other ranks: a `ppermute` ring (ring.py) or one all-gather (allgather.py); both take the
-same arguments and return the travelling K/V gradients to their owners.
+same arguments and return the travelling K/V gradients to their owners. Local
+(sliding-window) layers use the windowed exchange (window.py) instead, which moves only the
+rows their windows reach, wherever that is less than the global transport moves.
 """
 
 import functools
@@ -14,11 +16,12 @@ from jax.sharding import PartitionSpec as P
 
 from bdlm_jax.config import Config, ConfigError
 from bdlm_jax.kernels import get_kernel
-from bdlm_jax.kernels.mask import RowMeta
+from bdlm_jax.kernels.mask import RowMeta, as_keys, windowed
 from bdlm_jax.parallel.allgather import allgather_attend
 from bdlm_jax.parallel.layout import LayoutPlan, make_plan
 from bdlm_jax.parallel.mesh import BATCH_AXES
 from bdlm_jax.parallel.ring import ring_attend
+from bdlm_jax.parallel.window import exchange_attend, exchange_plan, travel_split
 
 # The name scope of the attention `shard_map`: HLO collectives whose op_name holds it (forward
 # and backward) are the attention's traffic; the rest of a step's are weight traffic.
@@ -48,41 +51,77 @@ def _local_attend(plan: LayoutPlan, transport: str, kernel, chunk: int, num_rank
   attend = functools.partial(kernel.attend, chunk=chunk)
   if transport == "local":
     return attend
-  split = plan.n_noisy if plan.travel == "clean" else 0
+  split = travel_split(plan)
   if transport == "ring":
     move = functools.partial(ring_attend, kernel, "seq", num_ranks, chunk, grad_dtype)
   else:
     move = functools.partial(allgather_attend, kernel, "seq", chunk, grad_dtype)
 
   def body(q, k, v, q_meta: RowMeta, k_meta: RowMeta):
+    k_meta = as_keys(k_meta)
     return move(q, k[:, :split], v[:, :split], k[:, split:], v[:, split:], q_meta,
                 k_meta.slice_rows(0, split), k_meta.slice_rows(split, k.shape[1]))
 
   return body
 
 
+@functools.lru_cache(maxsize=64)
+def _cached_exchange(plan: LayoutPlan, window: int):
+  return exchange_plan(plan, window)
+
+
+def window_transport(plan: LayoutPlan, window: int) -> str:
+  """How a local layer of window W moves K/V under `plan`: `exchange` when the windowed
+  exchange sends fewer rows than the strategy's global transport, else that transport."""
+  transport = TRANSPORTS[plan.strategy]
+  if transport == "local":
+    return transport
+  travelling = (plan.rows_per_rank - travel_split(plan)) * (plan.num_ranks - 1)
+  return "exchange" if _cached_exchange(plan, window).rows_sent() < travelling else transport
+
+
+def _windowed_attend(plan: LayoutPlan, global_body, kernel, chunk: int, window: int):
+  """The attention body of a local layer of window W."""
+  if window_transport(plan, window) == "exchange":
+    return functools.partial(exchange_attend, kernel, "seq", _cached_exchange(plan, window),
+                             travel_split(plan), chunk, window, plan.block_size)
+
+  def body(q, k, v, q_meta: RowMeta, k_meta: RowMeta):
+    return global_body(q, k, v, windowed(q_meta, window, plan.block_size), k_meta)
+
+  return body
+
+
 def make_attend(cfg: Config, mesh=None):
-  """`attend(q, k, v, q_meta, k_meta) -> (out, lse)` over layout-ordered, row-sharded arrays."""
+  """`attend(q, k, v, q_meta, k_meta, window=None) -> (out, lse)` over layout-ordered,
+  row-sharded arrays; `window` W makes it a local layer's sliding-window attention."""
   plan = plan_for(cfg)
   kernel = get_kernel(cfg.model.attention_impl)
   transport = TRANSPORTS[cfg.parallel.strategy]
-  body = _local_attend(plan, transport, kernel, cfg.model.attention_chunk, plan.num_ranks,
-                       jnp.dtype(cfg.parallel.kv_grad_dtype))
-  if mesh is None:
-    if plan.num_ranks != 1:
-      raise ConfigError(f"strategy {cfg.parallel.strategy!r} with parallel.seq="
-                        f"{cfg.parallel.seq} needs a mesh: pass mesh=make_mesh(cfg)")
-    return body
-  rows = P(BATCH_AXES, "seq")
-  heads = P(BATCH_AXES, "seq", None, None)
-  meta = RowMeta(rows, rows, rows)
-  # pallas_call outputs carry no varying-axes type, so shard_map cannot check them.
-  sharded = jax.shard_map(body, mesh=mesh, in_specs=(heads, heads, heads, meta, meta),
-                          out_specs=(heads, P(BATCH_AXES, "seq", None)),
-                          check_vma=cfg.model.attention_impl != "pallas")
+  chunk = cfg.model.attention_chunk
+  global_body = _local_attend(plan, transport, kernel, chunk, plan.num_ranks,
+                              jnp.dtype(cfg.parallel.kv_grad_dtype))
+  if mesh is None and plan.num_ranks != 1:
+    raise ConfigError(f"strategy {cfg.parallel.strategy!r} with parallel.seq="
+                      f"{cfg.parallel.seq} needs a mesh: pass mesh=make_mesh(cfg)")
 
-  def attend(*args):
+  def wrap(body):
+    if mesh is None:
+      return body
+    rows = P(BATCH_AXES, "seq")
+    heads = P(BATCH_AXES, "seq", None, None)
+    meta = RowMeta(*[rows] * len(RowMeta._fields))
+    # pallas_call outputs carry no varying-axes type, so shard_map cannot check them.
+    return jax.shard_map(body, mesh=mesh, in_specs=(heads, heads, heads, meta, meta),
+                         out_specs=(heads, P(BATCH_AXES, "seq", None)),
+                         check_vma=cfg.model.attention_impl != "pallas")
+
+  bodies = {None: wrap(global_body)}
+
+  def attend(q, k, v, q_meta, k_meta, window=None):
+    if window not in bodies:
+      bodies[window] = wrap(_windowed_attend(plan, global_body, kernel, chunk, window))
     with jax.named_scope(ATTENTION_SCOPE):
-      return sharded(*args)
+      return bodies[window](q, k, v, q_meta, k_meta)
 
   return attend

@@ -18,7 +18,7 @@ from bdlm_jax.checkpoint.hf_export import export_hf
 from bdlm_jax.checkpoint.hf_import import import_hf, params_from_hf
 from bdlm_jax.config import Config, ConfigError, replace
 from bdlm_jax.loss import ar_logits
-from bdlm_jax.params import abstract_params
+from bdlm_jax.params import abstract_params, init_params
 from bdlm_jax.parallel.mesh import make_mesh
 from bdlm_jax.parallel.zero3 import zero3_shardings
 from bdlm_jax.train import init_state
@@ -26,10 +26,19 @@ from bdlm_jax.train import init_state
 TOL = 1e-5
 SHAPES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, rope_theta=500.0, rms_norm_eps=1e-5)
+# Gemma 3's 5:1 local:global pattern over 7 layers (a remainder after one period), a window
+# shorter than the tokens, an attention scale that is not head_dim's, and a logit soft cap.
+GEMMA3_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=7,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     query_pre_attn_scalar=24, sliding_window=5, rope_theta=1e6,
+                     rope_local_base_freq=1e4, final_logit_softcapping=10.0, rms_norm_eps=1e-6)
+CONFIGS = {"llama": ("LlamaConfig", SHAPES), "qwen3": ("Qwen3Config", SHAPES),
+           "gemma3_text": ("Gemma3TextConfig", GEMMA3_SHAPES)}
 CASES = {  # name: (model_type, tie_word_embeddings, vocab_size, save_pretrained max_shard_size)
     "llama_untied_sharded": ("llama", False, 300, "20KB"),
     "llama_tied": ("llama", True, 64, None),
     "qwen3_tied": ("qwen3", True, 128, None),
+    "gemma3_tied": ("gemma3_text", True, 300, None),
 }
 
 
@@ -37,7 +46,7 @@ CASES = {  # name: (model_type, tie_word_embeddings, vocab_size, save_pretrained
 class HFModel:
   folder: str
   torch_model: object
-  tokens: np.ndarray  # [2, 16]
+  tokens: np.ndarray  # [2, 24]
   logits: np.ndarray  # the PyTorch logits of `tokens`, float32
 
 
@@ -54,29 +63,31 @@ def jax_logits(params, cfg, tokens) -> np.ndarray:
 @pytest.fixture(scope="module", params=sorted(CASES))
 def hf_model(request, tmp_path_factory) -> HFModel:
   """A random `transformers` model saved to a folder, with weights far from their init
-  values (norm weights too), so that every mapping error shows in the logits."""
+  values (norm weights too: Gemma's w of (1 + w) as well), so that every mapping error shows
+  in the logits."""
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   model_type, tie, vocab, shard = CASES[request.param]
-  config_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[model_type]
+  config_cls, shapes = CONFIGS[model_type]
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(
-      config_cls(vocab_size=vocab, tie_word_embeddings=tie, **SHAPES),
+      getattr(transformers, config_cls)(vocab_size=vocab, tie_word_embeddings=tie, **shapes),
       attn_implementation="eager").eval()
+  norm_center = 0.0 if model_type == "gemma3_text" else 1.0
   with torch.no_grad():
     for name, p in model.named_parameters():
-      p.copy_(1 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight")
+      p.copy_(norm_center + 0.2 * torch.randn_like(p) if name.endswith("norm.weight")
               else 0.2 * torch.randn_like(p))
   folder = str(tmp_path_factory.mktemp(request.param))
   model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
-  tokens = np.random.default_rng(0).integers(0, vocab, (2, 16))
+  tokens = np.random.default_rng(0).integers(0, vocab, (2, 24))
   return HFModel(folder, model, tokens, torch_logits(model, tokens))
 
 
 def test_import_gives_the_logits_of_transformers(hf_model):
   cfg, params = import_hf(hf_model.folder)
   hf = json.load(open(os.path.join(hf_model.folder, "config.json")))
-  assert cfg.model.qk_norm == (hf["model_type"] == "qwen3")
+  assert cfg.model.qk_norm == (hf["model_type"] in ("qwen3", "gemma3_text"))
   assert cfg.model.tie_embeddings == hf["tie_word_embeddings"]
   # No tokenizer.json tells which ids are free: [MASK] gets a new row, the last.
   vocab = hf["vocab_size"]
@@ -103,6 +114,20 @@ def test_export_loads_in_transformers_and_round_trips(hf_model, tmp_path):
   assert cfg2.model == cfg.model
   assert (cfg2.objective.mask_token_id, cfg2.objective.block_size) == (5, 4)
   jax.tree.map(np.testing.assert_array_equal, params2, params)
+
+
+@pytest.mark.parametrize("hf_model", ["gemma3_tied"], indirect=True)
+def test_gemma3_import_reads_its_features(hf_model):
+  """Layer pattern (the shortest period of layer_types), window, both RoPE bases, scales,
+  and norm scales that are exactly HF's float32 1 + w."""
+  cfg, params = import_hf(hf_model.folder)
+  m = cfg.model
+  assert (m.n_layers, m.layer_pattern) == (7, "local,local,local,local,local,global")
+  assert (m.sliding_window, m.rope_theta, m.rope_local_theta) == (5, 1e6, 1e4)
+  assert (m.query_pre_attn_scalar, m.logit_softcap, m.mlp_activation) == (24, 10.0, "gelu_tanh")
+  assert m.qk_norm and m.post_norms and m.scale_embeddings and m.tie_embeddings
+  w = hf_model.torch_model.model.layers[6].post_feedforward_layernorm.weight.detach().numpy()
+  np.testing.assert_array_equal(params["layers"]["post_mlp_norm"]["scale"][6], np.float32(1) + w)
 
 
 @pytest.mark.parametrize("hf_model", ["llama_tied"], indirect=True)
@@ -145,6 +170,43 @@ def exported(tmp_path_factory):
   folder = str(tmp_path_factory.mktemp("exported"))
   export_hf(params, cfg, folder)
   return cfg, params, folder
+
+
+@pytest.fixture(scope="module")
+def exported_gemma3(tmp_path_factory):
+  """(cfg, folder): a random Gemma 3-style model written by export_hf."""
+  cfg = replace(Config(), model=dict(
+      vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+      qk_norm=True, post_norms=True, scale_embeddings=True, mlp_activation="gelu_tanh",
+      layer_pattern="local,local,global", sliding_window=4, rope_local_theta=1e4,
+      query_pre_attn_scalar=16, logit_softcap=30.0), objective=dict(mask_token_id=63))
+  folder = str(tmp_path_factory.mktemp("exported_gemma3"))
+  export_hf(init_params(cfg, jax.random.key(0)), cfg, folder)
+  return cfg, folder
+
+
+def test_gemma3_config_of_transformers_4_imports_alike(exported_gemma3, tmp_path):
+  """transformers 4.x files: sliding_window_pattern, rope_theta and rope_local_base_freq."""
+  cfg, folder = exported_gemma3
+  hf = edit_config(folder, tmp_path)
+  assert hf["sliding_window_pattern"] == 3
+  del hf["layer_types"], hf["rope_parameters"]
+  write_config(tmp_path, {**hf, "rope_scaling": None})
+  assert import_hf(str(tmp_path))[0].model == cfg.model
+
+
+@pytest.mark.parametrize("model, message", [
+    (dict(layer_pattern="local,global", sliding_window=4),
+     r"Llama and Qwen3 cannot have model.layer_pattern='local,global'"),
+    (dict(mlp_activation="gelu_tanh", logit_softcap=30.0),
+     r"cannot have model.mlp_activation='gelu_tanh', model.logit_softcap=30.0"),
+    (dict(post_norms=True), r"Gemma 3 also needs model.scale_embeddings, model.qk_norm=true"),
+])
+def test_export_refuses_a_model_no_hf_family_expresses(tmp_path, model, message):
+  cfg = replace(Config(), model=model)
+  with pytest.raises(ConfigError, match=message):  # before it reads a param
+    export_hf(abstract_params(cfg), cfg, str(tmp_path))
+  assert not os.listdir(tmp_path)
 
 
 def test_import_onto_an_fsdp_mesh_keeps_values_and_shards_params(exported):
@@ -205,6 +267,25 @@ def write_config(tmp_path, hf: dict) -> None:
 ])
 def test_unsupported_or_inconsistent_config_is_a_config_error(exported, tmp_path, change, message):
   hf = edit_config(exported[2], tmp_path)
+  write_config(tmp_path, {**hf, **change})
+  with pytest.raises(ConfigError, match=message):
+    import_hf(str(tmp_path))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(attn_logit_softcapping=50.0), r"attn_logit_softcapping=50.0 is not supported"),
+    (dict(rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0},
+                           "sliding_attention": {"rope_type": "default"}}),
+     r"RoPE scaling rope_parameters.full_attention=.* is not supported"),
+    (dict(rope_parameters=None, rope_scaling={"rope_type": "linear", "factor": 8.0}),
+     r"RoPE scaling rope_scaling=.* is not supported"),
+    (dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]),
+     r"layer_types has the unsupported type\(s\) \['chunked_attention'\]"),
+    (dict(hidden_activation="relu"), r"hidden_activation='relu' is not supported"),
+    (dict(use_bidirectional_attention=True), r"use_bidirectional_attention=True is not supported"),
+])
+def test_unsupported_gemma3_config_is_a_config_error(exported_gemma3, tmp_path, change, message):
+  hf = edit_config(exported_gemma3[1], tmp_path)
   write_config(tmp_path, {**hf, **change})
   with pytest.raises(ConfigError, match=message):
     import_hf(str(tmp_path))

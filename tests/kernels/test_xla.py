@@ -9,21 +9,25 @@ from bdlm_jax.kernels import xla
 from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta, allowed
 
 
-def random_meta(rng, s, r, n_blocks=4, n_segs=3):
-  as_i32 = lambda x: jnp.asarray(x, jnp.int32)
-  return RowMeta(as_i32(rng.integers(0, 2, (s, r))), as_i32(rng.integers(0, n_blocks, (s, r))),
-                 as_i32(rng.integers(0, n_segs, (s, r))))
+def random_meta(rng, s, r, n_blocks=4, n_segs=3, blocks=None):
+  """Random streams, blocks (or `blocks`), documents and positions; even sequences attend
+  globally (lo 0), odd ones through random windows of up to 8 positions."""
+  blocks = rng.integers(0, n_blocks, (s, r)) if blocks is None else blocks
+  pos = blocks * 4 + rng.integers(0, 4, (s, r))
+  lo = np.where(np.arange(s)[:, None] % 2, pos - rng.integers(0, 8, (s, r)), 0)
+  return RowMeta(*(jnp.asarray(x, jnp.int32) for x in
+                   (rng.integers(0, 2, (s, r)), blocks, rng.integers(0, n_segs, (s, r)), pos, lo)))
 
 
 def brute_force_allowed(q_meta, k_meta):
-  """The four rules of DESIGN.md section 2, one pair at a time."""
-  qs, qb, qg = (np.asarray(x) for x in q_meta)
-  ks, kb, kg = (np.asarray(x) for x in k_meta)
+  """The four rules of DESIGN.md section 2 and the window start, one pair at a time."""
+  qs, qb, qg, _, qlo = (np.asarray(x) for x in q_meta)
+  ks, kb, kg, kp, _ = (np.asarray(x) for x in k_meta)
   out = np.zeros((qs.shape[0], qs.shape[1], ks.shape[1]), bool)
   for s in range(qs.shape[0]):
     for i in range(qs.shape[1]):
       for j in range(ks.shape[1]):
-        if qg[s, i] == 0 or qg[s, i] != kg[s, j]:
+        if qg[s, i] == 0 or qg[s, i] != kg[s, j] or kp[s, j] < qlo[s, i]:
           continue
         if qs[s, i] == NOISY and ks[s, j] == NOISY:
           out[s, i, j] = qb[s, i] == kb[s, j]

@@ -42,7 +42,7 @@ def test_full_remat_saves_only_layer_input_and_attention_output_and_lse():
       ("f", (4, 2, rows, D)),  # the layer input (the scan carry)
       ("f", (4, 2, rows, HEADS, HEAD_DIM)),  # attention output
       ("f", (4, 2, rows, HEADS)),  # its log-sum-exp
-      *[("i", (4, 2, rows))] * 4,  # positions and row metadata, 16 bytes a row
+      *[("i", (4, 2, rows))] * 6,  # positions and the 5 row-metadata fields, 24 bytes a row
   ])
 
 

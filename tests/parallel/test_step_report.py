@@ -45,16 +45,17 @@ def test_abstract_batch_has_make_batchs_shapes_dtypes_and_row_sharding(objective
     assert spec.sharding == row_sharding(mesh)
 
 
-@pytest.mark.parametrize("strategy", ["cp_ring", "csbp_ring", "bp"])
-def test_plan_traffic_equals_the_compiled_attention_layer(strategy):
-  """One attention layer, forward + backward, compiled alone: every collective byte by kind.
-  (Alone, an all-gather layer's backward re-gather is merged with its forward gather by XLA;
-  in the layer scan it is not: see the next test.)"""
+@pytest.mark.parametrize("strategy,window", [("cp_ring", None), ("csbp_ring", None),
+                                             ("bp", None), ("csbp_ring", 5), ("cp_ring", 5)])
+def test_plan_traffic_equals_the_compiled_attention_layer(strategy, window):
+  """One attention layer (global, or local with window W), forward + backward, compiled
+  alone: every collective byte by kind. (Alone, an all-gather layer's backward re-gather is
+  merged with its forward gather by XLA; in the layer scan it is not: see the next test.)"""
   dims = dict(n_heads=4, n_kv_heads=2, head_dim=16)
-  compiled = attention_layer_costs(strategy, L, 4, B, **dims)["collective_bytes"]
+  compiled = attention_layer_costs(strategy, L, 4, B, window=window, **dims)["collective_bytes"]
   kv_row = 2 * dims["n_kv_heads"] * dims["head_dim"] * 4  # K and V, float32
   plan = plan_for(config(strategy, seq=4))
-  assert sr.attention_traffic(plan, kv_row, kv_row, sr.META_ROW_BYTES, 1) == compiled
+  assert sr.attention_traffic(plan, kv_row, kv_row, sr.META_ROW_BYTES, 1, window) == compiled
 
 
 def test_allgather_plan_traffic_matches_the_compiled_step():
