@@ -346,6 +346,8 @@ _STEP = (">= -1 (-1: the latest)", lambda x: x >= -1)
 # test). Every float must also be finite.
 _RANGES = {
     "model.rope_theta": _ABOVE_0,
+    "model.rope_local_theta": (">= 0 (0: model.rope_theta)", lambda x: x >= 0),
+    "model.sliding_window": (">= 0 (0: no local layers)", lambda x: x >= 0),
     "model.norm_eps": ("in (0, 1)", lambda x: 0 < x < 1),
     "model.query_pre_attn_scalar": (">= 0 (0: head_dim)", lambda x: x >= 0),
     "model.logit_softcap": (">= 0 (0: no soft cap)", lambda x: x >= 0),
@@ -466,14 +468,19 @@ def validate(cfg: Config) -> None:
   plan_for(cfg)
 
 
+def layer_period(m: ModelConfig) -> tuple[str, ...]:
+  """The attention types of one period of `m.layer_pattern`."""
+  return tuple(t.strip() for t in m.layer_pattern.split(","))
+
+
 def layer_types(m: ModelConfig) -> tuple[str, ...]:
   """The attention type of every layer: `m.layer_pattern` repeated over `m.n_layers`."""
-  period = [t.strip() for t in m.layer_pattern.split(",")]
+  period = layer_period(m)
   return tuple(period[i % len(period)] for i in range(m.n_layers))
 
 
 def _check_layer_pattern(m: ModelConfig) -> None:
-  period = [t.strip() for t in m.layer_pattern.split(",")]
+  period = layer_period(m)
   for t in period:
     if t not in LAYER_TYPES:
       raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has the layer type {t!r}; "
@@ -481,11 +488,6 @@ def _check_layer_pattern(m: ModelConfig) -> None:
   if "local" in period and m.sliding_window < 1:
     raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has local layers, whose "
                       f"model.sliding_window must be >= 1 position; got {m.sliding_window}")
-  if m.sliding_window < 0:
-    raise ConfigError(f"model.sliding_window must be >= 0, got {m.sliding_window}")
-  if m.rope_local_theta < 0:
-    raise ConfigError(f"model.rope_local_theta must be > 0 (or 0: model.rope_theta), got "
-                      f"{m.rope_local_theta}")
 
 
 def replace(cfg: Config, **sections: dict) -> Config:
@@ -505,6 +507,6 @@ def replace(cfg: Config, **sections: dict) -> Config:
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "DataConfig", "ObjectiveConfig",
            "ParallelConfig", "TrainConfig", "SampleConfig", "EvalConfig", "ExportConfig",
-           "PlanConfig", "load_config", "layer_types",
+           "PlanConfig", "load_config", "layer_period", "layer_types",
            "override", "validate", "all_keys",
            "replace"]

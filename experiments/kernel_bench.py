@@ -197,19 +197,24 @@ def quick_check(dtypes=("float32", "bfloat16")):
   return worst
 
 
-def tile_report(lens=(8192, 65536), blocks=(16, 256), num_ranks=8):
-  """Visited-tile vs allowed-pair fractions of every strategy's kernel calls (NumPy only)."""
-  from bdlm_jax.parallel.strategies import TRANSPORTS
+def tile_report(lens=(8192, 65536), blocks=(16, 256), num_ranks=8, window=1024):
+  """Visited-tile vs allowed-pair fractions of every strategy's kernel calls (NumPy only), on
+  a global layer and on a local layer of `window` positions."""
+  from bdlm_jax.parallel.strategies import TRANSPORTS, exchange_for, window_transport
   tq, tk = pallas.GPU_TILES.fwd_q, pallas.GPU_TILES.fwd_k
   print(f"tile map ({tq}x{tk} forward tiles): visited fraction of tiles vs allowed fraction of "
-        f"pairs, per strategy (P={num_ranks})")
+        f"pairs, per strategy (P={num_ranks}), global and local (W={window}) layers")
   for seq_len in lens:
     for block in blocks:
       for strategy, transport in TRANSPORTS.items():
         plan = make_plan(strategy, seq_len, block, 1 if strategy == "none" else num_ranks)
-        r = tiles.visited_tiles(plan, transport, tq, tk)
-        print(f"  L={seq_len} B={block} {strategy:15s} visited {r['visited_fraction']:.4f} "
-              f"allowed {r['allowed_fraction']:.4f} full {r['full'] / r['total']:.4f}", flush=True)
+        local = window_transport(plan, window)
+        exchange = exchange_for(plan, window) if local == "exchange" else None
+        for layer, r in (("global", tiles.visited_tiles(plan, transport, tq, tk)),
+                         ("local", tiles.visited_tiles(plan, local, tq, tk, window, exchange))):
+          print(f"  L={seq_len} B={block} {strategy:15s} {layer:6s} visited "
+                f"{r['visited_fraction']:.4f} allowed {r['allowed_fraction']:.4f} "
+                f"full {r['full'] / r['total']:.4f}", flush=True)
 
 
 def main():

@@ -64,6 +64,17 @@ def test_an_unknown_strategy_lists_the_strategies():
     override(Config(), ["parallel.strategy=zigzag"])
 
 
+@pytest.mark.parametrize("pattern, expected", [
+    ("local,global", "has local layers, whose model.sliding_window must be >= 1 position; got 0"),
+    ("local,sliding", "has the layer type 'sliding'; valid types: ['global', 'local'], "
+                      "comma-separated"),
+])
+def test_a_bad_layer_pattern_is_named(pattern, expected):
+  with pytest.raises(ConfigError) as e:
+    override(Config(), [f"model.layer_pattern={pattern}"])
+  assert expected in str(e.value)
+
+
 def test_an_unknown_mlp_activation_lists_the_activations():
   with pytest.raises(ConfigError,
                      match=r"model.mlp_activation='gelu' is not one of \['silu', 'gelu_tanh'\]"):
@@ -150,6 +161,8 @@ def test_a_config_round_trips_through_a_dict():
     ("model.norm_eps=0", "model.norm_eps must be in (0, 1)"),
     ("model.logit_softcap=-30", "model.logit_softcap must be >= 0 (0: no soft cap)"),
     ("model.query_pre_attn_scalar=-1", "model.query_pre_attn_scalar must be >= 0 (0: head_dim)"),
+    ("model.sliding_window=-1", "model.sliding_window must be >= 0"),
+    ("model.rope_local_theta=-1", "model.rope_local_theta must be >= 0 (0: model.rope_theta)"),
     ("data.num_threads=-1", "data.num_threads must be >= 0"),
     ("sample.temperature=-0.5", "sample.temperature must be >= 0"),
     ("sample.max_new_tokens=0", "sample.max_new_tokens must be >= 1"),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from bdlm_jax.config import ConfigError, ModelConfig, layer_types
+from bdlm_jax.config import ConfigError, ModelConfig, layer_period, layer_types
 
 GEMMA3 = "gemma3_text"
 MODEL_TYPES = ("llama", "qwen3", GEMMA3)
@@ -260,7 +260,7 @@ def _gemma3_config(m: ModelConfig, max_positions: int) -> dict:
   `rope_parameters` per layer type) and 4.x (`sliding_window_pattern`, `rope_theta`,
   `rope_local_base_freq`)."""
   kinds = layer_types(m)
-  period = len(m.layer_pattern.split(","))
+  period = len(layer_period(m))
   local_theta = m.rope_local_theta or m.rope_theta
   out = {
       "hidden_activation": {ours: hf for hf, ours in _ACTIVATIONS.items()}[m.mlp_activation],

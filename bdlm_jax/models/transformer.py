@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bdlm_jax.config import ModelConfig, layer_types
+from bdlm_jax.config import ModelConfig, layer_period, layer_types
 from bdlm_jax.kernels import residuals
 from bdlm_jax.kernels.mask import RowMeta
 
@@ -188,7 +188,7 @@ class Transformer(nnx.Module):
     """
     graphdef, stacked = nnx.split(self.layers)
     kinds = layer_types(self.cfg)
-    period = len(self.cfg.layer_pattern.split(","))
+    period = len(layer_period(self.cfg))
     n_scanned = len(kinds) // period * period
 
     def one_layer(kind, i=None):

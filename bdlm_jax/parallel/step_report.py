@@ -39,7 +39,7 @@ from bdlm_jax.kernels.mask import RowMeta
 from bdlm_jax.parallel import hlo_stats
 from bdlm_jax.parallel.layout import LayoutPlan
 from bdlm_jax.parallel.mesh import make_mesh
-from bdlm_jax.parallel.strategies import (ATTENTION_SCOPE, TRANSPORTS, _cached_exchange,
+from bdlm_jax.parallel.strategies import (ATTENTION_SCOPE, TRANSPORTS, exchange_for,
                                          plan_for, window_transport)
 from bdlm_jax.train import abstract_state, make_train_step
 
@@ -63,7 +63,7 @@ def attention_traffic(plan: LayoutPlan, kv_row_bytes: float, grad_row_bytes: flo
     return out
   if transport == "exchange":
     # The received rows forward; their dK/dV back by the reverse permutes, in K/V's dtype.
-    rows = _cached_exchange(plan, window).rows_sent()
+    rows = exchange_for(plan, window).rows_sent()
     out["collective-permute"] = n_layers * rows * (2 * kv_row_bytes + meta_row_bytes)
     return out
   travel = plan.rows_per_rank - (plan.n_noisy if plan.travel == "clean" else 0)

@@ -66,7 +66,8 @@ def _local_attend(plan: LayoutPlan, transport: str, kernel, chunk: int, num_rank
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_exchange(plan: LayoutPlan, window: int):
+def exchange_for(plan: LayoutPlan, window: int):
+  """The windowed exchange of `plan`'s local layers of window W (cached: plans are static)."""
   return exchange_plan(plan, window)
 
 
@@ -77,13 +78,13 @@ def window_transport(plan: LayoutPlan, window: int) -> str:
   if transport == "local":
     return transport
   travelling = (plan.rows_per_rank - travel_split(plan)) * (plan.num_ranks - 1)
-  return "exchange" if _cached_exchange(plan, window).rows_sent() < travelling else transport
+  return "exchange" if exchange_for(plan, window).rows_sent() < travelling else transport
 
 
 def _windowed_attend(plan: LayoutPlan, global_body, kernel, chunk: int, window: int):
   """The attention body of a local layer of window W."""
   if window_transport(plan, window) == "exchange":
-    return functools.partial(exchange_attend, kernel, "seq", _cached_exchange(plan, window),
+    return functools.partial(exchange_attend, kernel, "seq", exchange_for(plan, window),
                              travel_split(plan), chunk, window, plan.block_size)
 
   def body(q, k, v, q_meta: RowMeta, k_meta: RowMeta):

@@ -185,11 +185,11 @@ def test_visited_tiles_of_bdlm_plans_track_allowed_pairs(strategy):
 def test_a_local_layer_visits_only_the_tiles_its_window_reaches(strategy):
   """W = 64 of L = 1024, 16 x 16 tiles: the visited tiles hold the allowed pairs with at most
   25% to spare (1.06-1.13x measured), a sixth of what a global layer visits."""
-  from bdlm_jax.parallel.strategies import _cached_exchange, window_transport
+  from bdlm_jax.parallel.strategies import exchange_for, window_transport
   seq_len, block, tile, window = 1024, 16, 16, 64
   plan = make_plan(strategy, seq_len, block, 1 if strategy == "none" else 4)
   transport = window_transport(plan, window)
-  exchange = _cached_exchange(plan, window) if transport == "exchange" else None
+  exchange = exchange_for(plan, window) if transport == "exchange" else None
   local = tiles.visited_tiles(plan, transport, tile, tile, window, exchange)
   glob = tiles.visited_tiles(plan, TRANSPORTS[strategy], tile, tile)
   assert local["full"] * tile**2 <= local["allowed_pairs"] <= local["visited"] * tile**2

@@ -14,10 +14,10 @@ from bdlm_jax.config import Config, replace
 L, D, HEADS, KV_HEADS, HEAD_DIM = 256, 64, 4, 2, 16
 
 
-def _cfg(remat="full", n_layers=4, strategy="none", **parallel):
+def _cfg(remat="full", n_layers=4, strategy="none", layers=None, **parallel):
   return replace(Config(), model=dict(d_model=D, n_layers=n_layers, n_heads=HEADS,
                                       n_kv_heads=KV_HEADS, head_dim=HEAD_DIM, d_ff=256,
-                                      attention_chunk=64, remat=remat),
+                                      attention_chunk=64, remat=remat, **(layers or {})),
                  data=dict(seq_len=L), objective=dict(block_size=16),
                  parallel=dict(strategy=strategy, **parallel), train=dict(batch_size=2))
 
@@ -46,12 +46,15 @@ def test_full_remat_saves_only_layer_input_and_attention_output_and_lse():
   ])
 
 
-def test_full_remat_never_recomputes_the_ring():
+@pytest.mark.parametrize("layers", [None, dict(layer_pattern="local,global", sliding_window=8)],
+                         ids=["global", "local_and_global"])
+def test_full_remat_never_recomputes_the_ring(layers):
   """A recomputed ring forward would add a loop of K/V `collective-permute`s to the program;
-  remat=full has exactly the permutes of remat=none (the forward ring and the backward's)."""
+  remat=full has exactly the permutes of remat=none (the forward ring and the backward's,
+  and on local layers the windowed exchange and its reverse)."""
   permutes = {}
   for remat in ("none", "full"):
-    cfg = _cfg(remat, strategy="csbp_ring", seq=8)
+    cfg = _cfg(remat, strategy="csbp_ring", layers=layers, seq=8)
     mesh = make_mesh(cfg)
     params = init_params(cfg, jax.random.key(0), mesh)
     text = jax.jit(jax.grad(_loss(cfg, mesh))).lower(params).compile().as_text()
@@ -71,12 +74,15 @@ def test_full_remat_lowers_compiled_temp_memory():
 
 
 def test_layers_compile_to_one_loop_whatever_the_depth():
-  """Program size does not grow with depth: the layers are one lax.scan."""
-  def hlo_lines(n_layers):
-    cfg = _cfg(n_layers=n_layers)
+  """Program size does not grow with depth: the layers are one lax.scan, over one period of
+  a local/global pattern (its remainder unrolled: the same at 17 layers as at 5)."""
+  def hlo_lines(n_layers, **layers):
+    cfg = _cfg(n_layers=n_layers, layers=layers)
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     return len(jax.jit(jax.grad(_loss(cfg))).lower(params).as_text().splitlines())
   assert hlo_lines(16) == hlo_lines(2)
+  pattern = dict(layer_pattern="local,local,global", sliding_window=8)
+  assert hlo_lines(17, **pattern) == hlo_lines(5, **pattern)
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])

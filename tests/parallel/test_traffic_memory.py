@@ -16,7 +16,7 @@ B = 16
 L, P = 1024, 8  # 64 blocks: dual-end pairs, 4 pairs per rank
 DIMS = dict(n_heads=2, n_kv_heads=1, head_dim=16)
 F32, INT32 = 4, 4
-META_FIELDS = 3  # stream, block, seg (int32) travel with every K/V row
+META_FIELDS = 4  # stream, block, seg, pos (int32) travel with every K/V row
 
 
 @functools.cache
