@@ -25,32 +25,38 @@ if __name__ == "__main__":
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from bdlm_jax.parallel.probe import attention_layer_costs, layer_config  # noqa: E402
-from bdlm_jax.parallel.strategies import TRANSPORTS, plan_for, window_transport  # noqa: E402
+from bdlm_jax.parallel.strategies import (TRANSPORTS, exchange_for, plan_for,  # noqa: E402
+                                         window_transport)
 from experiments.cost_model import RESULTS_DIR, write_results_readme  # noqa: E402
 
 STRATEGIES = ("cp_allgather", "cp_ring", "bp", "csbp_allgather", "csbp_ring")
-FIELDS = ["strategy", "P", "L", "B", "W", "layer", "transport", "attn_bytes", "temp_bytes"]
+FIELDS = ["strategy", "P", "L", "B", "W", "layer", "transport", "attn_bytes", "rows_sent",
+          "rows_needed", "temp_bytes"]
 MiB = 2**20
 GRIDS = {  # (P, blocks per rank, W, heads (q, kv, dim), lengths)
     "full": (8, 4, 1024, (32, 8, 128), (16384, 32768, 65536)),
     "tiny": (4, 4, 8, (4, 2, 16), (256, 512)),
+    "smoke": (4, 4, 8, (4, 2, 16), (256,)),  # tests
 }
 
 
-def measure(grid: str, progress=print) -> list[dict]:
+def measure(grid: str, strategies=STRATEGIES, progress=print) -> list[dict]:
   p, blocks_per_rank, window, (hq, hkv, d), lens = GRIDS[grid]
   rows = []
   for seq_len in lens:
     block = seq_len // (p * blocks_per_rank)
-    for strategy in STRATEGIES:
+    for strategy in strategies:
       plan = plan_for(layer_config(strategy, seq_len, p, block, n_heads=hq, n_kv_heads=hkv,
                                    head_dim=d))
       for layer, w in (("global", None), ("local", window)):
         costs = attention_layer_costs(strategy, seq_len, p, block, n_heads=hq, n_kv_heads=hkv,
                                       head_dim=d, window=w)
+        transport = window_transport(plan, w) if w else TRANSPORTS[strategy]
+        exchange = exchange_for(plan, w) if transport == "exchange" else None
         rows.append(dict(strategy=strategy, P=p, L=seq_len, B=block, W=window, layer=layer,
-                         transport=window_transport(plan, w) if w else TRANSPORTS[strategy],
-                         attn_bytes=costs["total_collective_bytes"],
+                         transport=transport, attn_bytes=costs["total_collective_bytes"],
+                         rows_sent=exchange.rows_sent() if exchange else "",
+                         rows_needed=exchange.rows_needed() if exchange else "",
                          temp_bytes=costs["temp_bytes"]))
         progress(" ".join(f"{k}={v}" for k, v in rows[-1].items()))
   return rows
@@ -58,6 +64,7 @@ def measure(grid: str, progress=print) -> list[dict]:
 
 def markdown(rows) -> str:
   lens = sorted({r["L"] for r in rows})
+  strategies = [s for s in STRATEGIES if any(r["strategy"] == s for r in rows)]
   first = rows[0]
   out = ["## Local vs global layers: attention traffic per layer", "",
          f"`python experiments/window_traffic.py`: one attention layer, forward + backward, "
@@ -66,15 +73,21 @@ def markdown(rows) -> str:
          f"it moves less than the global transport.", "",
          "| strategy | layer | " + " | ".join(f"L = {n}" for n in lens) + " |",
          "|---|---|" + "---|" * len(lens)]
-  for strategy in STRATEGIES:
+  for strategy in strategies:
     for layer in ("global", "local"):
       cells = [next(r for r in rows if r["strategy"] == strategy and r["layer"] == layer
                     and r["L"] == n) for n in lens]
       out.append(f"| {strategy} | {layer} ({cells[-1]['transport']}) | "
                  + " | ".join(f"{c['attn_bytes'] / MiB:.2f}" for c in cells) + " |")
-  csbp = [r["attn_bytes"] for r in rows if r["strategy"] == "csbp_ring" and r["layer"] == "local"]
-  out += ["", f"csbp's local layer moves {'the same bytes' if len(set(csbp)) == 1 else 'different bytes'}"
-          f" at every L ({csbp[0] / MiB:.2f} MiB); its global ring grows with L.", ""]
+  local = {s: [r for r in rows if r["strategy"] == s and r["layer"] == "local"]
+           for s in ("cp_ring", "csbp_ring")}
+  csbp = [r["attn_bytes"] for r in local["csbp_ring"]]
+  same = "the same bytes" if len(set(csbp)) == 1 else "different bytes"
+  out += ["", f"csbp's local layer moves {same} at every L ({csbp[0] / MiB:.2f} MiB); its "
+          f"global ring grows with L. Rows a rank sends on a local layer (one `ppermute` per "
+          f"ring distance, each padded to its largest sender) vs the most a rank's windows "
+          f"need: " + "; ".join(f"{s} {r['rows_sent']} vs {r['rows_needed']} (L = {r['L']})"
+                               for s in local for r in local[s][-1:]) + ".", ""]
   return "\n".join(out)
 
 
@@ -83,7 +96,7 @@ def plot(rows, path):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(6, 4))
-  for i, strategy in enumerate(s for s in STRATEGIES if s != "bp"):
+  for i, strategy in enumerate(sorted({r["strategy"] for r in rows} - {"bp"})):
     for layer, style in (("global", "-"), ("local", "--")):
       pts = [(r["L"], r["attn_bytes"] / MiB) for r in rows
              if r["strategy"] == strategy and r["layer"] == layer]
@@ -101,17 +114,21 @@ def main(argv=None):
   ap.add_argument("--tiny", action="store_true", help="P = 4, small L (seconds)")
   ap.add_argument("--out", default=RESULTS_DIR)
   args = ap.parse_args(argv)
-  rows = measure("tiny" if args.tiny else "full")
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "window_traffic.csv"), "w", newline="") as f:
+  write(measure("tiny" if args.tiny else "full"), args.out)
+
+
+def write(rows, out_dir):
+  """window_traffic.{csv,md,png} under `out_dir`, and its README_results.md refreshed."""
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "window_traffic.csv"), "w", newline="") as f:
     writer = csv.DictWriter(f, FIELDS)
     writer.writeheader()
     writer.writerows(rows)
   text = markdown(rows)
-  with open(os.path.join(args.out, "window_traffic.md"), "w") as f:
+  with open(os.path.join(out_dir, "window_traffic.md"), "w") as f:
     f.write(text)
-  plot(rows, os.path.join(args.out, "window_traffic.png"))
-  write_results_readme(args.out)
+  plot(rows, os.path.join(out_dir, "window_traffic.png"))
+  write_results_readme(out_dir)
   print(text)
 
 

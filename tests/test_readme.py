@@ -32,6 +32,8 @@ ELSEWHERE = {
                                             "test_parallel_bench.py runs its tiny grid",
     "python experiments/cost_model.py": "needs the bench's results; tests/experiments/"
                                         "test_cost_model.py runs the model",
+    "python experiments/window_traffic.py": "a minute and a half of compiling; tests/experiments/"
+                                            "test_window_traffic.py runs its smoke grid",
     "python experiments/block_size_sweep.py": "trains 12 models (~25 minutes); it runs the "
                                               "loop and eval that tests/test_evaluate.py tests",
 }

@@ -38,6 +38,13 @@ class ExchangePlan:
     """Rows each rank sends per layer forward (padding included): sum of the M_d."""
     return sum(s.shape[1] for s in self.send)
 
+  def rows_needed(self) -> int:
+    """The most rows one rank receives that some window of it reaches (no padding): what
+    a perfectly ragged transfer would move."""
+    return int(max(sum(v[(r - d) % self.num_ranks].sum()
+                       for d, v in zip(self.distances, self.valid))
+                   for r in range(self.num_ranks))) if self.distances else 0
+
 
 def travel_split(plan: LayoutPlan) -> int:
   """Local rows before the travelling part: the noisy slot under csbp, none under cp."""
