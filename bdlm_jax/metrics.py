@@ -7,7 +7,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from bdlm_jax.config import Config
+from bdlm_jax.config import Config, layer_types
 from bdlm_jax.parallel.layout import make_plan
 
 # Dense bf16 peak per device, for the MFU estimate when train.peak_tflops is not set.
@@ -29,8 +29,11 @@ def model_flops_per_step(cfg: Config) -> float:
   # Pairs of the logical stream, as one device computes them: redundant work that a
   # strategy adds (bp's replicated clean prefix) is not useful work.
   block_size = cfg.objective.block_size if diffusion else 1
-  pairs = make_plan("none", cfg.data.seq_len, block_size, 1, diffusion).attention_work().sum()
-  attention = m.n_layers * 4 * float(pairs) * m.n_heads * m.head_dim
+  plan = make_plan("none", cfg.data.seq_len, block_size, 1, diffusion)
+  kinds = layer_types(m)
+  pairs = (kinds.count("global") * plan.attention_work().sum()
+           + kinds.count("local") * plan.attention_work(m.sliding_window).sum())
+  attention = 4 * float(pairs) * m.n_heads * m.head_dim
   copies = 2 if cfg.objective.name == "fast_dllm_v2" else 1  # complementary masks
   return 3.0 * cfg.train.batch_size * copies * (linear + attention)
 

@@ -1,6 +1,6 @@
 """Per-layer attention traffic of global and local (sliding-window) layers, every strategy.
 
-  python experiments/window_traffic.py          # P = 8, B = 64, W = 1024, L 16K..64K
+  python experiments/window_traffic.py          # P = 8, B = L/32, W = 1024, L 16K..64K
   python experiments/window_traffic.py --tiny   # P = 4, small L: seconds
 
 One attention layer, forward + backward, compiled on simulated CPU devices from abstract

@@ -258,7 +258,8 @@ def hf_config(m: ModelConfig, dtype: str, max_positions: int, extra: dict) -> di
 def _gemma3_config(m: ModelConfig, max_positions: int) -> dict:
   """Gemma 3's own config.json keys, readable by transformers 5 (`layer_types`,
   `rope_parameters` per layer type) and 4.x (`sliding_window_pattern`, `rope_theta`,
-  `rope_local_base_freq`)."""
+  `rope_local_base_freq`; a 4.x release that predates `layer_types` reads only a pattern of
+  local layers closed by one global layer correctly)."""
   kinds = layer_types(m)
   period = len(layer_period(m))
   local_theta = m.rope_local_theta or m.rope_theta

@@ -8,6 +8,7 @@ the same module runs on one device or inside any sequence-parallel strategy; loc
 """
 
 import functools
+import itertools
 import math
 from typing import Callable
 
@@ -145,8 +146,9 @@ def is_stacked(path) -> bool:
 
 
 def remat_policy(remat: str):
-  """What a layer keeps for its backward: `full` saves only the layer input (the scan carry)
-  and the attention core's output and LSE, and recomputes projections, norms and the MLP.
+  """What a layer keeps for its backward: `full` saves only the layer input (the scan carry),
+  the attention core's output and LSE and, on a local layer, the K/V rows its windowed
+  exchange received; it recomputes projections, norms and the MLP.
 
   The attention core is never recomputed: a ring inside it would re-run its collectives
   (DESIGN.md section 3). Its output and LSE are named inside every attention `custom_vjp`
@@ -171,7 +173,8 @@ class Transformer(nnx.Module):
       return Block(cfg, rngs)
 
     # One Block whose every parameter has a leading layer axis (`kernel_LDF`): the layers run
-    # as one lax.scan, so compile time and program size do not grow with depth.
+    # as one lax.scan over periods of the layer pattern (`scan_layers`), so compile time and
+    # program size do not grow with depth.
     self.layers = stacked_blocks(rngs)
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
     if not cfg.tie_embeddings:
@@ -181,8 +184,8 @@ class Transformer(nnx.Module):
     """(x, ys) of `fn(block, x, *xs_l, kind) -> (x, y)` run over the layers.
 
     The layers run as one `lax.scan` over periods of `model.layer_pattern` (each step runs
-    one period's layers, each with its static kind), the remainder unrolled after it, so
-    compile time and program size do not grow with depth. `xs` are per-layer inputs with a
+    one period's layers, each with its static kind), then the remainder's runs of one kind,
+    so compile time and program size do not grow with depth. `xs` are per-layer inputs with a
     leading layer axis, as are the returned `ys`. `layer_weights` maps one layer's weights
     before use (the caller's hook to cast and gather sharded weights per layer).
     """
@@ -191,35 +194,35 @@ class Transformer(nnx.Module):
     period = len(layer_period(self.cfg))
     n_scanned = len(kinds) // period * period
 
-    def one_layer(kind, i=None):
-      # Layer i slices its weights itself (none to slice: one layer's already): a remat'd
-      # function saves its inputs, so they must be the stacked or scanned weights as given.
-      def run(x, per_layer):
-        weights, *rest = per_layer if i is None else jax.tree.map(lambda a: a[i], per_layer)
+    def one_layer(kind):
+      # Layer `index` reads its weights from the stacked arrays themselves, inside the remat'd
+      # function: what it saves is then the arrays as given, never a copy of a slice.
+      def run(x, index, layered):
+        weights, *rest = jax.tree.map(
+            lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), layered)
         if layer_weights is not None:
           weights = layer_weights(weights)
         return fn(nnx.merge(graphdef, weights), x, *rest, kind)
       return remat_policy(remat)(run)
 
-    def run_layers(x, per_layer, kinds_here, first=0):
-      ys = []
-      for i, kind in enumerate(kinds_here):
-        x, y = one_layer(kind, first + i)(x, per_layer)
-        ys.append(y)
-      return x, jax.tree.map(lambda *y: jnp.stack(y), *ys)
-
     layered = (stacked, *xs)
+
+    def run_period(x, start):
+      outs = []
+      for i, kind in enumerate(kinds[:period]):
+        x, y = one_layer(kind)(x, start + i, layered)
+        outs.append(y)
+      return x, jax.tree.map(lambda *y: jnp.stack(y), *outs)
+
     ys = []
-    if n_scanned and period == 1:
-      x, y = jax.lax.scan(one_layer(kinds[0]), x, layered)
-      ys.append(y)
-    elif n_scanned:
-      periods = jax.tree.map(
-          lambda a: a[:n_scanned].reshape(n_scanned // period, period, *a.shape[1:]), layered)
-      x, y = jax.lax.scan(lambda x, p: run_layers(x, p, kinds[:period]), x, periods)
+    if n_scanned:
+      x, y = jax.lax.scan(run_period, x, jnp.arange(0, n_scanned, period))
       ys.append(jax.tree.map(lambda a: a.reshape(n_scanned, *a.shape[2:]), y))
-    if n_scanned < len(kinds):
-      x, y = run_layers(x, layered, kinds[n_scanned:], first=n_scanned)
+    # The remainder, in scans over runs of one kind: in a loop the weights' gradient
+    # accumulates in one buffer, where two unrolled layers would add a full-size one.
+    for kind, run in itertools.groupby(range(n_scanned, len(kinds)), key=kinds.__getitem__):
+      x, y = jax.lax.scan(functools.partial(one_layer(kind), layered=layered), x,
+                          jnp.asarray(list(run)))
       ys.append(y)
     return x, jax.tree.map(lambda *y: jnp.concatenate(y), *ys)
 

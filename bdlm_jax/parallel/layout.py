@@ -39,16 +39,24 @@ class LayoutPlan:
   def rows_per_rank(self) -> int:
     return self.rows.shape[1]
 
-  def attention_work(self) -> np.ndarray:
-    """Allowed (query, key) pairs each rank computes, int64 [P] (one document, no padding).
+  def attention_work(self, window: int | None = None) -> np.ndarray:
+    """Allowed (query, key) pairs each rank computes, int64 [P] (one document, no padding),
+    on a global layer or a local one of window W.
 
     A noisy query in block b sees its own block and b earlier clean blocks: B*(b+1) keys;
-    a clean query in block b sees blocks 0..b: B*(b+1) keys too.
+    a clean query in block b sees blocks 0..b: B*(b+1) keys too. A window keeps a noisy
+    query's W-1 clean keys before bB, and a clean query's keys from p - (W-1) on.
     """
     L, B = self.seq_len, self.block_size
     valid = self.rows != PAD
-    block = (self.rows % L) // B
-    return np.where(valid, B * (block + 1), 0).sum(axis=1).astype(np.int64)
+    pos = self.rows % L
+    start = pos // B * B
+    if window is None:
+      keys = start + B
+    else:
+      keys = np.where(self.rows < L, B + np.minimum(window - 1, start),
+                      start + B - np.maximum(0, pos - (window - 1)))
+    return np.where(valid, keys, 0).sum(axis=1).astype(np.int64)
 
   @functools.cached_property
   def first_copies(self) -> np.ndarray:

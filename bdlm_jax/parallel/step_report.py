@@ -15,6 +15,8 @@ counts what ring.py / allgather.py issue per layer, for every sequence a device 
   allgather  all-gather of the K/V + metadata shard forward and again backward;
              reduce-scatter of the P gathered dK/dV shards (in parallel.kv_grad_dtype)
   local      nothing (`bp`, one rank)
+  exchange   a local layer's windowed exchange (window.py): its rows + metadata forward,
+             their dK/dV back by the reverse permutes (in the compute dtype)
 
 For one layer this equals the compiled attention probe exactly (tests/parallel/
 test_step_report.py). The compiled step's own split is reported too: collectives issued

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from bdlm_jax.config import Config, ConfigError
-from bdlm_jax.kernels import get_kernel
-from bdlm_jax.kernels.mask import RowMeta, as_keys, windowed
+from bdlm_jax.kernels import get_kernel, with_windows
+from bdlm_jax.kernels.mask import RowMeta, as_keys
 from bdlm_jax.parallel.allgather import allgather_attend
 from bdlm_jax.parallel.layout import LayoutPlan, make_plan
 from bdlm_jax.parallel.mesh import BATCH_AXES
@@ -87,10 +87,7 @@ def _windowed_attend(plan: LayoutPlan, global_body, kernel, chunk: int, window: 
     return functools.partial(exchange_attend, kernel, "seq", exchange_for(plan, window),
                              travel_split(plan), chunk, window, plan.block_size)
 
-  def body(q, k, v, q_meta: RowMeta, k_meta: RowMeta):
-    return global_body(q, k, v, windowed(q_meta, window, plan.block_size), k_meta)
-
-  return body
+  return functools.partial(with_windows(global_body, plan.block_size), window=window)
 
 
 def make_attend(cfg: Config, mesh=None):

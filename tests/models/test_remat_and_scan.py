@@ -85,6 +85,17 @@ def test_layers_compile_to_one_loop_whatever_the_depth():
   assert hlo_lines(17, **pattern) == hlo_lines(5, **pattern)
 
 
+def test_a_pattern_costs_no_copy_of_the_weights():
+  """Weight-heavy layers (1.5 MiB each) under remat: a layer past the last whole period adds
+  about its own weights to the compiled temp, not a copy of every layer's."""
+  def temp(n_layers):
+    cfg = replace(_cfg(n_layers=n_layers, layers=dict(
+        layer_pattern="local,local,global", sliding_window=8)), model=dict(d_ff=2048))
+    return _compiled_temp(cfg)
+  layer_bytes = 3 * D * 2048 * 4 + 2 * D * (HEADS + KV_HEADS) * HEAD_DIM * 4
+  assert temp(7) - temp(6) < 2 * layer_bytes
+
+
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_remat_keeps_loss_and_grads(remat):
   ref_cfg, cfg = _cfg("none", n_layers=2), _cfg(remat, n_layers=2)

@@ -41,8 +41,8 @@ def _assert_matches_one_device(cfg, mesh):
   test_strategies.assert_close(*test_strategies._loss_and_grads(cfg, mesh), *reference)
 
 
-@pytest.mark.parametrize("case", list(WINDOWS))
-@pytest.mark.parametrize("strategy", ["csbp_ring", "cp_ring"])
+@pytest.mark.parametrize("strategy,case", [("csbp_ring", case) for case in WINDOWS]
+                         + [("cp_ring", "W<B"), ("cp_ring", "W>L/P")])
 def test_local_layers_equal_one_device_for_every_window(strategy, case):
   cfg = _cfg(strategy, *WINDOWS[case], seq=8)
   _assert_matches_one_device(cfg, make_mesh(cfg))
@@ -124,3 +124,18 @@ def test_csbp_local_layer_traffic_does_not_grow_with_the_sequence():
   assert local[0] > 0 and local == [local[0]] * 3, local
   assert ring[1] > 1.9 * ring[0] and ring[2] > 1.9 * ring[1], ring
   assert local[2] < ring[2] / 10
+
+
+@pytest.mark.parametrize("strategy,seq_len,block_size,window,noisy", [
+    ("none", 64, 4, 3, True), ("none", 64, 8, 20, True), ("csbp_ring", 64, 4, 6, True),
+    ("cp_ring", 64, 1, 5, False)])
+def test_attention_work_of_a_local_layer_counts_its_allowed_pairs(strategy, seq_len,
+                                                                 block_size, window, noisy):
+  """What MFU counts for a local layer: the pairs of the windowed mask, rank by rank."""
+  plan = make_plan(strategy, seq_len, block_size, 1 if strategy == "none" else 4, noisy)
+  meta = plan_row_meta(plan)
+  rank = lambda r: RowMeta(*(x[r:r + 1] for x in meta))
+  for r in range(plan.num_ranks):
+    q = windowed(rank(r), window, block_size)
+    pairs = sum(int(np.asarray(allowed(q, rank(src))).sum()) for src in range(plan.num_ranks))
+    assert plan.attention_work(window)[r] == pairs
