@@ -55,6 +55,14 @@ class ModelConfig:
   layer_pattern: str = "global"
   sliding_window: int = 0  # W, needed (>= 1) when the pattern has a local layer
   rope_local_theta: float = 0.0  # RoPE base of local layers; 0: rope_theta
+  # Mixture of experts (Qwen3-MoE form) in every layer's MLP when moe_experts > 0: top-k of
+  # a softmax router, experts of width moe_d_ff (0: d_ff) run as grouped matmuls.
+  moe_experts: int = 0  # E; 0: dense MLPs
+  moe_top_k: int = 2
+  moe_d_ff: int = 0
+  moe_norm_topk: bool = False  # renormalise the k weights to sum to 1 (norm_topk_prob)
+  moe_aux_weight: float = 0.001  # load-balancing loss (Qwen3-MoE's router_aux_loss_coef)
+  moe_z_weight: float = 0.0  # router z-loss
   # Gemma 3's departures from Llama (all off for Llama and Qwen3):
   post_norms: bool = False  # an RMSNorm on the attention and MLP outputs, before each residual add
   scale_embeddings: bool = False  # input embeddings times sqrt(d_model); the tied head is not
@@ -348,6 +356,10 @@ _RANGES = {
     "model.rope_theta": _ABOVE_0,
     "model.rope_local_theta": (">= 0 (0: model.rope_theta)", lambda x: x >= 0),
     "model.sliding_window": (">= 0 (0: no local layers)", lambda x: x >= 0),
+    "model.moe_experts": (">= 0 (0: dense MLPs)", lambda x: x >= 0),
+    "model.moe_d_ff": (">= 0 (0: model.d_ff)", lambda x: x >= 0),
+    "model.moe_aux_weight": _AT_LEAST_0,
+    "model.moe_z_weight": _AT_LEAST_0,
     "model.norm_eps": ("in (0, 1)", lambda x: 0 < x < 1),
     "model.query_pre_attn_scalar": (">= 0 (0: head_dim)", lambda x: x >= 0),
     "model.logit_softcap": (">= 0 (0: no soft cap)", lambda x: x >= 0),
@@ -431,6 +443,9 @@ def validate(cfg: Config) -> None:
   if m.logits_chunk < 0:
     raise ConfigError(f"model.logits_chunk must be >= 0 (0: no chunking), got {m.logits_chunk}")
   _check_layer_pattern(m)
+  if m.moe_experts and not 1 <= m.moe_top_k <= m.moe_experts:
+    raise ConfigError(f"model.moe_top_k={m.moe_top_k} must lie in [1, model.moe_experts="
+                      f"{m.moe_experts}]: each token picks k of the E experts")
   if m.n_heads % m.n_kv_heads:
     raise ConfigError(
         f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={m.n_kv_heads}")

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from bdlm_jax.batch import make_batch
 from bdlm_jax.config import Config, ConfigError, replace
+from bdlm_jax.models.moe import router_losses
 from bdlm_jax.models.transformer import head_logits
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.params import merge
@@ -108,16 +109,24 @@ def loss_fn(params, batch, key, cfg: Config, mesh=None):
   n_valid = jnp.sum(batch.labels >= 0)  # before an objective adds copies of the batch
   batch, inputs, scored, weight = objective.corrupt(key, batch, cfg.data.seq_len,
                                                     cfg.objective)
-  hidden = model(inputs, batch.pos, batch.meta, make_attend(cfg, mesh),
-                 layer_weights=gathered_weights(mesh, jnp.dtype(cfg.model.compute_dtype)))
+  # Router statistics count each real row once (not padding, not bp's replicated copies).
+  counted = (batch.seg > 0) & plan.first_copies[None]
+  hidden, stats = model.forward(
+      inputs, batch.pos, batch.meta, make_attend(cfg, mesh),
+      layer_weights=gathered_weights(mesh, jnp.dtype(cfg.model.compute_dtype)),
+      row_weight_BR=counted)
   score = functools.partial(objective.score, cfg=cfg.objective)
   rows = [_slot_rows(x, plan, objective.LOSS_SLOT) for x in (hidden, batch.labels, scored, weight)]
   total = _loss_on_every_device(model.head, score, cfg.model.logits_chunk,
                                 cfg.model.logit_softcap, mesh, *rows)
   loss = total / jnp.maximum(n_valid, 1)
-  metrics = dict(loss=loss, valid_tokens=n_valid,
-                 masked_tokens=jnp.sum(scored & (batch.labels >= 0)))
-  return loss, metrics
+  metrics = dict(valid_tokens=n_valid, masked_tokens=jnp.sum(scored & (batch.labels >= 0)))
+  if cfg.model.moe_experts:
+    router = router_losses(stats, cfg.model.moe_experts)
+    metrics.update(router, token_loss=loss)
+    loss = (loss + cfg.model.moe_aux_weight * router["moe_aux_loss"]
+            + cfg.model.moe_z_weight * router["moe_z_loss"])
+  return loss, dict(metrics, loss=loss)
 
 
 def ar_logits(params, cfg: Config, tokens) -> jax.Array:

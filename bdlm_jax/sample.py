@@ -71,7 +71,7 @@ def _rows_forward(model, tokens_1R, pos_1R, meta: RowMeta, cache: KVCache, block
     k_all = jnp.concatenate([k_cache, k], axis=1)
     v_all = jnp.concatenate([v_cache, v], axis=1)
     out, _ = attend(q, k_all, v_all, meta, kv_meta, window=block.window(kind))
-    return block.finish(x, out), (k, v)
+    return block.finish(x, out)[0], (k, v)
 
   x, (ks, vs) = model.scan_layers(layer, model.embed_tokens(tokens_1R), cache.k, cache.v)
   return model.final_norm(x), ks, vs

@@ -64,22 +64,26 @@ def _accumulated_grads(cfg, mesh, params, batch, key):
   shards = zero3_shardings(mesh, params)
 
   def body(carry, xs):
-    grads_sum, total, count, masked = carry
+    grads_sum, totals, count, masked = carry
     i, mb = xs
     mb = jax.lax.with_sharding_constraint(mb, row_sharding(mesh))
-    (loss, m), g = grad_fn(params, mb, jax.random.fold_in(key, i))
+    (_, m), g = grad_fn(params, mb, jax.random.fold_in(key, i))
     g = jax.lax.with_sharding_constraint(g, shards)  # accumulate shards, never whole grads
     w = m["valid_tokens"].astype(jnp.float32)
     grads_sum = jax.tree.map(lambda a, b: a + w * b, grads_sum, g)
-    return (grads_sum, total + w * loss, count + w, masked + m["masked_tokens"]), None
+    totals = {k: t + w * m[k] for k, t in totals.items()}
+    return (grads_sum, totals, count + w, masked + m["masked_tokens"]), None
 
-  zeros = jax.tree.map(jnp.zeros_like, params)
-  init = (zeros, jnp.float32(0), jnp.float32(0), jnp.int32(0))
-  (grads, total, count, masked), _ = jax.lax.scan(body, init, (jnp.arange(n), micro))
+  # Every per-token metric (the loss, router losses) is averaged by valid tokens, as the loss.
+  shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), key)[0][1]
+  totals = {k: jnp.zeros_like(v) for k, v in shapes.items()
+            if k not in ("valid_tokens", "masked_tokens")}
+  init = (jax.tree.map(jnp.zeros_like, params), totals, jnp.float32(0), jnp.int32(0))
+  (grads, totals, count, masked), _ = jax.lax.scan(body, init, (jnp.arange(n), micro))
   count = jnp.maximum(count, 1.0)
   grads = jax.tree.map(lambda g: g / count, grads)
-  return grads, dict(loss=total / count, valid_tokens=count.astype(jnp.int32),
-                     masked_tokens=masked)
+  return grads, dict({k: t / count for k, t in totals.items()},
+                     valid_tokens=count.astype(jnp.int32), masked_tokens=masked)
 
 
 def _all_finite(tree) -> jax.Array:

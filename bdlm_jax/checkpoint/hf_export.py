@@ -1,5 +1,6 @@
-"""bdlm_jax params -> a Hugging Face folder that `transformers` loads as Llama, Qwen3 or
-Gemma 3 (`Gemma3ForCausalLM`), whichever expresses the model (`hf_names.hf_model_type`).
+"""bdlm_jax params -> a Hugging Face folder that `transformers` loads as Llama, Qwen3,
+Qwen3-MoE or Gemma 3 (`Gemma3ForCausalLM`), whichever expresses the model
+(`hf_names.hf_model_type`).
 
 config.json also records `bdlm_mask_token_id`, `bdlm_block_size` and `bdlm_objective`, so
 a PyTorch user can run the BDLM (put [MASK] in a block, read its logits) and `import_hf`
@@ -38,7 +39,7 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
       x = to_host(get_path(params, t.path))
       # An offset comes off in float32, before the cast (Gemma's norm weights: scale - 1).
       host[t.path] = (x.astype(np.float32) - t.offset if t.offset else x).astype(dtype)
-    x = host[t.path] if t.layer is None else host[t.path][t.layer]
+    x = host[t.path][t.index]  # its layer's (and expert's) slice of a stacked weight
     tensors[t.name] = np.ascontiguousarray(x.T if t.transposed else x)
   if jax.process_index() != 0:
     return

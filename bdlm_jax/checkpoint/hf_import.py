@@ -18,8 +18,9 @@ import numpy as np
 import safetensors
 from jax.sharding import SingleDeviceSharding
 
-from bdlm_jax.checkpoint.hf_names import (IGNORED_SUFFIXES, SHAPE_KEYS, Tensor, get_path,
-                                          model_config_from_hf, set_path, tensor_map)
+from bdlm_jax.checkpoint.hf_names import (IGNORED_SUFFIXES, Tensor, get_path,
+                                          model_config_from_hf, set_path, shape_fields,
+                                          tensor_map)
 from bdlm_jax.config import Config, ConfigError, ModelConfig, replace
 from bdlm_jax.params import abstract_params
 from bdlm_jax.parallel.zero3 import zero3_shardings
@@ -29,12 +30,12 @@ VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # [vocab, d_mod
 # ModelConfig fields a config.json sets that leave the params' shapes alone.
 _BEHAVIOUR_KEYS = ("rope_theta", "rope_local_theta", "norm_eps", "layer_pattern",
                    "sliding_window", "scale_embeddings", "query_pre_attn_scalar",
-                   "mlp_activation", "logit_softcap")
+                   "mlp_activation", "logit_softcap", "moe_top_k", "moe_norm_topk")
 
 
 def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dict]:
-  """(cfg, params) from a Llama, Qwen3 or Gemma 3 (text) Hugging Face folder, params placed
-  on `mesh`.
+  """(cfg, params) from a Llama, Qwen3, Qwen3-MoE or Gemma 3 (text) Hugging Face folder,
+  params placed on `mesh`.
 
   `cfg.model` comes from config.json (params and compute in `dtype`); every other section
   keeps the `Config()` defaults, except:
@@ -74,14 +75,16 @@ def params_from_hf(cfg: Config, mesh=None) -> dict:
   warning.
   """
   path = cfg.init_from
-  hf_model = vars(ModelConfig(**model_config_from_hf(read_hf_config(path), path)))
-  ours = vars(cfg.model)
-  shape_keys = (*SHAPE_KEYS, "qk_norm", "post_norms")
-  fits = lambda k: (hf_model[k] <= ours[k]) if k == "vocab_size" else hf_model[k] == ours[k]
-  wrong = [f"{k} (folder {hf_model[k]!r}, config {ours[k]!r})" for k in shape_keys if not fits(k)]
+  hf_config = ModelConfig(**model_config_from_hf(read_hf_config(path), path))
+  hf_shapes, our_shapes = shape_fields(hf_config), shape_fields(cfg.model)
+  fits = lambda k: (hf_shapes[k] <= our_shapes[k] if k == "vocab_size"
+                    else hf_shapes[k] == our_shapes.get(k))  # d_ff is absent with experts
+  wrong = [f"{k} (folder {hf_shapes[k]!r}, config {our_shapes.get(k, 'unused')!r})"
+           for k in hf_shapes if not fits(k)]
   if wrong:
     raise ConfigError(f"init_from={path} does not fit model.*: {'; '.join(wrong)}. Set those "
                       f"model.* keys to the folder's values (import_hf(path) returns them)")
+  hf_model, ours = vars(hf_config), vars(cfg.model)
   differ = [f"{k}={ours[k]!r} (folder has {hf_model[k]!r})" for k in _BEHAVIOUR_KEYS
             if hf_model[k] != ours[k]]
   if differ:
@@ -110,23 +113,25 @@ def _read_params(path: str, cfg: Config, mesh) -> dict:
   names = tensor_map(cfg.model)
   by_path: dict[tuple, list] = {}
   for t in names:
-    by_path.setdefault(t.path, []).append(t)  # a stacked weight: one HF tensor per layer
+    by_path.setdefault(t.path, []).append(t)  # a stacked weight: one HF tensor per slice
   params = {}
   with _TensorFiles(path) as files:
     for where, tensors in by_path.items():
       want = get_path(abstract, where)
-      stacked = tensors[0].layer is not None
-      shape = want.shape[1:] if stacked else want.shape
+      lead = len(tensors[0].index)  # stacked axes: 0, 1 (layers) or 2 (layers, experts)
+      shape = want.shape[lead:]
       hf_shape = tuple(shape[::-1] if tensors[0].transposed else shape)
-      slices = [files.get_slice(t.name) for t in tensors]
-      if tensors[0].name in VOCAB_TENSORS and slices[0].get_shape()[0] < hf_shape[0]:
-        slices = [_MeanRowsAdded(slices[0], hf_shape[0])]
-      for t, tensor in zip(tensors, slices):
-        if tuple(tensor.get_shape()) != hf_shape:
-          raise ConfigError(f"{path}: tensor {t.name!r} has shape {tuple(tensor.get_shape())}, "
-                            f"but config.json implies {hf_shape}")
-      set_path(params, where, _place(slices, stacked, tensors[0], want,
-                                     get_path(shardings, where)))
+      grid = np.empty(want.shape[:lead], object)  # the HF tensor of each stacked slice
+      for t in tensors:
+        grid[t.index] = files.get_slice(t.name)
+      if tensors[0].name in VOCAB_TENSORS and grid[()].get_shape()[0] < hf_shape[0]:
+        grid[()] = _MeanRowsAdded(grid[()], hf_shape[0])
+      for t in tensors:
+        if tuple(grid[t.index].get_shape()) != hf_shape:
+          raise ConfigError(f"{path}: tensor {t.name!r} has shape "
+                            f"{tuple(grid[t.index].get_shape())}, but config.json implies "
+                            f"{hf_shape}")
+      set_path(params, where, _place(grid, tensors[0], want, get_path(shardings, where)))
     used = {t.name for t in names}
     unused = sorted(n for n in files.names - used if not n.endswith(IGNORED_SUFFIXES)
                     and not (n == "lm_head.weight" and cfg.model.tie_embeddings))
@@ -135,21 +140,20 @@ def _read_params(path: str, cfg: Config, mesh) -> dict:
   return params
 
 
-def _place(slices: list, stacked: bool, hf: Tensor, want, sharding) -> jax.Array:
+def _place(grid: np.ndarray, hf: Tensor, want, sharding) -> jax.Array:
   """One global array; each device reads only its own slice from the files (for a stacked
-  weight: its slice of every layer it holds, one HF tensor per layer). `hf` says how HF
-  stores it: transposed, or offset (added in float32 before the cast, as HF computes it)."""
+  weight: its slice of every layer, or layer and expert, it holds; `grid` has the HF tensor
+  of each). `hf` says how HF stores it: transposed, or offset (added in float32 before the
+  cast, as HF computes it)."""
   def read_one(tensor, index):
     x = tensor[index[::-1]].T if hf.transposed else tensor[index]
     return x.astype(np.float32) + hf.offset if hf.offset else x
 
   def read(index):
-    if stacked:
-      layers = range(*index[0].indices(len(slices)))
-      x = np.stack([read_one(slices[i], index[1:]) for i in layers])
-    else:
-      x = read_one(slices[0], index)
-    return np.ascontiguousarray(x.astype(want.dtype))
+    lead = grid.ndim
+    held = grid[(*index[:lead], ...)]  # the HF tensors of this device's stacked slices
+    x = np.stack([read_one(t, index[lead:]) for t in held.reshape(-1)])
+    return np.ascontiguousarray(x.reshape(held.shape + x.shape[1:]).astype(want.dtype))
 
   return jax.make_array_from_callback(want.shape, sharding, read)
 

@@ -1,10 +1,12 @@
-"""Hugging Face Llama/Qwen3/Gemma 3 <-> bdlm_jax: tensor names and model config fields.
+"""Hugging Face Llama/Qwen3/Qwen3-MoE/Gemma 3 <-> bdlm_jax: tensor names and model config fields.
 
 The one place that knows both vocabularies; import (hf_import.py) and export (hf_export.py)
 read the same tables in opposite directions. Llama and Qwen3 match our decoder exactly:
 pre-norm, RMSNorm in float32 with a multiplicative weight, SwiGLU MLP, grouped-query attention
 without biases, half-split ("rotate_half") RoPE, and for Qwen3 an RMSNorm on q and k per head
-before RoPE. Gemma 3 (`gemma3_text`, text only) is Qwen3 plus what `ModelConfig` has fields
+before RoPE. Qwen3-MoE (`qwen3_moe`) is Qwen3 with our `MoE` as every layer's MLP: a router
+without bias, no shared expert, and each expert's SwiGLU saved as its own three tensors.
+Gemma 3 (`gemma3_text`, text only) is Qwen3 plus what `ModelConfig` has fields
 for: norms on the attention and MLP outputs, embeddings times sqrt(d_model), GeGLU, its own
 attention scale, a final logit soft cap and sliding-window layers. Its RMSNorms multiply by
 (1 + w) in float32, so our `scale` is HF's w + 1, added in float32 as HF does. HF `nn.Linear`
@@ -18,14 +20,16 @@ from typing import NamedTuple
 from bdlm_jax.config import ConfigError, ModelConfig, layer_period, layer_types
 
 GEMMA3 = "gemma3_text"
-MODEL_TYPES = ("llama", "qwen3", GEMMA3)
+QWEN3_MOE = "qwen3_moe"
+MODEL_TYPES = ("llama", "qwen3", QWEN3_MOE, GEMMA3)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 GEMMA3: "Gemma3ForCausalLM"}
+                 QWEN3_MOE: "Qwen3MoeForCausalLM", GEMMA3: "Gemma3ForCausalLM"}
 # Tensors an HF folder may hold that carry nothing we need (old Llama checkpoints keep the
 # RoPE frequencies as a buffer).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-# ModelConfig field <- config.json key, for the fields that fix parameter shapes.
+# ModelConfig field <- config.json key, for the fields that fix parameter shapes (of a dense
+# model; see `shape_fields`).
 SHAPE_KEYS = {
     "vocab_size": "vocab_size",
     "d_model": "hidden_size",
@@ -42,15 +46,19 @@ _LINEARS = {  # HF name inside `model.layers.{i}.` -> our path inside `layers` (
     "self_attn.k_proj.weight": ("attn", "k_proj", "kernel"),
     "self_attn.v_proj.weight": ("attn", "v_proj", "kernel"),
     "self_attn.o_proj.weight": ("attn", "o_proj", "kernel"),
-    "mlp.gate_proj.weight": ("mlp", "gate_proj", "kernel"),
-    "mlp.up_proj.weight": ("mlp", "up_proj", "kernel"),
-    "mlp.down_proj.weight": ("mlp", "down_proj", "kernel"),
 }
+_DENSE_MLP = {"mlp.gate_proj.weight": ("mlp", "gate_proj", "kernel"),
+              "mlp.up_proj.weight": ("mlp", "up_proj", "kernel"),
+              "mlp.down_proj.weight": ("mlp", "down_proj", "kernel")}
+_ROUTER = {"mlp.gate.weight": ("mlp", "router", "kernel")}  # HF [E, D], ours [D, E]
+# HF name inside `model.layers.{i}.mlp.experts.{e}.` -> our [L, E, ...] array in `layers`: HF
+# [out, in] per expert, ours [in, out] (gate/up [D, F], down [F, D]).
+_EXPERTS = {f"{proj}.weight": ("mlp", proj) for proj in ("gate_proj", "up_proj", "down_proj")}
 # Per model type, HF layer norm -> ours. The same HF name means different norms: Llama's
 # "post_attention_layernorm" is the norm before the MLP, Gemma's the one on the attention output.
 _LLAMA_NORMS = {"input_layernorm.weight": ("attn_norm",),
                 "post_attention_layernorm.weight": ("mlp_norm",)}
-_NORMS = {"llama": _LLAMA_NORMS, "qwen3": _LLAMA_NORMS, GEMMA3: {
+_NORMS = {"llama": _LLAMA_NORMS, "qwen3": _LLAMA_NORMS, QWEN3_MOE: _LLAMA_NORMS, GEMMA3: {
     "input_layernorm.weight": ("attn_norm",),
     "post_attention_layernorm.weight": ("post_attn_norm",),
     "pre_feedforward_layernorm.weight": ("mlp_norm",),
@@ -64,13 +72,18 @@ _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF -> ours
 _GEMMA3_DEFAULTS = dict(head_dim=256, hidden_activation="gelu_pytorch_tanh", rope_theta=1e6,
                         rope_local_base_freq=1e4, query_pre_attn_scalar=256, sliding_window=4096,
                         sliding_window_pattern=6, tie_word_embeddings=True)
+# Qwen3MoeConfig's defaults, likewise.
+_QWEN3_MOE_DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                           norm_topk_prob=False, router_aux_loss_coef=0.001,
+                           decoder_sparse_step=1, mlp_only_layers=[])
 
 
 class Tensor(NamedTuple):
   """Where one HF tensor lives in our params pytree.
 
   Layer weights are stacked (`layers` holds one array per weight with a leading layer
-  axis), so HF's `model.layers.{i}.X` is slice `layer` = i of the array at `path`.
+  axis), so HF's `model.layers.{i}.X` is slice `layer` = i of the array at `path`; expert
+  weights have an expert axis next, so `model.layers.{i}.mlp.experts.{e}.X` is slice [i, e].
   """
 
   name: str  # HF tensor name
@@ -78,12 +91,25 @@ class Tensor(NamedTuple):
   transposed: bool  # HF nn.Linear [out, in] vs our kernel [in, out]
   layer: int | None  # index on the stacked layer axis, None for unstacked weights
   offset: float = 0.0  # ours = HF + offset, in float32 (1 for Gemma's (1 + w) norms)
+  expert: int | None = None  # index on the expert axis (after the layer axis), if any
+
+  @property
+  def index(self) -> tuple:
+    """Which slice of the array at `path` this tensor is: () for a whole array, (layer,)
+    for a layer weight, (layer, expert) for an expert's."""
+    return tuple(i for i in (self.layer, self.expert) if i is not None)
 
 
 def hf_model_type(m: ModelConfig) -> str:
   """The HF family that expresses `m`: Gemma 3 when it has Gemma's norms and embedding
-  scale, else Qwen3 (q/k norms) or Llama; a ConfigError when no family fits."""
+  scale, else Qwen3-MoE (experts), Qwen3 (q/k norms) or Llama; a ConfigError when no family
+  fits."""
   gemma = ("post_norms", "scale_embeddings", "qk_norm")
+  if m.moe_experts and (m.post_norms or m.scale_embeddings or not m.qk_norm):
+    raise ConfigError(
+        f"no Hugging Face family expresses this model: its experts (model.moe_experts="
+        f"{m.moe_experts}) need Qwen3-MoE, which has q/k norms and no Gemma 3 features: set "
+        f"model.qk_norm=true, model.post_norms=false, model.scale_embeddings=false")
   if m.post_norms or m.scale_embeddings:
     missing = [f"model.{k}" for k in gemma if not getattr(m, k)]
     if missing:
@@ -95,10 +121,15 @@ def hf_model_type(m: ModelConfig) -> str:
       ("mlp_activation", m.mlp_activation == "silu"),
       ("query_pre_attn_scalar", m.query_pre_attn_scalar in (0, m.head_dim)),
       ("logit_softcap", m.logit_softcap == 0)) if not fits]
+  if not_llama and m.moe_experts:
+    raise ConfigError(f"no Hugging Face family expresses this model: its experts need "
+                      f"Qwen3-MoE, which cannot have {', '.join(not_llama)}")
   if not_llama:
     raise ConfigError(f"no Hugging Face family expresses this model: Llama and Qwen3 cannot "
                       f"have {', '.join(not_llama)}, and Gemma 3 needs "
                       f"{', '.join(f'model.{k}' for k in gemma)} all true")
+  if m.moe_experts:
+    return QWEN3_MOE
   return "qwen3" if m.qk_norm else "llama"
 
 
@@ -107,15 +138,28 @@ def tensor_map(m: ModelConfig) -> list[Tensor]:
   model_type = hf_model_type(m)
   offset = 1.0 if model_type == GEMMA3 else 0.0
   norms = {**_NORMS[model_type], **(_QK_NORMS if m.qk_norm else {})}
+  linears = {**_LINEARS, **(_ROUTER if m.moe_experts else _DENSE_MLP)}
   per_layer = [(name, (*path, "scale"), False, offset) for name, path in norms.items()]
-  per_layer += [(name, path, True, 0.0) for name, path in _LINEARS.items()]
+  per_layer += [(name, path, True, 0.0) for name, path in linears.items()]
   out = [Tensor("model.embed_tokens.weight", ("embed", "embedding"), False, None)]
   for i in range(m.n_layers):
     out += [Tensor(f"model.layers.{i}.{name}", ("layers", *path), t, i, off)
             for name, path, t, off in per_layer]
+    out += [Tensor(f"model.layers.{i}.mlp.experts.{e}.{name}", ("layers", *path), True, i,
+                   expert=e) for e in range(m.moe_experts) for name, path in _EXPERTS.items()]
   out.append(Tensor("model.norm.weight", ("final_norm", "scale"), False, None, offset))
   if not m.tie_embeddings:
     out.append(Tensor("lm_head.weight", ("lm_head", "kernel"), True, None))
+  return out
+
+
+def shape_fields(m: ModelConfig) -> dict:
+  """The ModelConfig fields that fix the params' shapes: with experts, their width
+  (moe_d_ff, 0 meaning d_ff) in place of the dense d_ff no layer uses."""
+  out = {k: getattr(m, k) for k in (*SHAPE_KEYS, "qk_norm", "post_norms", "moe_experts")}
+  if m.moe_experts:
+    del out["d_ff"]
+    out["moe_d_ff"] = m.moe_d_ff or m.d_ff
   return out
 
 
@@ -153,10 +197,36 @@ def model_config_from_hf(hf: dict, where: str) -> dict:
                       f"bdlm_jax supports only 'full_attention'")
   params, key = ((hf["rope_parameters"], "rope_parameters") if hf.get("rope_parameters") else
                  (hf.get("rope_scaling") or {}, "rope_scaling"))
+  if model_type == QWEN3_MOE:
+    fields.update(_qwen3_moe_fields(hf, where))
   return dict(
       fields, head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
       rope_theta=_plain_rope_theta(params, key, where, hf.get("rope_theta", 10000.0)),
-      qk_norm=model_type == "qwen3", tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+      qk_norm=model_type in ("qwen3", QWEN3_MOE),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def _qwen3_moe_fields(hf: dict, where: str) -> dict:
+  """The expert fields of a Qwen3-MoE config.json (a key left out or null takes
+  Qwen3MoeConfig's default). The expert count is `num_experts` in Qwen's files and
+  `num_local_experts` in those transformers 5 writes. Our experts are in every layer, so a
+  model with dense-MLP layers among its MoE ones is refused; one with no experts is dense."""
+  experts = next((hf[k] for k in ("num_experts", "num_local_experts") if hf.get(k) is not None),
+                 _QWEN3_MOE_DEFAULTS["num_experts"])
+  if not experts:
+    return {}  # every layer's MLP is dense, with the tensor names of Qwen3's
+  hf = {**_QWEN3_MOE_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+  mixed = "bdlm_jax puts experts in every layer (mixed dense and MoE layers are not supported)"
+  if hf["decoder_sparse_step"] != 1:
+    raise ConfigError(f"{where}: decoder_sparse_step={hf['decoder_sparse_step']!r} makes only "
+                      f"some layers MoE layers; {mixed}, so it needs decoder_sparse_step 1")
+  if hf["mlp_only_layers"]:
+    raise ConfigError(f"{where}: mlp_only_layers={hf['mlp_only_layers']!r} has dense-MLP "
+                      f"layers; {mixed}, so it needs mlp_only_layers []")
+  return dict(moe_experts=int(experts), moe_top_k=int(hf["num_experts_per_tok"]),
+              moe_d_ff=int(hf["moe_intermediate_size"]),
+              moe_norm_topk=bool(hf["norm_topk_prob"]),
+              moe_aux_weight=float(hf["router_aux_loss_coef"]))
 
 
 def _require(hf: dict, where: str, key: str, allowed: tuple, what: str) -> None:
@@ -250,8 +320,19 @@ def hf_config(m: ModelConfig, dtype: str, max_positions: int, extra: dict) -> di
         "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
         "mlp_bias": False,
     })
-  if model_type == "qwen3":
+  if model_type in ("qwen3", QWEN3_MOE):
     out["use_sliding_window"] = False
+  if model_type == QWEN3_MOE:
+    out.update({
+        "num_experts": m.moe_experts,
+        "num_experts_per_tok": m.moe_top_k,
+        "moe_intermediate_size": m.moe_d_ff or m.d_ff,
+        "norm_topk_prob": m.moe_norm_topk,
+        "router_aux_loss_coef": m.moe_aux_weight,
+        "decoder_sparse_step": 1,  # every layer's MLP is an MoE; `intermediate_size` is unused
+        "mlp_only_layers": [],
+        "output_router_logits": False,  # as Qwen's files: HF's forward adds no aux loss
+    })
   return {**out, **extra}
 
 

@@ -1,4 +1,5 @@
-"""A Llama/Qwen3/Gemma 3-family decoder in Flax NNX, with no parallelism inside.
+"""A Llama/Qwen3/Gemma 3-family decoder in Flax NNX (dense or mixture-of-experts MLPs, see
+models/moe.py), with no parallelism inside.
 
 The model sees packed rows in whatever order a layout chose: each row carries its token,
 its RoPE position and the metadata the attention mask needs. Attention is a function
@@ -19,6 +20,7 @@ from flax import nnx
 from bdlm_jax.config import ModelConfig, layer_period, layer_types
 from bdlm_jax.kernels import residuals
 from bdlm_jax.kernels.mask import RowMeta
+from bdlm_jax.models.moe import MoE
 
 AttendFn = Callable[..., tuple[jax.Array, jax.Array]]
 
@@ -110,7 +112,7 @@ class Block(nnx.Module):
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
     self.attn = Attention(cfg, rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
-    self.mlp = MLP(cfg, rngs)
+    self.mlp = MoE(cfg, rngs) if cfg.moe_experts else MLP(cfg, rngs)
     if cfg.post_norms:
       self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
       self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
@@ -122,21 +124,25 @@ class Block(nnx.Module):
     """The `window` argument of `attend` for a layer of this kind."""
     return self.cfg.sliding_window if kind == "local" else None
 
-  def finish(self, x_BRD, attn_BRHD):
+  def finish(self, x_BRD, attn_BRHD, row_weight_BR=None):
+    """(x, router stats: {} for a dense MLP; see `MoE`, counted over `row_weight_BR`)."""
     b, r = attn_BRHD.shape[:2]
     out_BRD = self.attn.o_proj(attn_BRHD.reshape(b, r, -1))
     if self.cfg.post_norms:
       out_BRD = self.post_attn_norm(out_BRD)
     x_BRD = x_BRD + out_BRD
-    out_BRD = self.mlp(self.mlp_norm(x_BRD))
+    h_BRD = self.mlp_norm(x_BRD)
+    out_BRD, stats = (self.mlp(h_BRD, row_weight_BR) if self.cfg.moe_experts
+                      else (self.mlp(h_BRD), {}))
     if self.cfg.post_norms:
       out_BRD = self.post_mlp_norm(out_BRD)
-    return x_BRD + out_BRD
+    return x_BRD + out_BRD, stats
 
-  def __call__(self, x_BRD, pos_BR, meta: RowMeta, attend: AttendFn, kind: str = "global"):
+  def __call__(self, x_BRD, pos_BR, meta: RowMeta, attend: AttendFn, kind: str = "global",
+               row_weight_BR=None):
     q, k, v = self.project(x_BRD, pos_BR, kind)
     attn_BRHD, _ = attend(q, k, v, meta, meta, window=self.window(kind))
-    return self.finish(x_BRD, attn_BRHD)
+    return self.finish(x_BRD, attn_BRHD, row_weight_BR)
 
 
 def is_stacked(path) -> bool:
@@ -228,19 +234,27 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BR, pos_BR, meta: RowMeta, attend: AttendFn,
                layer_weights=None) -> jax.Array:
-    """Final hidden states [B, R, D] of every row.
+    """Final hidden states [B, R, D] of every row."""
+    return self.forward(tokens_BR, pos_BR, meta, attend, layer_weights)[0]
+
+  def forward(self, tokens_BR, pos_BR, meta: RowMeta, attend: AttendFn, layer_weights=None,
+              row_weight_BR=None):
+    """(final hidden states [B, R, D], per-layer router stats stacked on a layer axis: {}
+    for dense MLPs; MoE layers count the rows of `row_weight_BR`, default all).
 
     Positions and row metadata ride in the scan carry, unchanged: as constants of the loop,
     JAX would hoist everything computed from them alone out of it, including the attention
     mask of every key chunk (and ring step) at once, O(rows^2) bytes.
     """
     def layer(block, carry, kind):
-      x_BRD, pos_BR, meta = carry
-      return (block(x_BRD, pos_BR, meta, attend, kind), pos_BR, meta), None
+      x_BRD, pos_BR, meta, row_weight_BR = carry
+      x_BRD, stats = block(x_BRD, pos_BR, meta, attend, kind, row_weight_BR)
+      return (x_BRD, pos_BR, meta, row_weight_BR), stats
 
-    (x_BRD, _, _), _ = self.scan_layers(layer, (self.embed_tokens(tokens_BR), pos_BR, meta),
-                                        remat=self.cfg.remat, layer_weights=layer_weights)
-    return self.final_norm(x_BRD)
+    carry = (self.embed_tokens(tokens_BR), pos_BR, meta, row_weight_BR)
+    (x_BRD, *_), stats = self.scan_layers(layer, carry, remat=self.cfg.remat,
+                                          layer_weights=layer_weights)
+    return self.final_norm(x_BRD), stats
 
   def embed_tokens(self, tokens_BR) -> jax.Array:
     """The first layer's input [B, R, D]: embeddings, times sqrt(d_model) for Gemma (as

@@ -32,14 +32,23 @@ GEMMA3_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=7,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                      query_pre_attn_scalar=24, sliding_window=5, rope_theta=1e6,
                      rope_local_base_freq=1e4, final_logit_softcapping=10.0, rms_norm_eps=1e-6)
+# 4 experts, 2 per token, narrower than the dense intermediate_size (unused: every layer is MoE).
+MOE_SHAPES = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  num_experts=4, num_experts_per_tok=2, rope_theta=1e4, rms_norm_eps=1e-6)
 CONFIGS = {"llama": ("LlamaConfig", SHAPES), "qwen3": ("Qwen3Config", SHAPES),
+           "qwen3_moe": ("Qwen3MoeConfig", MOE_SHAPES),
            "gemma3_text": ("Gemma3TextConfig", GEMMA3_SHAPES)}
-CASES = {  # name: (model_type, tie_word_embeddings, vocab_size, save_pretrained max_shard_size)
-    "llama_untied_sharded": ("llama", False, 300, "20KB"),
-    "llama_tied": ("llama", True, 64, None),
-    "qwen3_tied": ("qwen3", True, 128, None),
-    "gemma3_tied": ("gemma3_text", True, 300, None),
+CASES = {  # name: (model_type, tie_word_embeddings, vocab_size, save_pretrained max_shard_size,
+           #        other config keys)
+    "llama_untied_sharded": ("llama", False, 300, "20KB", {}),
+    "llama_tied": ("llama", True, 64, None, {}),
+    "qwen3_tied": ("qwen3", True, 128, None, {}),
+    "qwen3_moe_norm_topk_sharded": ("qwen3_moe", False, 300, "20KB", dict(norm_topk_prob=True)),
+    "qwen3_moe_raw_topk": ("qwen3_moe", False, 300, None, dict(norm_topk_prob=False)),
+    "gemma3_tied": ("gemma3_text", True, 300, None, {}),
 }
+MOE_CASES = [name for name in sorted(CASES) if CASES[name][0] == "qwen3_moe"]
 
 
 @dataclasses.dataclass
@@ -64,19 +73,21 @@ def jax_logits(params, cfg, tokens) -> np.ndarray:
 def hf_model(request, tmp_path_factory) -> HFModel:
   """A random `transformers` model saved to a folder, with weights far from their init
   values (norm weights too: Gemma's w of (1 + w) as well), so that every mapping error shows
-  in the logits."""
+  in the logits. MoE routers get a larger spread, so that routing is far from uniform."""
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
-  model_type, tie, vocab, shard = CASES[request.param]
+  model_type, tie, vocab, shard, keys = CASES[request.param]
   config_cls, shapes = CONFIGS[model_type]
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(
-      getattr(transformers, config_cls)(vocab_size=vocab, tie_word_embeddings=tie, **shapes),
+      getattr(transformers, config_cls)(vocab_size=vocab, tie_word_embeddings=tie,
+                                        **shapes, **keys),
       attn_implementation="eager").eval()
   norm_center = 0.0 if model_type == "gemma3_text" else 1.0
   with torch.no_grad():
     for name, p in model.named_parameters():
       p.copy_(norm_center + 0.2 * torch.randn_like(p) if name.endswith("norm.weight")
+              else 0.5 * torch.randn_like(p) if name.endswith("mlp.gate.weight")  # router
               else 0.2 * torch.randn_like(p))
   folder = str(tmp_path_factory.mktemp(request.param))
   model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
@@ -87,7 +98,7 @@ def hf_model(request, tmp_path_factory) -> HFModel:
 def test_import_gives_the_logits_of_transformers(hf_model):
   cfg, params = import_hf(hf_model.folder)
   hf = json.load(open(os.path.join(hf_model.folder, "config.json")))
-  assert cfg.model.qk_norm == (hf["model_type"] in ("qwen3", "gemma3_text"))
+  assert cfg.model.qk_norm == (hf["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"))
   assert cfg.model.tie_embeddings == hf["tie_word_embeddings"]
   # No tokenizer.json tells which ids are free: [MASK] gets a new row, the last.
   vocab = hf["vocab_size"]
@@ -128,6 +139,30 @@ def test_gemma3_import_reads_its_features(hf_model):
   assert m.qk_norm and m.post_norms and m.scale_embeddings and m.tie_embeddings
   w = hf_model.torch_model.model.layers[6].post_feedforward_layernorm.weight.detach().numpy()
   np.testing.assert_array_equal(params["layers"]["post_mlp_norm"]["scale"][6], np.float32(1) + w)
+
+
+@pytest.mark.parametrize("hf_model", MOE_CASES, indirect=True)
+def test_qwen3_moe_import_reads_its_experts(hf_model):
+  """Expert count, k, width and norm_topk_prob from a config.json transformers wrote (it
+  spells the count num_local_experts; export_hf's num_experts is read by the round trip),
+  each expert's weights in its [layer, expert] slice, and routing sharp enough that renormalising
+  the k weights or not moves the logits far beyond the parity tolerance."""
+  cfg, params = import_hf(hf_model.folder)
+  hf = json.load(open(os.path.join(hf_model.folder, "config.json")))
+  assert (hf["num_local_experts"], hf.get("num_experts")) == (4, None)
+  m = cfg.model
+  assert (m.moe_experts, m.moe_top_k, m.moe_d_ff, m.d_ff) == (4, 2, 16, 48)
+  assert (m.moe_norm_topk, m.moe_aux_weight) == (hf["norm_topk_prob"], 0.001)
+  experts = hf_model.torch_model.model.layers[1].mlp.experts
+  gate_up_EID, down_EDI = (x.detach().numpy() for x in (experts.gate_up_proj, experts.down_proj))
+  mlp = params["layers"]["mlp"]
+  np.testing.assert_array_equal(mlp["gate_proj"][1, 3], gate_up_EID[3, :16].T)
+  np.testing.assert_array_equal(mlp["up_proj"][1, 3], gate_up_EID[3, 16:].T)
+  np.testing.assert_array_equal(mlp["down_proj"][1, 3], down_EDI[3].T)
+  flipped = replace(cfg, model=dict(moe_norm_topk=not m.moe_norm_topk))
+  vocab = hf["vocab_size"]
+  err = np.abs(jax_logits(params, flipped, hf_model.tokens)[..., :vocab] - hf_model.logits).max()
+  assert err > 1000 * TOL, f"routing too flat to test: the other norm_topk_prob errs by {err}"
 
 
 @pytest.mark.parametrize("hf_model", ["llama_tied"], indirect=True)
@@ -185,6 +220,17 @@ def exported_gemma3(tmp_path_factory):
   return cfg, folder
 
 
+@pytest.fixture(scope="module")
+def exported_moe(tmp_path_factory):
+  """(cfg, folder): a random Qwen3-MoE-style model written by export_hf."""
+  cfg = replace(Config(), model=dict(
+      vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+      qk_norm=True, moe_experts=4, moe_top_k=2, moe_d_ff=16), objective=dict(mask_token_id=63))
+  folder = str(tmp_path_factory.mktemp("exported_moe"))
+  export_hf(init_params(cfg, jax.random.key(0)), cfg, folder)
+  return cfg, folder
+
+
 def test_gemma3_config_of_transformers_4_imports_alike(exported_gemma3, tmp_path):
   """transformers 4.x files: sliding_window_pattern, rope_theta and rope_local_base_freq."""
   cfg, folder = exported_gemma3
@@ -201,6 +247,11 @@ def test_gemma3_config_of_transformers_4_imports_alike(exported_gemma3, tmp_path
     (dict(mlp_activation="gelu_tanh", logit_softcap=30.0),
      r"cannot have model.mlp_activation='gelu_tanh', model.logit_softcap=30.0"),
     (dict(post_norms=True), r"Gemma 3 also needs model.scale_embeddings, model.qk_norm=true"),
+    (dict(moe_experts=4), r"experts \(model.moe_experts=4\) need Qwen3-MoE, which has q/k norms"),
+    (dict(moe_experts=4, qk_norm=True, post_norms=True, scale_embeddings=True),
+     r"need Qwen3-MoE, which has q/k norms and no Gemma 3 features"),
+    (dict(moe_experts=4, qk_norm=True, logit_softcap=30.0),
+     r"experts need Qwen3-MoE, which cannot have model.logit_softcap=30.0"),
 ])
 def test_export_refuses_a_model_no_hf_family_expresses(tmp_path, model, message):
   cfg = replace(Config(), model=model)
@@ -249,6 +300,16 @@ def test_init_from_checks_the_model_shapes(exported):
     params_from_hf(replace(cfg, init_from=folder, model=dict(n_layers=3, d_ff=32)))
 
 
+def test_init_from_checks_the_expert_shapes(exported_moe):
+  """With experts, their count and width fix the shapes; the dense d_ff does not."""
+  cfg, folder = exported_moe
+  params_from_hf(replace(cfg, init_from=folder, model=dict(d_ff=32)))
+  with pytest.raises(ConfigError, match=r"moe_experts \(folder 4, config 8\); moe_d_ff "
+                                        r"\(folder 16, config 32\)"):
+    params_from_hf(replace(cfg, init_from=folder, model=dict(moe_experts=8, moe_d_ff=0,
+                                                             d_ff=32)))
+
+
 def edit_config(folder, tmp_path) -> dict:
   shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
   return json.load(open(tmp_path / "config.json"))
@@ -267,6 +328,22 @@ def write_config(tmp_path, hf: dict) -> None:
 ])
 def test_unsupported_or_inconsistent_config_is_a_config_error(exported, tmp_path, change, message):
   hf = edit_config(exported[2], tmp_path)
+  write_config(tmp_path, {**hf, **change})
+  with pytest.raises(ConfigError, match=message):
+    import_hf(str(tmp_path))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(decoder_sparse_step=2), r"decoder_sparse_step=2 makes only some layers MoE layers; "
+                                  r".*needs decoder_sparse_step 1"),
+    (dict(mlp_only_layers=[1]), r"mlp_only_layers=\[1\] has dense-MLP layers; "
+                                r".*needs mlp_only_layers \[\]"),
+    (dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
+    (dict(moe_intermediate_size=12), r"'model.layers.0.mlp.experts.0.gate_proj.weight' has "
+                                     r"shape \(16, 32\), but config.json implies \(12, 32\)"),
+])
+def test_unsupported_qwen3_moe_config_is_a_config_error(exported_moe, tmp_path, change, message):
+  hf = edit_config(exported_moe[1], tmp_path)
   write_config(tmp_path, {**hf, **change})
   with pytest.raises(ConfigError, match=message):
     import_hf(str(tmp_path))

@@ -1,0 +1,113 @@
+"""The mixture-of-experts MLP: grouped matmuls equal a per-token reference, the router losses
+follow Qwen3-MoE's formula, every strategy equals one device, and training logs the router."""
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bdlm_jax import ConfigError, loop, make_mesh
+from bdlm_jax.config import Config, ModelConfig, override, replace
+from bdlm_jax.models.moe import MoE, router_losses
+from tests.parallel import test_strategies
+from tests.test_train import tiny_config
+
+E, K = 4, 2
+MOE = dict(moe_experts=E, moe_top_k=K, moe_d_ff=16, moe_aux_weight=0.01, moe_z_weight=1e-3)
+
+
+def _moe(norm_topk, seed=0):
+  cfg = ModelConfig(d_model=8, moe_experts=E, moe_top_k=K, moe_d_ff=12, moe_norm_topk=norm_topk)
+  moe = MoE(cfg, nnx.Rngs(seed))
+  moe.router.kernel[...] = jax.random.normal(jax.random.key(seed + 1), (8, E))  # sharp routing
+  return moe
+
+
+def _reference(moe, x_TD):
+  """Each token through its k experts one by one, as Hugging Face's eager loop does."""
+  probs = jax.nn.softmax(x_TD @ moe.router.kernel[...], axis=-1)
+  out = []
+  for t in range(x_TD.shape[0]):
+    top = jax.lax.top_k(probs[t], K)[1]
+    w = probs[t, top] / (probs[t, top].sum() if moe.cfg.moe_norm_topk else 1.0)
+    expert = lambda e: (jax.nn.silu(x_TD[t] @ moe.gate_proj[e]) * (x_TD[t] @ moe.up_proj[e])
+                        ) @ moe.down_proj[e]
+    out.append(sum(w[i] * expert(top[i]) for i in range(K)))
+  return jnp.stack(out)
+
+
+@pytest.mark.parametrize("norm_topk", [False, True])
+def test_grouped_experts_equal_the_per_token_reference_with_gradients(norm_topk):
+  moe = _moe(norm_topk)
+  x = jax.random.normal(jax.random.key(3), (2, 5, 8))
+  out, _ = moe(x)
+  np.testing.assert_allclose(out.reshape(10, 8), _reference(moe, x.reshape(10, 8)), rtol=1e-5,
+                             atol=1e-6)
+  graphdef, state = nnx.split(moe)
+  loss = lambda s, fn: (fn(nnx.merge(graphdef, s), x) ** 2).sum()
+  grads = jax.grad(loss)(state, lambda m, x: m(x)[0])
+  ref = jax.grad(loss)(state, lambda m, x: _reference(m, x.reshape(10, 8)))
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
+
+
+def test_router_losses_follow_the_pooled_formula_and_skip_uncounted_rows():
+  moe = _moe(False)
+  x = jax.random.normal(jax.random.key(4), (1, 6, 8))
+  counted = jnp.array([[1, 1, 1, 1, 0, 0]])
+  _, stats = moe(x, counted)
+  _, first4 = moe(x[:, :4])
+  for key in stats:
+    np.testing.assert_allclose(stats[key], first4[key], rtol=1e-6)
+  layers = jax.tree.map(lambda a, b: jnp.stack([a, b]), stats, moe(x)[1])  # two "layers"
+  got = router_losses(layers, E)
+  logits = x[0] @ moe.router.kernel[...]
+  probs = jax.nn.softmax(logits, axis=-1)
+  picks = jax.nn.one_hot(jax.lax.top_k(probs, K)[1], E).sum(1)
+  rows = jnp.concatenate([jnp.arange(4), jnp.arange(6)])  # layer 1 counts 4 rows, layer 2 six
+  f, p = picks[rows].mean(0), probs[rows].mean(0)
+  np.testing.assert_allclose(got["moe_aux_loss"], E * jnp.sum(f * p), rtol=1e-6)
+  z = jnp.square(jax.nn.logsumexp(logits, axis=-1))
+  np.testing.assert_allclose(got["moe_z_loss"], z[rows].mean(), rtol=1e-6)
+  np.testing.assert_allclose(got["moe_max_load"], f.max() / f.mean(), rtol=1e-6)
+
+
+def _cfg(strategy, **parallel):
+  return replace(test_strategies._cfg(strategy, 4, **parallel), model=MOE)
+
+
+@functools.cache
+def _one_device():
+  return test_strategies._loss_and_grads(_cfg("none"), None)
+
+
+@pytest.mark.parametrize("strategy,mesh_shape", [("csbp_ring", dict(seq=8)),
+                                                 ("cp_ring", dict(data=2, fsdp=2, seq=2))])
+def test_moe_loss_and_grads_equal_one_device(strategy, mesh_shape):
+  """Router statistics are pooled over the batch, so the aux loss couples every row: it must
+  still come out the same with rows split over ranks (and the experts ZeRO-3 sharded)."""
+  cfg = _cfg(strategy, **mesh_shape)
+  test_strategies.assert_close(*test_strategies._loss_and_grads(cfg, make_mesh(cfg)),
+                               *_one_device())
+
+
+def test_training_logs_the_router(tmp_path):
+  cfg = replace(tiny_config(steps=3), model=MOE)
+  loop.train(cfg, str(tmp_path), progress=False)
+  with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  last = rows[-1]
+  assert last["moe_aux_loss"] >= 1.0 - 1e-5  # E * sum f p >= 1 for k >= 1 by Cauchy-Schwarz
+  assert last["moe_max_load"] >= 1.0 and last["moe_z_loss"] > 0
+  expected = last["token_loss"] + 0.01 * last["moe_aux_loss"] + 1e-3 * last["moe_z_loss"]
+  assert last["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_more_experts_per_token_than_experts_is_refused():
+  with pytest.raises(ConfigError, match=r"model.moe_top_k=5 must lie in \[1, model.moe_experts=4\]"):
+    override(Config(), ["model.moe_experts=4", "model.moe_top_k=5"])
