@@ -18,13 +18,19 @@ def model_flops_per_step(cfg: Config) -> float:
   """Useful training FLOPs of one optimiser step (forward + backward = 3x forward).
 
   Linear layers see every logical row once (2L rows for diffusion objectives: noisy and
-  clean copies); attention counts only allowed (query, key) pairs of the mask.
+  clean copies), a mixture of experts only its router and the k experts a row is sent to;
+  attention counts only allowed (query, key) pairs of the mask.
   """
   m = cfg.model
   diffusion = cfg.objective.name != "ar"
   rows = 2 * cfg.data.seq_len if diffusion else cfg.data.seq_len
   per_layer = 2 * m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim  # qkv
-  per_layer += 2 * m.n_heads * m.head_dim * m.d_model + 3 * 2 * m.d_model * m.d_ff  # o, mlp
+  per_layer += 2 * m.n_heads * m.head_dim * m.d_model  # o
+  if m.moe_experts:  # router + k experts
+    per_layer += 2 * m.d_model * m.moe_experts + m.moe_top_k * 3 * 2 * m.d_model * (
+        m.moe_d_ff or m.d_ff)
+  else:
+    per_layer += 3 * 2 * m.d_model * m.d_ff
   linear = rows * m.n_layers * per_layer + 2 * cfg.data.seq_len * m.d_model * m.vocab_size
   # Pairs of the logical stream, as one device computes them: redundant work that a
   # strategy adds (bp's replicated clean prefix) is not useful work.

@@ -28,9 +28,10 @@ def _tiny(objective, **model):
                  data=dict(seq_len=32), objective=dict(name=objective, block_size=4))
 
 
-@pytest.mark.parametrize("objective,model", [("bd3lm", {}), ("fast_dllm_v2", {}),
-                                             ("bd3lm", LOCAL)], ids=["bd3lm", "fast_dllm_v2",
-                                                                     "bd3lm_local_layers"])
+@pytest.mark.parametrize("objective,model", [
+    ("bd3lm", {}), ("fast_dllm_v2", {}), ("bd3lm", LOCAL),
+    ("bd3lm", dict(moe_experts=4, moe_top_k=2, moe_d_ff=16))],
+    ids=["bd3lm", "fast_dllm_v2", "bd3lm_local_layers", "bd3lm_experts"])
 def test_kv_cache_sampler_equals_full_recompute_token_for_token(objective, model):
   cfg = _tiny(objective, **model)
   params = init_params(cfg, jax.random.key(0))

@@ -13,6 +13,7 @@ from flax import nnx
 
 from bdlm_jax import ConfigError, loop, make_mesh
 from bdlm_jax.config import Config, ModelConfig, override, replace
+from bdlm_jax.metrics import model_flops_per_step
 from bdlm_jax.models.moe import MoE, router_losses
 from tests.parallel import test_strategies
 from tests.test_train import tiny_config
@@ -111,3 +112,13 @@ def test_training_logs_the_router(tmp_path):
 def test_more_experts_per_token_than_experts_is_refused():
   with pytest.raises(ConfigError, match=r"model.moe_top_k=5 must lie in \[1, model.moe_experts=4\]"):
     override(Config(), ["model.moe_experts=4", "model.moe_top_k=5"])
+
+
+def test_model_flops_count_the_router_and_the_k_experts_a_row_uses():
+  """What MFU counts: a row pays for its k experts (as a dense MLP k times as wide) and the
+  router, never for all E experts."""
+  cfg = _cfg("none")
+  dense = replace(cfg, model=dict(moe_experts=0, d_ff=K * MOE["moe_d_ff"]))
+  rows = 3 * cfg.train.batch_size * 2 * cfg.data.seq_len * cfg.model.n_layers  # fwd + bwd
+  router = rows * 2 * cfg.model.d_model * E
+  assert model_flops_per_step(cfg) - model_flops_per_step(dense) == pytest.approx(router)
