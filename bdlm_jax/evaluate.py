@@ -56,7 +56,8 @@ def make_eval_step(cfg: Config, mesh):
 
   def eval_step(params, batch, key):
     def one_draw(k):
-      loss, metrics = loss_fn(params, batch, k, ecfg, mesh)
+      _, metrics = loss_fn(params, batch, k, ecfg, mesh)
+      loss = metrics.get("token_loss", metrics["loss"])  # without an MoE's router losses
       return loss * metrics["valid_tokens"], metrics["valid_tokens"]
 
     totals, counts = jax.lax.map(one_draw, jax.random.split(key, draws))

@@ -19,6 +19,7 @@ from bdlm_jax.models.moe import router_losses
 from bdlm_jax.models.transformer import head_logits
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.params import merge
+from bdlm_jax.parallel.experts import local_dispatch
 from bdlm_jax.parallel.mesh import BATCH_AXES, row_sharding
 from bdlm_jax.parallel.strategies import make_attend, plan_for
 from bdlm_jax.parallel.zero3 import gathered_weights
@@ -96,7 +97,8 @@ def _loss_on_every_device(head, score_fn, chunk: int, softcap: float, mesh, *row
 
 
 def loss_fn(params, batch, key, cfg: Config, mesh=None):
-  """(loss, metrics): weighted masked-token CE summed over the batch / valid tokens."""
+  """(loss, metrics): weighted masked-token CE summed over the batch / valid tokens, plus an
+  MoE's weighted router losses (then the CE alone is `metrics["token_loss"]`)."""
   plan = plan_for(cfg)
   _check_batch(cfg, batch, plan)
   objective = get_objective(cfg.objective.name)
@@ -114,7 +116,7 @@ def loss_fn(params, batch, key, cfg: Config, mesh=None):
   hidden, stats = model.forward(
       inputs, batch.pos, batch.meta, make_attend(cfg, mesh),
       layer_weights=gathered_weights(mesh, jnp.dtype(cfg.model.compute_dtype)),
-      row_weight_BR=counted)
+      row_weight_BR=counted, dispatch=local_dispatch(mesh))
   score = functools.partial(objective.score, cfg=cfg.objective)
   rows = [_slot_rows(x, plan, objective.LOSS_SLOT) for x in (hidden, batch.labels, scored, weight)]
   total = _loss_on_every_device(model.head, score, cfg.model.logits_chunk,

@@ -49,8 +49,12 @@ def init_state(cfg: Config, key, mesh, params=None) -> TrainState:
   return jax.jit(lambda p: _fresh_state(cfg, p), out_shardings=state_shardings(cfg, mesh))(params)
 
 
+PEAK_METRICS = ("moe_max_load",)
+
+
 def _accumulated_grads(cfg, mesh, params, batch, key):
-  """Gradient of (sum of token losses) / (valid tokens) over `grad_accum` micro-batches."""
+  """Gradient of (sum of token losses) / (valid tokens) over `grad_accum` micro-batches (plus
+  an MoE's router losses, each micro-batch's weighted by its valid tokens)."""
   n = cfg.train.grad_accum
   grad_fn = jax.value_and_grad(lambda p, b, k: loss_fn(p, b, k, cfg, mesh), has_aux=True)
   if n == 1:
@@ -72,17 +76,20 @@ def _accumulated_grads(cfg, mesh, params, batch, key):
     w = m["valid_tokens"].astype(jnp.float32)
     grads_sum = jax.tree.map(lambda a, b: a + w * b, grads_sum, g)
     totals = {k: t + w * m[k] for k, t in totals.items()}
-    return (grads_sum, totals, count + w, masked + m["masked_tokens"]), None
+    return (grads_sum, totals, count + w, masked + m["masked_tokens"]), {
+        k: m[k] for k in m.keys() & PEAK_METRICS}
 
-  # Every per-token metric (the loss, router losses) is averaged by valid tokens, as the loss.
+  # Every per-token metric (the loss, router losses) is averaged by valid tokens, as the loss;
+  # counts are summed, and ratios (the expert load) give their largest micro-batch value.
   shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), key)[0][1]
   totals = {k: jnp.zeros_like(v) for k, v in shapes.items()
-            if k not in ("valid_tokens", "masked_tokens")}
+            if k not in ("valid_tokens", "masked_tokens", *PEAK_METRICS)}
   init = (jax.tree.map(jnp.zeros_like, params), totals, jnp.float32(0), jnp.int32(0))
-  (grads, totals, count, masked), _ = jax.lax.scan(body, init, (jnp.arange(n), micro))
+  (grads, totals, count, masked), peaks = jax.lax.scan(body, init, (jnp.arange(n), micro))
   count = jnp.maximum(count, 1.0)
   grads = jax.tree.map(lambda g: g / count, grads)
   return grads, dict({k: t / count for k, t in totals.items()},
+                     **{k: p.max() for k, p in peaks.items()},
                      valid_tokens=count.astype(jnp.int32), masked_tokens=masked)
 
 

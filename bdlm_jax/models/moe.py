@@ -7,11 +7,16 @@ grouped matmul (`jax.lax.ragged_dot`), never on all E x tokens. Each call also r
 router statistics that the load-balancing and z losses need, summed over the rows that count.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from bdlm_jax.config import ModelConfig
+
+ACTIVATIONS = {  # model.mlp_activation of the gated MLPs, dense or expert
+    "silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
 
 def _experts_init(shape, param_dtype, rngs):
@@ -31,38 +36,51 @@ class MoE(nnx.Module):
     self.up_proj = _experts_init((e, d, f), param_dtype, rngs)
     self.down_proj = _experts_init((e, f, d), param_dtype, rngs)  # kernel_EFD
 
-  def __call__(self, x_BRD, row_weight_BR=None):
-    """(out [B, R, D], router stats): the stats are float32 sums over the rows weighted by
-    `row_weight_BR` (default all): tokens [], picks [E] (how often each expert is in a row's
-    top-k), probs [E] (router probabilities), z [] (squared log-sum-exp of the logits)."""
-    cfg = self.cfg
-    b, r, d = x_BRD.shape
-    e, k = cfg.moe_experts, cfg.moe_top_k
-    x_TD = x_BRD.reshape(b * r, d)
-    logits_TE = self.router(x_TD).astype(jnp.float32)
-    probs_TE = jax.nn.softmax(logits_TE, axis=-1)
-    weight_TK, expert_TK = jax.lax.top_k(probs_TE, k)
-    if cfg.moe_norm_topk:
-      weight_TK = weight_TK / weight_TK.sum(-1, keepdims=True)
+  def __call__(self, x_BRD, row_weight_BR=None, dispatch=None):
+    """(out [B, R, D], router stats) of `experts`, run by `dispatch(fn, x, row_weight,
+    weights)` (the caller's hook to run it where the rows live; default: here)."""
+    weights = (self.router.kernel[...], self.gate_proj[...], self.up_proj[...],
+               self.down_proj[...])
+    if row_weight_BR is None:
+      row_weight_BR = jnp.ones(x_BRD.shape[:2], jnp.float32)
+    fn = functools.partial(experts, self.cfg)
+    return (dispatch or (lambda fn, *args: fn(*args)))(fn, x_BRD, row_weight_BR, weights)
 
-    # Pairs sorted by expert: expert j's rows are the j-th group of the grouped matmuls.
-    expert_P = expert_TK.reshape(-1)
-    order_P = jnp.argsort(expert_P, stable=True)
-    x_PD = x_TD[order_P // k]
-    sizes_E = jnp.bincount(expert_P, length=e).astype(jnp.int32)
-    dtype = x_BRD.dtype
-    mm = lambda a, w: jax.lax.ragged_dot(a, w[...].astype(dtype), sizes_E)
-    h_PF = jax.nn.silu(mm(x_PD, self.gate_proj)) * mm(x_PD, self.up_proj)
-    y_PD = mm(h_PF, self.down_proj)
-    y_TKD = jnp.zeros_like(y_PD).at[order_P].set(y_PD).reshape(b * r, k, d)
-    out_TD = jnp.einsum("tkd,tk->td", y_TKD, weight_TK.astype(dtype))
 
-    w_T = (jnp.ones((b * r,), jnp.float32) if row_weight_BR is None
-           else row_weight_BR.reshape(-1).astype(jnp.float32))
-    picks_TE = jax.nn.one_hot(expert_TK, e, dtype=jnp.float32).sum(1)
-    stats = dict(tokens=w_T.sum(), picks=w_T @ picks_TE, probs=w_T @ probs_TE,
-                 z=w_T @ jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
-    return out_TD.reshape(b, r, d), stats
+def experts(cfg: ModelConfig, x_BRD, row_weight_BR, weights):
+  """(out [B, R, D], router stats) of the rows at hand, with no communication.
+
+  The stats are float32 sums over the rows weighted by `row_weight_BR`: tokens [], picks [E]
+  (how often each expert is in a row's top-k), probs [E] (router probabilities), z []
+  (squared log-sum-exp of the logits); sums, so that shards of rows add up.
+  """
+  router_DE, gate_EDF, up_EDF, down_EFD = weights
+  b, r, d = x_BRD.shape
+  e, k = cfg.moe_experts, cfg.moe_top_k
+  dtype = x_BRD.dtype
+  x_TD = x_BRD.reshape(b * r, d)
+  logits_TE = (x_TD @ router_DE.astype(dtype)).astype(jnp.float32)
+  probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+  weight_TK, expert_TK = jax.lax.top_k(probs_TE, k)
+  if cfg.moe_norm_topk:
+    weight_TK = weight_TK / weight_TK.sum(-1, keepdims=True)
+
+  # Pairs sorted by expert: expert j's rows are the j-th group of the grouped matmuls.
+  expert_P = expert_TK.reshape(-1)
+  order_P = jnp.argsort(expert_P, stable=True)
+  x_PD = x_TD[order_P // k]
+  sizes_E = jnp.bincount(expert_P, length=e).astype(jnp.int32)
+  mm = lambda a, w: jax.lax.ragged_dot(a, w.astype(dtype), sizes_E)
+  h_PF = ACTIVATIONS[cfg.mlp_activation](mm(x_PD, gate_EDF)) * mm(x_PD, up_EDF)
+  y_PD = mm(h_PF, down_EFD)
+  y_TKD = jnp.zeros_like(y_PD).at[order_P].set(y_PD).reshape(b * r, k, d)
+  out_TD = jnp.einsum("tkd,tk->td", y_TKD, weight_TK.astype(dtype))
+
+  w_T1 = row_weight_BR.reshape(-1, 1).astype(jnp.float32)
+  stats = dict(tokens=w_T1.sum(), picks=jnp.zeros(e).at[expert_TK].add(w_T1),
+               probs=(w_T1 * probs_TE).sum(0),
+               z=(w_T1[:, 0] * jnp.square(jax.nn.logsumexp(logits_TE, axis=-1))).sum())
+  return out_TD.reshape(b, r, d), stats
 
 
 def router_losses(stats: dict, num_experts: int) -> dict:

@@ -20,7 +20,7 @@ from flax import nnx
 from bdlm_jax.config import ModelConfig, layer_period, layer_types
 from bdlm_jax.kernels import residuals
 from bdlm_jax.kernels.mask import RowMeta
-from bdlm_jax.models.moe import MoE
+from bdlm_jax.models.moe import ACTIVATIONS, MoE
 
 AttendFn = Callable[..., tuple[jax.Array, jax.Array]]
 
@@ -86,14 +86,13 @@ class Attention(nnx.Module):
     return q, k, v
 
 
-_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
 
 class MLP(nnx.Module):
   """Gated: SwiGLU or GeGLU, by `model.mlp_activation`."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.activation = _ACTIVATIONS[cfg.mlp_activation]
+    self.activation = ACTIVATIONS[cfg.mlp_activation]
     self.gate_proj = _linear(cfg.d_model, cfg.d_ff, cfg, rngs)
     self.up_proj = _linear(cfg.d_model, cfg.d_ff, cfg, rngs)
     self.down_proj = _linear(cfg.d_ff, cfg.d_model, cfg, rngs)
@@ -124,25 +123,26 @@ class Block(nnx.Module):
     """The `window` argument of `attend` for a layer of this kind."""
     return self.cfg.sliding_window if kind == "local" else None
 
-  def finish(self, x_BRD, attn_BRHD, row_weight_BR=None):
-    """(x, router stats: {} for a dense MLP; see `MoE`, counted over `row_weight_BR`)."""
+  def finish(self, x_BRD, attn_BRHD, row_weight_BR=None, dispatch=None):
+    """(x, router stats: {} for a dense MLP; see `MoE`, counted over `row_weight_BR` and
+    run by `dispatch`)."""
     b, r = attn_BRHD.shape[:2]
     out_BRD = self.attn.o_proj(attn_BRHD.reshape(b, r, -1))
     if self.cfg.post_norms:
       out_BRD = self.post_attn_norm(out_BRD)
     x_BRD = x_BRD + out_BRD
     h_BRD = self.mlp_norm(x_BRD)
-    out_BRD, stats = (self.mlp(h_BRD, row_weight_BR) if self.cfg.moe_experts
+    out_BRD, stats = (self.mlp(h_BRD, row_weight_BR, dispatch) if self.cfg.moe_experts
                       else (self.mlp(h_BRD), {}))
     if self.cfg.post_norms:
       out_BRD = self.post_mlp_norm(out_BRD)
     return x_BRD + out_BRD, stats
 
   def __call__(self, x_BRD, pos_BR, meta: RowMeta, attend: AttendFn, kind: str = "global",
-               row_weight_BR=None):
+               row_weight_BR=None, dispatch=None):
     q, k, v = self.project(x_BRD, pos_BR, kind)
     attn_BRHD, _ = attend(q, k, v, meta, meta, window=self.window(kind))
-    return self.finish(x_BRD, attn_BRHD, row_weight_BR)
+    return self.finish(x_BRD, attn_BRHD, row_weight_BR, dispatch)
 
 
 def is_stacked(path) -> bool:
@@ -238,9 +238,10 @@ class Transformer(nnx.Module):
     return self.forward(tokens_BR, pos_BR, meta, attend, layer_weights)[0]
 
   def forward(self, tokens_BR, pos_BR, meta: RowMeta, attend: AttendFn, layer_weights=None,
-              row_weight_BR=None):
+              row_weight_BR=None, dispatch=None):
     """(final hidden states [B, R, D], per-layer router stats stacked on a layer axis: {}
-    for dense MLPs; MoE layers count the rows of `row_weight_BR`, default all).
+    for dense MLPs; MoE layers count the rows of `row_weight_BR`, default all, and run
+    through `dispatch`, the caller's hook: see `MoE`).
 
     Positions and row metadata ride in the scan carry, unchanged: as constants of the loop,
     JAX would hoist everything computed from them alone out of it, including the attention
@@ -248,7 +249,7 @@ class Transformer(nnx.Module):
     """
     def layer(block, carry, kind):
       x_BRD, pos_BR, meta, row_weight_BR = carry
-      x_BRD, stats = block(x_BRD, pos_BR, meta, attend, kind, row_weight_BR)
+      x_BRD, stats = block(x_BRD, pos_BR, meta, attend, kind, row_weight_BR, dispatch)
       return (x_BRD, pos_BR, meta, row_weight_BR), stats
 
     carry = (self.embed_tokens(tokens_BR), pos_BR, meta, row_weight_BR)
