@@ -141,7 +141,7 @@ def kernel_calls(plan, transport: str, window: int | None = None, exchange=None)
   """
   meta = plan_row_meta(plan)
   p = plan.num_ranks
-  split = plan.n_noisy if plan.travel == "clean" else 0
+  split = plan.n_stay
   rank = lambda r, lo=0, hi=None: RowMeta(*(x[r:r + 1, lo:hi] for x in meta))
   concat = lambda parts: RowMeta(*(np.concatenate(xs, 1) for xs in zip(*parts)))
   for r in range(p):

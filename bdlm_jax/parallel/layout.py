@@ -39,6 +39,12 @@ class LayoutPlan:
   def rows_per_rank(self) -> int:
     return self.rows.shape[1]
 
+  @property
+  def n_stay(self) -> int:
+    """Local rows before each rank's travelling part: the noisy slot when only clean K/V
+    travel (csbp), none when everything does (cp)."""
+    return self.n_noisy if self.travel == "clean" else 0
+
   def attention_work(self, window: int | None = None) -> np.ndarray:
     """Allowed (query, key) pairs each rank computes, int64 [P] (one document, no padding),
     on a global layer or a local one of window W.

@@ -68,7 +68,7 @@ def attention_traffic(plan: LayoutPlan, kv_row_bytes: float, grad_row_bytes: flo
     rows = exchange_for(plan, window).rows_sent()
     out["collective-permute"] = n_layers * rows * (2 * kv_row_bytes + meta_row_bytes)
     return out
-  travel = plan.rows_per_rank - (plan.n_noisy if plan.travel == "clean" else 0)
+  travel = plan.rows_per_rank - plan.n_stay
   kv, grads = travel * (kv_row_bytes + meta_row_bytes), travel * grad_row_bytes
   if transport == "ring":
     out["collective-permute"] = n_layers * (2 * (p - 1) * kv + p * grads)

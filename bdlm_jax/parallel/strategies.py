@@ -21,7 +21,7 @@ from bdlm_jax.parallel.allgather import allgather_attend
 from bdlm_jax.parallel.layout import LayoutPlan, make_plan
 from bdlm_jax.parallel.mesh import BATCH_AXES
 from bdlm_jax.parallel.ring import ring_attend
-from bdlm_jax.parallel.window import exchange_attend, exchange_plan, travel_split
+from bdlm_jax.parallel.window import exchange_attend, exchange_plan
 
 # The name scope of the attention `shard_map`: HLO collectives whose op_name holds it (forward
 # and backward) are the attention's traffic; the rest of a step's are weight traffic.
@@ -51,7 +51,7 @@ def _local_attend(plan: LayoutPlan, transport: str, kernel, chunk: int, num_rank
   attend = functools.partial(kernel.attend, chunk=chunk)
   if transport == "local":
     return attend
-  split = travel_split(plan)
+  split = plan.n_stay
   if transport == "ring":
     move = functools.partial(ring_attend, kernel, "seq", num_ranks, chunk, grad_dtype)
   else:
@@ -77,7 +77,7 @@ def window_transport(plan: LayoutPlan, window: int) -> str:
   transport = TRANSPORTS[plan.strategy]
   if transport == "local":
     return transport
-  travelling = (plan.rows_per_rank - travel_split(plan)) * (plan.num_ranks - 1)
+  travelling = (plan.rows_per_rank - plan.n_stay) * (plan.num_ranks - 1)
   return "exchange" if exchange_for(plan, window).rows_sent() < travelling else transport
 
 
@@ -85,7 +85,7 @@ def _windowed_attend(plan: LayoutPlan, global_body, kernel, chunk: int, window: 
   """The attention body of a local layer of window W."""
   if window_transport(plan, window) == "exchange":
     return functools.partial(exchange_attend, kernel, "seq", exchange_for(plan, window),
-                             travel_split(plan), chunk, window, plan.block_size)
+                             plan.n_stay, chunk, window, plan.block_size)
 
   return functools.partial(with_windows(global_body, plan.block_size), window=window)
 

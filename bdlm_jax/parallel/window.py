@@ -46,11 +46,6 @@ class ExchangePlan:
                    for r in range(self.num_ranks))) if self.distances else 0
 
 
-def travel_split(plan: LayoutPlan) -> int:
-  """Local rows before the travelling part: the noisy slot under csbp, none under cp."""
-  return plan.n_noisy if plan.travel == "clean" else 0
-
-
 def reached_rows(plan: LayoutPlan, window: int) -> np.ndarray:
   """bool [P, 2L]: the logical rows (noisy r < L, clean L + p) that some query of each rank
   may attend to on a local layer of window W, ignoring documents (a superset is safe)."""
@@ -74,7 +69,7 @@ def reached_rows(plan: LayoutPlan, window: int) -> np.ndarray:
 
 def exchange_plan(plan: LayoutPlan, window: int) -> ExchangePlan:
   """The static plan of the windowed exchange for `plan`'s travelling rows and window W."""
-  p, split = plan.num_ranks, travel_split(plan)
+  p, split = plan.num_ranks, plan.n_stay
   reached = reached_rows(plan, window)
   travel = plan.rows[:, split:]
   distances, send, valid = [], [], []

@@ -17,7 +17,7 @@ from bdlm_jax.kernels.tiles import plan_row_meta
 from bdlm_jax.parallel.layout import PAD, make_plan
 from bdlm_jax.parallel.probe import attention_layer_costs
 from bdlm_jax.parallel.strategies import window_transport
-from bdlm_jax.parallel.window import exchange_plan, travel_split
+from bdlm_jax.parallel.window import exchange_plan
 from tests.parallel import test_strategies
 
 L = 96  # on 8 ranks: L/P = 12 rows of each stream per rank
@@ -99,7 +99,7 @@ def test_the_exchange_brings_every_key_a_window_reaches(strategy, seq_len, block
   exchange = exchange_plan(plan, window)
   meta = plan_row_meta(plan)
   rank_meta = lambda r: RowMeta(*(x[r:r + 1] for x in meta))
-  travel = plan.rows[:, travel_split(plan):]
+  travel = plan.rows[:, plan.n_stay:]
   for dst in range(plan.num_ranks):
     have = set(plan.rows[dst][plan.rows[dst] != PAD].tolist())
     for d, send, valid in zip(exchange.distances, exchange.send, exchange.valid):
