@@ -31,8 +31,6 @@ import sys
 import time
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # simulated mesh when no accelerator
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      os.path.join(os.path.expanduser("~"), ".cache", "bdlm_jax_xla"))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
