@@ -30,6 +30,7 @@ OBJECTIVES = ("bd3lm", "fast_dllm_v2", "ar")
 ATTENTION_IMPLS = ("xla", "pallas")
 LAYER_TYPES = ("global", "local")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama, Qwen3), GeGLU (Gemma 3)
+MOE_DISPATCHES = ("ragged_all_to_all", "all_gather")  # parallel.moe_dispatch
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full")
 MODES = ("train", "eval", "sample", "export", "plan")
@@ -63,6 +64,11 @@ class ModelConfig:
   moe_norm_topk: bool = False  # renormalise the k weights to sum to 1 (norm_topk_prob)
   moe_aux_weight: float = 0.001  # load-balancing loss (Qwen3-MoE's router_aux_loss_coef)
   moe_z_weight: float = 0.0  # router z-loss
+  # Drop (token, expert) pairs over an expert's capacity, ceil(factor * tokens * k / E) of
+  # the tokens routed together (a device's rows, or an expert-parallel group's); the share
+  # dropped is logged as moe_dropped. Off: every pair is computed.
+  moe_drop_tokens: bool = False
+  moe_capacity_factor: float = 1.25
   # Gemma 3's departures from Llama (all off for Llama and Qwen3):
   post_norms: bool = False  # an RMSNorm on the attention and MLP outputs, before each residual add
   scale_embeddings: bool = False  # input embeddings times sqrt(d_model); the tied head is not
@@ -128,6 +134,13 @@ class ParallelConfig:
   # dtype of the travelling dK/dV (ring accumulators, all-gather's reduce-scatter); K/V
   # themselves travel in model.compute_dtype.
   kv_grad_dtype: str = "float32"
+  # Expert parallelism: mesh axes (comma-separated, from data, fsdp, seq) whose devices split
+  # the experts of each MoE layer; tokens travel to their experts' devices and back by
+  # moe_dispatch: ragged_all_to_all (exact-size messages; GPU/TPU) or all_gather (gather every
+  # token of the group, psum_scatter the outputs back; runs everywhere). Empty: every device
+  # holds every expert and routes its own rows.
+  expert_axes: str = ""
+  moe_dispatch: str = "ragged_all_to_all"
   # Multi-host: left empty, jax.distributed.initialize reads the environment (SLURM, ...).
   coordinator_address: str = ""
   num_processes: int = 0
@@ -360,6 +373,7 @@ _RANGES = {
     "model.moe_d_ff": (">= 0 (0: model.d_ff)", lambda x: x >= 0),
     "model.moe_aux_weight": _AT_LEAST_0,
     "model.moe_z_weight": _AT_LEAST_0,
+    "model.moe_capacity_factor": _ABOVE_0,
     "model.norm_eps": ("in (0, 1)", lambda x: 0 < x < 1),
     "model.query_pre_attn_scalar": (">= 0 (0: head_dim)", lambda x: x >= 0),
     "model.logit_softcap": (">= 0 (0: no soft cap)", lambda x: x >= 0),
@@ -446,6 +460,7 @@ def validate(cfg: Config) -> None:
   if m.moe_experts and not 1 <= m.moe_top_k <= m.moe_experts:
     raise ConfigError(f"model.moe_top_k={m.moe_top_k} must lie in [1, model.moe_experts="
                       f"{m.moe_experts}]: each token picks k of the E experts")
+  _check_expert_parallel(m, p)
   if m.n_heads % m.n_kv_heads:
     raise ConfigError(
         f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={m.n_kv_heads}")
@@ -492,6 +507,29 @@ def layer_types(m: ModelConfig) -> tuple[str, ...]:
   """The attention type of every layer: `m.layer_pattern` repeated over `m.n_layers`."""
   period = layer_period(m)
   return tuple(period[i % len(period)] for i in range(m.n_layers))
+
+
+def expert_axes(p: "ParallelConfig") -> tuple[str, ...]:
+  """`parallel.expert_axes` as a tuple of mesh axis names."""
+  return tuple(a.strip() for a in p.expert_axes.split(",") if a.strip())
+
+
+def _check_expert_parallel(m: ModelConfig, p: "ParallelConfig") -> None:
+  _choice("parallel.moe_dispatch", p.moe_dispatch, MOE_DISPATCHES)
+  axes = expert_axes(p)
+  if not axes:
+    return
+  for axis in axes:
+    _choice("parallel.expert_axes entry", axis, ("data", "fsdp", "seq"))
+  if len(set(axes)) != len(axes):
+    raise ConfigError(f"parallel.expert_axes={p.expert_axes!r} names an axis twice")
+  if not m.moe_experts:
+    raise ConfigError(f"parallel.expert_axes={p.expert_axes!r} splits experts, but "
+                      f"model.moe_experts=0 (dense MLPs)")
+  ways = math.prod(getattr(p, a) for a in axes)
+  if m.moe_experts % ways:
+    raise ConfigError(f"model.moe_experts={m.moe_experts} does not divide over "
+                      f"parallel.expert_axes={p.expert_axes!r} ({ways} devices)")
 
 
 def _check_layer_pattern(m: ModelConfig) -> None:

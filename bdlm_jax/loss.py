@@ -14,12 +14,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from bdlm_jax.batch import make_batch
-from bdlm_jax.config import Config, ConfigError, replace
+from bdlm_jax.config import Config, ConfigError, expert_axes, replace
 from bdlm_jax.models.moe import router_losses
 from bdlm_jax.models.transformer import head_logits
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.params import merge
-from bdlm_jax.parallel.experts import local_dispatch
+from bdlm_jax.parallel.experts import expert_dispatch
 from bdlm_jax.parallel.mesh import BATCH_AXES, row_sharding
 from bdlm_jax.parallel.strategies import make_attend, plan_for
 from bdlm_jax.parallel.zero3 import gathered_weights
@@ -115,8 +115,9 @@ def loss_fn(params, batch, key, cfg: Config, mesh=None):
   counted = (batch.seg > 0) & plan.first_copies[None]
   hidden, stats = model.forward(
       inputs, batch.pos, batch.meta, make_attend(cfg, mesh),
-      layer_weights=gathered_weights(mesh, jnp.dtype(cfg.model.compute_dtype)),
-      row_weight_BR=counted, dispatch=local_dispatch(mesh))
+      layer_weights=gathered_weights(mesh, jnp.dtype(cfg.model.compute_dtype),
+                                     expert_axes(cfg.parallel)),
+      row_weight_BR=counted, dispatch=expert_dispatch(cfg, mesh))
   score = functools.partial(objective.score, cfg=cfg.objective)
   rows = [_slot_rows(x, plan, objective.LOSS_SLOT) for x in (hidden, batch.labels, scored, weight)]
   total = _loss_on_every_device(model.head, score, cfg.model.logits_chunk,

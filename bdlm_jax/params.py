@@ -7,7 +7,7 @@ import json
 import jax
 from flax import nnx
 
-from bdlm_jax.config import Config, ModelConfig
+from bdlm_jax.config import Config, ModelConfig, expert_axes
 from bdlm_jax.models.transformer import Transformer
 from bdlm_jax.parallel.zero3 import zero3_shardings
 
@@ -43,4 +43,5 @@ def init_params(cfg: Config, key, mesh=None):
 
   if mesh is None:
     return jax.jit(init)(key)
-  return jax.jit(init, out_shardings=zero3_shardings(mesh, abstract_params(cfg)))(key)
+  return jax.jit(init, out_shardings=zero3_shardings(mesh, abstract_params(cfg),
+                                                      expert_axes(cfg.parallel)))(key)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from bdlm_jax.config import Config
+from bdlm_jax.config import Config, expert_axes
 from bdlm_jax.loss import loss_fn
 from bdlm_jax.optimizer import learning_rate, make_optimizer
 from bdlm_jax.params import abstract_params, init_params
@@ -26,7 +26,7 @@ class TrainState(NamedTuple):
 
 def state_shardings(cfg: Config, mesh):
   """Parameters and every optimiser moment sharded alike over fsdp*seq; scalars replicated."""
-  return zero3_shardings(mesh, _state_shapes(cfg))
+  return zero3_shardings(mesh, _state_shapes(cfg), expert_axes(cfg.parallel))
 
 
 def abstract_state(cfg: Config, mesh) -> TrainState:
@@ -65,7 +65,7 @@ def _accumulated_grads(cfg, mesh, params, batch, key):
   micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1),
                        batch)
 
-  shards = zero3_shardings(mesh, params)
+  shards = zero3_shardings(mesh, params, expert_axes(cfg.parallel))
 
   def body(carry, xs):
     grads_sum, totals, count, masked = carry

@@ -21,7 +21,7 @@ from jax.sharding import SingleDeviceSharding
 from bdlm_jax.checkpoint.hf_names import (IGNORED_SUFFIXES, Tensor, get_path,
                                           model_config_from_hf, set_path, shape_fields,
                                           tensor_map)
-from bdlm_jax.config import Config, ConfigError, ModelConfig, replace
+from bdlm_jax.config import Config, ConfigError, ModelConfig, expert_axes, replace
 from bdlm_jax.params import abstract_params
 from bdlm_jax.parallel.zero3 import zero3_shardings
 
@@ -109,7 +109,7 @@ def _read_params(path: str, cfg: Config, mesh) -> dict:
   if mesh is None:
     shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
   else:
-    shardings = zero3_shardings(mesh, abstract)
+    shardings = zero3_shardings(mesh, abstract, expert_axes(cfg.parallel))
   names = tensor_map(cfg.model)
   by_path: dict[tuple, list] = {}
   for t in names:

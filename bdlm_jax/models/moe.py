@@ -5,9 +5,15 @@ top-k experts and their weights (renormalised to sum to 1 when `model.moe_norm_t
 (token, expert) pairs are sorted by expert and each expert's SwiGLU runs on its own rows as a
 grouped matmul (`jax.lax.ragged_dot`), never on all E x tokens. Each call also returns the
 router statistics that the load-balancing and z losses need, summed over the rows that count.
+
+With `model.moe_drop_tokens` an expert takes at most C = ceil(capacity_factor * T * k / E) of
+the pairs of the T tokens routed together, first come first served; a dropped pair adds
+nothing to its token's output. The pieces are pure functions of arrays, so that
+`parallel/experts.py` can run the same routing with the experts spread over devices.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +23,16 @@ from bdlm_jax.config import ModelConfig
 
 ACTIVATIONS = {  # model.mlp_activation of the gated MLPs, dense or expert
     "silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")  # MoE's stacked [E, ...] params
+
+
+def is_expert_weight(path) -> bool:
+  """Whether a pytree path (params, optimiser state, or one layer's nnx state) ends at an
+  expert weight: `mlp/gate_proj` etc. with no `kernel` below (a dense MLP's has one)."""
+  names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+  return names[-2:-1] == ["mlp"] and names[-1] in EXPERT_WEIGHTS
 
 
 def _experts_init(shape, param_dtype, rngs):
@@ -37,14 +53,13 @@ class MoE(nnx.Module):
     self.down_proj = _experts_init((e, f, d), param_dtype, rngs)  # kernel_EFD
 
   def __call__(self, x_BRD, row_weight_BR=None, dispatch=None):
-    """(out [B, R, D], router stats) of `experts`, run by `dispatch(fn, x, row_weight,
-    weights)` (the caller's hook to run it where the rows live; default: here)."""
+    """(out [B, R, D], router stats) of `experts`, or of `dispatch(x, row_weight, weights)`,
+    the caller's hook to run it where the rows and experts live."""
     weights = (self.router.kernel[...], self.gate_proj[...], self.up_proj[...],
                self.down_proj[...])
     if row_weight_BR is None:
       row_weight_BR = jnp.ones(x_BRD.shape[:2], jnp.float32)
-    fn = functools.partial(experts, self.cfg)
-    return (dispatch or (lambda fn, *args: fn(*args)))(fn, x_BRD, row_weight_BR, weights)
+    return (dispatch or functools.partial(experts, self.cfg))(x_BRD, row_weight_BR, weights)
 
 
 def experts(cfg: ModelConfig, x_BRD, row_weight_BR, weights):
@@ -52,35 +67,89 @@ def experts(cfg: ModelConfig, x_BRD, row_weight_BR, weights):
 
   The stats are float32 sums over the rows weighted by `row_weight_BR`: tokens [], picks [E]
   (how often each expert is in a row's top-k), probs [E] (router probabilities), z []
-  (squared log-sum-exp of the logits); sums, so that shards of rows add up.
+  (squared log-sum-exp of the logits), dropped [] (picks over capacity); sums, so that shards
+  of rows add up.
   """
   router_DE, gate_EDF, up_EDF, down_EFD = weights
   b, r, d = x_BRD.shape
-  e, k = cfg.moe_experts, cfg.moe_top_k
-  dtype = x_BRD.dtype
   x_TD = x_BRD.reshape(b * r, d)
-  logits_TE = (x_TD @ router_DE.astype(dtype)).astype(jnp.float32)
-  probs_TE = jax.nn.softmax(logits_TE, axis=-1)
-  weight_TK, expert_TK = jax.lax.top_k(probs_TE, k)
+  weight_TK, expert_TK, logits_TE = route(cfg, x_TD, router_DE)
+  order_P, expert_P, sizes_E = sort_pairs(expert_TK, cfg.moe_experts)
+  keep_P = keep_mask(expert_P, sizes_E, kept_counts(sizes_E[None], capacity(cfg, b * r))[0])
+  y_PD = expert_mlp(cfg, x_TD[order_P // cfg.moe_top_k], sizes_E, gate_EDF, up_EDF, down_EFD)
+  out_TD = combine(jnp.where(keep_P[:, None], y_PD, 0), order_P, weight_TK)
+  return out_TD.reshape(b, r, d), router_stats(row_weight_BR, logits_TE, expert_TK,
+                                               unsort(keep_P, order_P, cfg.moe_top_k))
+
+
+def route(cfg: ModelConfig, x_TD, router_DE):
+  """(weights [T, k] f32, experts [T, k], logits [T, E] f32): each token's top-k experts of a
+  float32 softmax over all E, the weights renormalised to sum to 1 if `moe_norm_topk`."""
+  logits_TE = (x_TD @ router_DE.astype(x_TD.dtype)).astype(jnp.float32)
+  weight_TK, expert_TK = jax.lax.top_k(jax.nn.softmax(logits_TE, axis=-1), cfg.moe_top_k)
   if cfg.moe_norm_topk:
     weight_TK = weight_TK / weight_TK.sum(-1, keepdims=True)
+  return weight_TK, expert_TK, logits_TE
 
-  # Pairs sorted by expert: expert j's rows are the j-th group of the grouped matmuls.
-  expert_P = expert_TK.reshape(-1)
-  order_P = jnp.argsort(expert_P, stable=True)
-  x_PD = x_TD[order_P // k]
-  sizes_E = jnp.bincount(expert_P, length=e).astype(jnp.int32)
-  mm = lambda a, w: jax.lax.ragged_dot(a, w.astype(dtype), sizes_E)
-  h_PF = ACTIVATIONS[cfg.mlp_activation](mm(x_PD, gate_EDF)) * mm(x_PD, up_EDF)
-  y_PD = mm(h_PF, down_EFD)
-  y_TKD = jnp.zeros_like(y_PD).at[order_P].set(y_PD).reshape(b * r, k, d)
-  out_TD = jnp.einsum("tkd,tk->td", y_TKD, weight_TK.astype(dtype))
 
+def sort_pairs(expert_TK, num_experts: int):
+  """(order [P], expert of each sorted pair [P], pairs per expert [E]) of the P = T*k
+  (token, expert) pairs sorted by expert, stably: expert j's pairs form the j-th group of the
+  grouped matmuls, in token order."""
+  flat_P = expert_TK.reshape(-1)
+  order_P = jnp.argsort(flat_P, stable=True)
+  return order_P, flat_P[order_P], jnp.bincount(flat_P, length=num_experts).astype(jnp.int32)
+
+
+def capacity(cfg: ModelConfig, tokens: int) -> int | None:
+  """Pairs each expert takes from `tokens` routed together (None: all, no dropping)."""
+  if not cfg.moe_drop_tokens:
+    return None
+  return math.ceil(cfg.moe_capacity_factor * tokens * cfg.moe_top_k / cfg.moe_experts)
+
+
+def kept_counts(counts_GE, cap: int | None):
+  """Pairs each of G members keeps per expert, when the members' pairs queue for an expert's
+  `cap` slots in member order (the first member's first)."""
+  if cap is None:
+    return counts_GE
+  before_GE = jnp.cumsum(counts_GE, axis=0) - counts_GE
+  return jnp.clip(cap - before_GE, 0, counts_GE)
+
+
+def keep_mask(expert_P, sizes_E, kept_E):
+  """Whether each expert-sorted pair is among the first kept_E[e] of its expert e."""
+  rank_P = jnp.arange(expert_P.shape[0]) - (jnp.cumsum(sizes_E) - sizes_E)[expert_P]
+  return rank_P < kept_E[expert_P]
+
+
+def expert_mlp(cfg: ModelConfig, x_ND, sizes_E, gate_EDF, up_EDF, down_EFD):
+  """Each expert's gated MLP on its group of rows (groups in order, sizes_E rows each): three
+  grouped matmuls, never E x rows. Rows after the last group come out as zeros."""
+  mm = lambda a, w: jax.lax.ragged_dot(a, w.astype(a.dtype), sizes_E)
+  return mm(ACTIVATIONS[cfg.mlp_activation](mm(x_ND, gate_EDF)) * mm(x_ND, up_EDF), down_EFD)
+
+
+def unsort(sorted_P, order_P, k: int):
+  """Expert-sorted pairs back in token order, [T, k, ...]."""
+  flat = jnp.zeros_like(sorted_P).at[order_P].set(sorted_P)
+  return flat.reshape(-1, k, *sorted_P.shape[1:])
+
+
+def combine(y_PD, order_P, weight_TK):
+  """[T, D]: each token's expert outputs (sorted pairs) summed with its k weights."""
+  y_TKD = unsort(y_PD, order_P, weight_TK.shape[1])
+  return jnp.einsum("tkd,tk->td", y_TKD, weight_TK.astype(y_PD.dtype))
+
+
+def router_stats(row_weight_BR, logits_TE, expert_TK, keep_TK):
+  """The router sums of `experts` (see there) over these rows."""
   w_T1 = row_weight_BR.reshape(-1, 1).astype(jnp.float32)
-  stats = dict(tokens=w_T1.sum(), picks=jnp.zeros(e).at[expert_TK].add(w_T1),
-               probs=(w_T1 * probs_TE).sum(0),
-               z=(w_T1[:, 0] * jnp.square(jax.nn.logsumexp(logits_TE, axis=-1))).sum())
-  return out_TD.reshape(b, r, d), stats
+  return dict(tokens=w_T1.sum(),
+              picks=jnp.zeros(logits_TE.shape[-1]).at[expert_TK].add(w_T1),
+              probs=(w_T1 * jax.nn.softmax(logits_TE, axis=-1)).sum(0),
+              z=(w_T1[:, 0] * jnp.square(jax.nn.logsumexp(logits_TE, axis=-1))).sum(),
+              dropped=(w_T1 * ~keep_TK).sum())
 
 
 def router_losses(stats: dict, num_experts: int) -> dict:
@@ -88,11 +157,13 @@ def router_losses(stats: dict, num_experts: int) -> dict:
 
   As Qwen3-MoE's `load_balancing_loss_func`: E * sum_e f_e * P_e, with f (share of top-k
   picks) and P (mean probability) pooled over every layer's counted tokens, and the expert
-  load max_e f_e / mean_e f_e (1 = balanced).
+  load max_e f_e / mean_e f_e (1 = balanced); and the share of picks dropped over an
+  expert's capacity (`model.moe_drop_tokens`).
   """
   tokens = jnp.maximum(stats["tokens"].sum(), 1.0)
   f_E = stats["picks"].sum(0) / tokens
   p_E = stats["probs"].sum(0) / tokens
   return dict(moe_aux_loss=num_experts * jnp.sum(f_E * p_E),
               moe_z_loss=stats["z"].sum() / tokens,
-              moe_max_load=f_E.max() / jnp.maximum(f_E.mean(), 1e-9))
+              moe_max_load=f_E.max() / jnp.maximum(f_E.mean(), 1e-9),
+              moe_dropped=stats["dropped"].sum() / jnp.maximum(stats["picks"].sum(), 1.0))

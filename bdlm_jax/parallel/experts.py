@@ -1,33 +1,157 @@
-"""Where a mixture-of-experts layer runs: on the rows each device holds.
+"""Where a mixture-of-experts layer runs: each device routes the rows it holds.
 
 Under plain jit, GSPMD cannot partition the routing (a sort of every (token, expert) pair and
 grouped matmuls over them): it would gather the whole batch's pairs onto every device and
-route all of them there. `local_dispatch` runs `models.moe.experts` under `shard_map` on each
-device's own rows, with the layer's weights as the layer scan gathered them, and sums the
-router statistics (sums over rows by construction) over the row axes.
+route all of them there. So the layer runs under `shard_map`, in one of two layouts:
+
+* `parallel.expert_axes` empty: every device holds every expert (the layer scan gathered the
+  weights) and runs `models.moe.experts` on its own rows.
+* expert parallelism: the devices along `parallel.expert_axes` form a group of G that splits
+  the E experts, E/G each, in order. A device sorts its (token, expert) pairs by expert, which
+  also groups them by the device holding their expert, and sends each kept pair's row there;
+  that device runs its experts' grouped matmuls on every row it received and sends the outputs
+  back. The message sizes come from the group's per-expert pair counts (one small all-gather),
+  so every device knows the whole exchange: `jax.lax.ragged_all_to_all` moves exactly the rows
+  needed; the `all_gather` dispatch gathers the group's rows and returns outputs with one
+  `psum_scatter`. Capacity (`model.moe_drop_tokens`) is counted over the group's tokens.
+
+Router statistics are sums over rows, so they are psummed over the row axes either way.
 """
 
+import functools
+from typing import NamedTuple
+
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from bdlm_jax.config import Config, ModelConfig, expert_axes
+from bdlm_jax.models import moe
 from bdlm_jax.parallel.mesh import BATCH_AXES
 
 ROW_AXES = (*BATCH_AXES, "seq")
 
 
-def local_dispatch(mesh):
-  """The `dispatch` hook of `models.moe.MoE` for row-sharded activations on `mesh`."""
+def expert_dispatch(cfg: Config, mesh):
+  """The `dispatch` hook of `models.moe.MoE` for row-sharded activations on `mesh` (None on
+  one device: `experts` runs as it is)."""
   if mesh is None or mesh.size == 1:
     return None
+  axes = expert_axes(cfg.parallel)
+  if axes:
+    body = functools.partial(_expert_parallel, cfg.model, axes, cfg.parallel.moe_dispatch)
+    weight_specs = (P(), P(axes), P(axes), P(axes))  # router, gate, up, down
+  else:
+    body, weight_specs = functools.partial(moe.experts, cfg.model), P()
+  row_spec = P(BATCH_AXES, "seq", None)
 
-  def dispatch(fn, x_BRD, row_weight_BR, weights):
-    def body(x_BRD, row_weight_BR, weights):
-      out_BRD, stats = fn(x_BRD, row_weight_BR, weights)
-      return out_BRD, jax.lax.psum(stats, ROW_AXES)
+  def local(x_BRD, row_weight_BR, weights):
+    out_BRD, stats = body(x_BRD, row_weight_BR, weights)
+    return out_BRD, jax.lax.psum(stats, ROW_AXES)
 
-    return jax.shard_map(body, mesh=mesh,
-                         in_specs=(P(BATCH_AXES, "seq", None), P(BATCH_AXES, "seq"), P()),
-                         out_specs=(P(BATCH_AXES, "seq", None), P()))(x_BRD, row_weight_BR,
-                                                                      weights)
+  def dispatch(x_BRD, row_weight_BR, weights):
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(row_spec, P(BATCH_AXES, "seq"), weight_specs),
+                         out_specs=(row_spec, P()))(x_BRD, row_weight_BR, weights)
 
   return dispatch
+
+
+def _exclusive_cumsum(x, axis=0):
+  return jnp.cumsum(x, axis=axis) - x
+
+
+class Exchange(NamedTuple):
+  """Who sends whom how many rows, seen from device `me` of a group of G: `sent[i, j]` kept
+  pairs go from member i to member j; a sender's rows for member j are contiguous in its send
+  buffer, and a receiver stores its senders' rows in sender order."""
+
+  sent: jax.Array  # [G, G] int32
+  me: jax.Array  # [] int32
+
+  @property
+  def send_offsets(self):  # where my rows for each member start in my send buffer
+    return _exclusive_cumsum(self.sent[self.me])
+
+  @property
+  def recv_offsets(self):  # where each member's rows start in my receive buffer
+    return _exclusive_cumsum(self.sent[:, self.me])
+
+  @property
+  def offsets_at_receivers(self):  # where my rows land in each member's receive buffer
+    return _exclusive_cumsum(self.sent, 0)[self.me]
+
+  @property
+  def offsets_at_senders(self):  # where each member's rows for me sit in its send buffer
+    return _exclusive_cumsum(self.sent, 1)[:, self.me]
+
+  def sources(self, slots: int):
+    """(member, row in its send buffer, valid) of each of my receive buffer's slots."""
+    slot_N = jnp.arange(slots)
+    received = self.sent[:, self.me]
+    src_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(received), slot_N, side="right"),
+                        received.shape[0] - 1)
+    row_N = self.offsets_at_senders[src_N] + slot_N - self.recv_offsets[src_N]
+    return src_N, row_N, slot_N < received.sum()
+
+
+def _to_experts(how, axes, send_PD, ex: Exchange, slots: int):
+  """[slots, D] receive buffer: each member's rows for my experts, in member order."""
+  if how == "ragged_all_to_all":
+    return jax.lax.ragged_all_to_all(
+        send_PD, jnp.zeros((slots, send_PD.shape[1]), send_PD.dtype), ex.send_offsets,
+        ex.sent[ex.me], ex.offsets_at_receivers, ex.sent[:, ex.me], axis_name=axes)
+  src_N, row_N, valid_N = ex.sources(slots)
+  every_GPD = jax.lax.all_gather(send_PD, axes)
+  return jnp.where(valid_N[:, None], every_GPD[src_N, row_N], 0)
+
+
+def _from_experts(how, axes, recv_ND, ex: Exchange, pairs: int):
+  """[pairs, D]: the outputs of my send buffer's rows, back from their experts' devices."""
+  if how == "ragged_all_to_all":
+    return jax.lax.ragged_all_to_all(
+        recv_ND, jnp.zeros((pairs, recv_ND.shape[1]), recv_ND.dtype), ex.recv_offsets,
+        ex.sent[:, ex.me], ex.offsets_at_senders, ex.sent[ex.me], axis_name=axes)
+  src_N, row_N, valid_N = ex.sources(recv_ND.shape[0])
+  group = ex.sent.shape[0]
+  back_GPD = jnp.zeros((group, pairs, recv_ND.shape[1]), recv_ND.dtype).at[
+      jnp.where(valid_N, src_N, group), row_N].set(recv_ND, mode="drop")
+  return jax.lax.psum_scatter(back_GPD, axes, scatter_dimension=0)
+
+
+def _expert_parallel(m: ModelConfig, axes, how, x_BRD, row_weight_BR, weights):
+  """`models.moe.experts` with this device's experts only (gate/up/down hold E/G of them):
+  pairs travel to their experts' devices and back."""
+  router_DE, gate_LDF, up_LDF, down_LFD = weights
+  b, r, d = x_BRD.shape
+  k, num_local = m.moe_top_k, gate_LDF.shape[0]
+  group = m.moe_experts // num_local
+  x_TD = x_BRD.reshape(b * r, d)
+  weight_TK, expert_TK, logits_TE = moe.route(m, x_TD, router_DE)
+  order_P, expert_P, sizes_E = moe.sort_pairs(expert_TK, m.moe_experts)
+  pairs = order_P.shape[0]
+  cap = moe.capacity(m, group * b * r)
+  kept_GGL = moe.kept_counts(jax.lax.all_gather(sizes_E, axes), cap).reshape(
+      group, group, num_local)  # [sender, receiver, receiver's expert]
+  ex = Exchange(kept_GGL.sum(-1), jax.lax.axis_index(axes))
+  keep_P = moe.keep_mask(expert_P, sizes_E, kept_GGL[ex.me].reshape(-1))
+  # Kept pairs, in expert order, are already grouped by receiver: compact them.
+  slot_P = jnp.where(keep_P, jnp.cumsum(keep_P) - 1, pairs)
+  send_PD = jnp.zeros((pairs, d), x_TD.dtype).at[slot_P].set(x_TD[order_P // k], mode="drop")
+
+  # Every member may send me all its pairs; with a capacity my experts take at most cap each.
+  slots = group * pairs if cap is None else min(group * pairs, num_local * cap)
+  recv_ND = _to_experts(how, axes, send_PD, ex, slots)
+  mine_GL = kept_GGL[:, ex.me]
+  expert_N = jnp.repeat(jnp.tile(jnp.arange(num_local), group), mine_GL.reshape(-1),
+                        total_repeat_length=slots)
+  expert_N = jnp.where(jnp.arange(slots) < mine_GL.sum(), expert_N, num_local)
+  order_N = jnp.argsort(expert_N, stable=True)
+  y_ND = moe.expert_mlp(m, recv_ND[order_N], mine_GL.sum(0), gate_LDF, up_LDF, down_LFD)
+  y_ND = jnp.zeros_like(y_ND).at[order_N].set(y_ND)
+  back_PD = _from_experts(how, axes, y_ND, ex, pairs)
+
+  y_PD = jnp.take(back_PD, slot_P, axis=0, mode="fill", fill_value=0)
+  out_TD = moe.combine(y_PD, order_P, weight_TK)
+  return out_TD.reshape(b, r, d), moe.router_stats(row_weight_BR, logits_TE, expert_TK,
+                                                   moe.unsort(keep_P, order_P, k))

@@ -6,6 +6,10 @@ seq rank computes with all the weights, so each layer gathers its weights where 
 one reduce-scatter (`gathered_weights`; XLA:CPU compiles it as an all-reduce and a slice,
 which its byte counts then show). `data` stays plain replication.
 
+Expert weights of an MoE under expert parallelism (`parallel.expert_axes`) keep their expert
+axis split over those axes, in the state and where they are used alike: only their other
+axes are ZeRO-3 sharded (over the state axes not used for experts) and gathered.
+
 Only with `model.remat=full` is a layer's gathered copy dropped after its forward (and
 gathered again in its backward); without remat the backward keeps every layer's gathered
 weights, as it keeps every other activation.
@@ -15,6 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from bdlm_jax.models.moe import is_expert_weight
 from bdlm_jax.models.transformer import is_stacked
 
 STATE_AXES = ("fsdp", "seq")
@@ -42,11 +47,31 @@ def param_spec(shape: tuple[int, ...], ways: int, stacked: bool = False) -> P:
   return P()
 
 
-def zero3_shardings(mesh, tree):
+def expert_spec(shape: tuple[int, ...], mesh, axes: tuple[str, ...], stacked: bool = False) -> P:
+  """Placement of one expert weight [(layers,) E, ...] split over expert `axes`: E over them,
+  and the largest other axis that the remaining state axes divide over those."""
+  spec = [None] * len(shape)
+  spec[stacked] = axes
+  rest = tuple(a for a in STATE_AXES if a not in axes)
+  ways = int(np.prod([mesh.shape[a] for a in rest]))
+  for axis in sorted(range(stacked + 1, len(shape)), key=lambda a: -shape[a]):
+    if ways > 1 and shape[axis] % ways == 0:
+      spec[axis] = rest
+      break
+  return P(*spec)
+
+
+def _spec(mesh, path, shape, expert_axes, stacked) -> P:
+  if expert_axes and is_expert_weight(path):
+    return expert_spec(shape, mesh, expert_axes, stacked)
+  return param_spec(shape, state_ways(mesh), stacked)
+
+
+def zero3_shardings(mesh, tree, expert_axes: tuple[str, ...] = ()):
   """NamedShardings for a params-shaped pytree (params, grads, optimiser state)."""
-  ways = state_ways(mesh)
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: NamedSharding(mesh, param_spec(x.shape, ways, is_stacked(path))), tree)
+      lambda path, x: NamedSharding(mesh, _spec(mesh, path, x.shape, expert_axes,
+                                                is_stacked(path))), tree)
 
 
 def _gather(w, dtype, whole, shard):
@@ -69,23 +94,25 @@ def _gather(w, dtype, whole, shard):
   return gather(w)
 
 
-def gathered_weights(mesh=None, dtype=None):
+def gathered_weights(mesh=None, dtype=None, expert_axes: tuple[str, ...] = ()):
   """The hook that prepares weights where they are used: one layer's inside the layer scan,
   the embedding and head once per step.
 
   Matrices are cast to `dtype` (if given) *before* they are gathered, so the all-gather moves
   compute-dtype bytes while the master copy stays in `param_dtype`; their gradient is
   reduce-scattered back to the shards in `param_dtype`. Vectors (norm scales) are left alone.
+  Expert weights split over `expert_axes` are gathered over the other axes only.
   """
   cast = (lambda w: w) if dtype is None else (lambda w: w.astype(dtype))
   if mesh is None:
     return lambda weights: jax.tree.map(lambda w: cast(w) if w.ndim >= 2 else w, weights)
-  ways, whole = state_ways(mesh), NamedSharding(mesh, P())
 
-  def one(w):
+  def one(path, w):
     if w.ndim < 2:
       return w
-    return _gather(w, w.dtype if dtype is None else dtype, whole,
-                   NamedSharding(mesh, param_spec(w.shape, ways)))
+    split = bool(expert_axes) and is_expert_weight(path)
+    whole = P(expert_axes) if split else P()
+    return _gather(w, w.dtype if dtype is None else dtype, NamedSharding(mesh, whole),
+                   NamedSharding(mesh, _spec(mesh, path, w.shape, expert_axes, False)))
 
-  return lambda weights: jax.tree.map(one, weights)
+  return lambda weights: jax.tree_util.tree_map_with_path(one, weights)

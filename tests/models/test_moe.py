@@ -1,6 +1,7 @@
 """The mixture-of-experts MLP: grouped matmuls equal a per-token reference, the router losses
 follow Qwen3-MoE's formula, every strategy equals one device, and training logs the router."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -80,7 +81,7 @@ def test_router_losses_follow_the_pooled_formula_and_skip_uncounted_rows():
 
 
 def _cfg(strategy, **parallel):
-  return replace(test_strategies._cfg(strategy, 4, **parallel), model=MOE)
+  return replace(test_strategies._cfg(strategy, 4), model=MOE, parallel=parallel)
 
 
 @functools.cache
@@ -96,6 +97,110 @@ def test_moe_loss_and_grads_equal_one_device(strategy, mesh_shape):
   cfg = _cfg(strategy, **mesh_shape)
   test_strategies.assert_close(*test_strategies._loss_and_grads(cfg, make_mesh(cfg)),
                                *_one_device())
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                                recv_sizes, *, axis_name):
+  """`jax.lax.ragged_all_to_all`'s documented semantics from all-gathers, for XLA:CPU, which
+  cannot run the real one: sender i's rows operand_i[input_offsets_i[j] : + send_sizes_i[j]]
+  land in member j's output at output_offsets_i[j]."""
+  del recv_sizes
+  every = [jax.lax.all_gather(a, axis_name) for a in (operand, input_offsets, send_sizes,
+                                                      output_offsets)]
+  operand_G, in_off_GG, send_GG, out_off_GG = every
+  me, slot = jax.lax.axis_index(axis_name), jnp.arange(output.shape[0])
+  for i in range(operand_G.shape[0]):
+    lo, n, src = out_off_GG[i, me], send_GG[i, me], in_off_GG[i, me]
+    rows = jnp.clip(src + slot - lo, 0, operand.shape[0] - 1)
+    output = jnp.where(((slot >= lo) & (slot < lo + n))[:, None], operand_G[i][rows], output)
+  return output
+
+
+# Expert parallelism on two meshes, both seq strategies, both dispatches (the ragged one
+# emulated): E = 4 experts over G = 4 devices (one each) or 2 (two each); three meshes.
+EXPERT_PARALLEL = [
+    ("csbp_ring", dict(data=2, fsdp=2, seq=2, expert_axes="data,fsdp"), "all_gather"),
+    ("cp_ring", dict(fsdp=4, seq=2, expert_axes="fsdp"), "all_gather"),
+    ("csbp_ring", dict(fsdp=2, seq=4, expert_axes="seq"), "ragged_all_to_all"),
+    ("cp_ring", dict(data=2, fsdp=2, seq=2, expert_axes="seq"), "ragged_all_to_all"),
+]
+
+
+@pytest.mark.parametrize("strategy,mesh_shape,dispatch", EXPERT_PARALLEL)
+def test_expert_parallel_loss_and_grads_equal_one_device(strategy, mesh_shape, dispatch,
+                                                         monkeypatch):
+  """Tokens travel to the devices holding their experts and back; the expert weights, their
+  gradients and Adam moments stay split over the expert axes."""
+  if dispatch == "ragged_all_to_all":
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+  cfg = _cfg(strategy, moe_dispatch=dispatch, **mesh_shape)
+  mesh = make_mesh(cfg)
+  test_strategies.assert_close(*test_strategies._loss_and_grads(cfg, mesh), *_one_device())
+  params = init_params(cfg, jax.random.key(0), mesh)
+  axes = tuple(mesh_shape["expert_axes"].split(","))
+  gate = params["layers"]["mlp"]["gate_proj"]
+  split = gate.sharding.spec[1]  # [layers, E, D, F]: E split over the expert axes
+  assert (split if isinstance(split, tuple) else (split,)) == axes
+  assert gate.addressable_shards[0].data.shape[1] == E // np.prod([mesh.shape[a] for a in axes])
+
+
+def test_ragged_dispatch_lowers_to_ragged_all_to_all_there_and_back():
+  """The default dispatch: one ragged all-to-all to the experts and one back per layer, the
+  backward's two more; no all-gather of rows. (XLA:CPU compiles but cannot run it.)"""
+  cfg = _cfg("csbp_ring", data=2, fsdp=2, seq=2, expert_axes="data,fsdp")
+  mesh = make_mesh(cfg)
+  batch = make_batch(cfg, *test_strategies._logical_batch())
+  params = init_params(cfg, jax.random.key(0), mesh)
+  step = jax.jit(jax.grad(lambda p: loss_fn(p, batch, jax.random.key(1), cfg, mesh)[0]))
+  text = step.lower(params).as_text()
+  assert text.count("ragged_all_to_all") == 4  # forward there and back, and their transposes
+
+
+def test_capacity_drops_the_pairs_over_it_in_order_and_counts_them():
+  """An expert keeps its first ceil(factor * T * k / E) pairs in token order; a dropped pair
+  adds nothing; the stats count what was dropped."""
+  moe = _moe(False)
+  moe.cfg = dataclasses.replace(moe.cfg, moe_drop_tokens=True, moe_capacity_factor=0.5)
+  x = jax.random.normal(jax.random.key(5), (1, 12, 8))
+  out, stats = moe(x)
+  x_TD = x[0]
+  probs = jax.nn.softmax(x_TD @ moe.router.kernel[...], axis=-1)
+  top_w, top_e = jax.lax.top_k(probs, K)
+  cap = int(np.ceil(0.5 * 12 * K / E))
+  seen, ref, dropped = {e: 0 for e in range(E)}, [], 0
+  for t in range(12):
+    acc = 0
+    for i in range(K):
+      e = int(top_e[t, i])
+      seen[e] += 1
+      if seen[e] > cap:
+        dropped += 1
+        continue
+      acc = acc + top_w[t, i] * ((jax.nn.silu(x_TD[t] @ moe.gate_proj[e])
+                                  * (x_TD[t] @ moe.up_proj[e])) @ moe.down_proj[e])
+    ref.append(acc * jnp.ones(8))
+  assert dropped > 0
+  np.testing.assert_allclose(out[0], jnp.stack(ref), rtol=1e-5, atol=1e-6)
+  assert float(stats["dropped"]) == dropped
+  stacked = jax.tree.map(lambda a: a[None], stats)
+  assert float(router_losses(stacked, E)["moe_dropped"]) == pytest.approx(dropped / (12 * K))
+
+
+def test_expert_parallel_capacity_counts_the_groups_tokens():
+  """With a capacity, expert parallelism over every device holding rows drops exactly what
+  one device holding the whole batch drops: the same queue (members in sequence order), so
+  the same loss too."""
+  drop = dict(moe_drop_tokens=True, moe_capacity_factor=0.6)
+  cfg = replace(_cfg("none", data=2, fsdp=2, expert_axes="data,fsdp",
+                     moe_dispatch="all_gather"), model=drop)
+  one = replace(_cfg("none"), model=drop)
+  batch = make_batch(cfg, *test_strategies._logical_batch())
+  mesh = make_mesh(cfg)
+  got = loss_fn(init_params(cfg, jax.random.key(0), mesh), batch, jax.random.key(1), cfg, mesh)
+  ref = loss_fn(init_params(one, jax.random.key(0)), batch, jax.random.key(1), one)
+  assert float(ref[1]["moe_dropped"]) > 0.05
+  for key in ("moe_dropped", "loss"):
+    np.testing.assert_allclose(got[1][key], ref[1][key], rtol=1e-5)
 
 
 def test_each_device_routes_only_its_own_rows():
@@ -126,6 +231,20 @@ def test_training_logs_the_router(tmp_path):
 def test_more_experts_per_token_than_experts_is_refused():
   with pytest.raises(ConfigError, match=r"model.moe_top_k=5 must lie in \[1, model.moe_experts=4\]"):
     override(Config(), ["model.moe_experts=4", "model.moe_top_k=5"])
+
+
+@pytest.mark.parametrize("settings,message", [
+    (["parallel.fsdp=4", "parallel.expert_axes=fsdp", "model.moe_experts=6"],
+     r"model.moe_experts=6 does not divide over parallel.expert_axes='fsdp' \(4 devices\)"),
+    (["parallel.expert_axes=fsdp,tensor"], r"parallel.expert_axes entry='tensor' is not one of"),
+    (["parallel.expert_axes=fsdp,fsdp"], "names an axis twice"),
+    (["model.moe_experts=0", "parallel.expert_axes=fsdp"], "model.moe_experts=0"),
+    (["model.moe_capacity_factor=0"], r"model.moe_capacity_factor must be > 0, got 0.0"),
+    (["parallel.moe_dispatch=nccl"], r"parallel.moe_dispatch='nccl' is not one of"),
+])
+def test_bad_expert_settings_are_refused(settings, message):
+  with pytest.raises(ConfigError, match=message):
+    override(Config(), ["model.moe_experts=4", *settings])
 
 
 def test_model_flops_count_the_router_and_the_k_experts_a_row_uses():
