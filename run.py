@@ -49,6 +49,8 @@ def main(argv=None) -> int:
       return 0
     if cfg.mode == "eval":
       from bdlm_jax.evaluate import describe, evaluate_checkpoint
+      from bdlm_jax.parallel.experts import check_dispatch_runs_here
+      check_dispatch_runs_here(cfg)
       step, metrics = evaluate_checkpoint(cfg, workdir)
       if jax.process_index() == 0:
         print(f"step {step} of {workdir}: {describe(metrics, cfg.objective.name)}")

@@ -13,6 +13,7 @@ from bdlm_jax.config import Config
 from bdlm_jax.evaluate import HeldOut
 from bdlm_jax.feed import Feed
 from bdlm_jax.metrics import MetricsWriter, model_flops_per_step, peak_flops, peak_memory_bytes
+from bdlm_jax.parallel.experts import check_dispatch_runs_here
 from bdlm_jax.parallel.mesh import initialize_distributed, make_mesh
 from bdlm_jax.train import abstract_state, init_state, make_train_step
 
@@ -37,6 +38,7 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
   """
   initialize_distributed(cfg)
   mesh = make_mesh(cfg)
+  check_dispatch_runs_here(cfg)
   ckpt = Checkpointer(workdir, cfg, save_every=cfg.train.ckpt_every,
                       max_to_keep=cfg.train.max_to_keep, async_save=cfg.train.async_checkpoint)
   writer = None

@@ -25,11 +25,19 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from bdlm_jax.config import Config, ModelConfig, expert_axes
+from bdlm_jax.config import Config, ConfigError, ModelConfig, expert_axes
 from bdlm_jax.models import moe
 from bdlm_jax.parallel.mesh import BATCH_AXES
 
 ROW_AXES = (*BATCH_AXES, "seq")
+
+
+def check_dispatch_runs_here(cfg: Config) -> None:
+  """Refuses, before any data or checkpoint is touched, a dispatch the backend cannot run."""
+  if (expert_axes(cfg.parallel) and cfg.parallel.moe_dispatch == "ragged_all_to_all"
+      and jax.default_backend() == "cpu"):
+    raise ConfigError("parallel.moe_dispatch=ragged_all_to_all cannot run on CPU (XLA:CPU has "
+                      "no ragged-all-to-all); set parallel.moe_dispatch=all_gather")
 
 
 def expert_dispatch(cfg: Config, mesh):

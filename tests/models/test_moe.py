@@ -156,6 +156,14 @@ def test_ragged_dispatch_lowers_to_ragged_all_to_all_there_and_back():
   assert text.count("ragged_all_to_all") == 4  # forward there and back, and their transposes
 
 
+def test_a_dispatch_the_backend_cannot_run_is_refused_before_training(tmp_path):
+  cfg = replace(tiny_config(steps=1), model=MOE, parallel=dict(seq=2, strategy="csbp_ring",
+                                                               expert_axes="seq"))
+  with pytest.raises(ConfigError, match="set parallel.moe_dispatch=all_gather"):
+    loop.train(cfg, str(tmp_path / "run"), progress=False)
+  assert not (tmp_path / "run").exists()
+
+
 def test_capacity_drops_the_pairs_over_it_in_order_and_counts_them():
   """An expert keeps its first ceil(factor * T * k / E) pairs in token order; a dropped pair
   adds nothing; the stats count what was dropped."""
