@@ -29,6 +29,7 @@ STRATEGIES = ("none", "cp_allgather", "cp_ring", "cp_ring_balanced", "bp", "csbp
 OBJECTIVES = ("bd3lm", "fast_dllm_v2", "ar")
 ATTENTION_IMPLS = ("xla", "pallas")
 LAYER_TYPES = ("global", "local")
+MLP_TYPES = ("dense", "moe")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama, Qwen3), GeGLU (Gemma 3)
 MOE_DISPATCHES = ("ragged_all_to_all", "all_gather")  # parallel.moe_dispatch
 DTYPES = ("float32", "bfloat16")
@@ -56,9 +57,12 @@ class ModelConfig:
   layer_pattern: str = "global"
   sliding_window: int = 0  # W, needed (>= 1) when the pattern has a local layer
   rope_local_theta: float = 0.0  # RoPE base of local layers; 0: rope_theta
-  # Mixture of experts (Qwen3-MoE form) in every layer's MLP when moe_experts > 0: top-k of
-  # a softmax router, experts of width moe_d_ff (0: d_ff) run as grouped matmuls.
+  # Mixture of experts (Qwen3-MoE form) in the MLPs when moe_experts > 0: top-k of a softmax
+  # router, experts of width moe_d_ff (0: d_ff) run as grouped matmuls.
   moe_experts: int = 0  # E; 0: dense MLPs
+  # MLP kind of each layer as a repeating period, comma-separated "dense" / "moe" (Qwen3-MoE's
+  # decoder_sparse_step 2: "dense,moe"); empty: every layer "moe" if moe_experts, else "dense".
+  mlp_pattern: str = ""
   moe_top_k: int = 2
   moe_d_ff: int = 0
   moe_norm_topk: bool = False  # renormalise the k weights to sum to 1 (norm_topk_prob)
@@ -509,6 +513,19 @@ def layer_types(m: ModelConfig) -> tuple[str, ...]:
   return tuple(period[i % len(period)] for i in range(m.n_layers))
 
 
+def mlp_period(m: ModelConfig) -> tuple[str, ...]:
+  """The MLP kinds of one period of `m.mlp_pattern` (default: all MoE with experts)."""
+  if m.mlp_pattern.strip():
+    return tuple(t.strip() for t in m.mlp_pattern.split(","))
+  return ("moe",) if m.moe_experts else ("dense",)
+
+
+def mlp_types(m: ModelConfig) -> tuple[str, ...]:
+  """The MLP kind, dense or moe, of every layer."""
+  period = mlp_period(m)
+  return tuple(period[i % len(period)] for i in range(m.n_layers))
+
+
 def expert_axes(p: "ParallelConfig") -> tuple[str, ...]:
   """`parallel.expert_axes` as a tuple of mesh axis names."""
   return tuple(a.strip() for a in p.expert_axes.split(",") if a.strip())
@@ -541,6 +558,17 @@ def _check_layer_pattern(m: ModelConfig) -> None:
   if "local" in period and m.sliding_window < 1:
     raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has local layers, whose "
                       f"model.sliding_window must be >= 1 position; got {m.sliding_window}")
+  for t in mlp_period(m):
+    if t not in MLP_TYPES:
+      raise ConfigError(f"model.mlp_pattern={m.mlp_pattern!r} has the MLP type {t!r}; "
+                        f"valid types: {list(MLP_TYPES)}, comma-separated")
+  kinds = mlp_types(m)
+  if "moe" in kinds and not m.moe_experts:
+    raise ConfigError(f"model.mlp_pattern={m.mlp_pattern!r} has MoE layers, but "
+                      f"model.moe_experts=0")
+  if m.moe_experts and "moe" not in kinds:
+    raise ConfigError(f"model.moe_experts={m.moe_experts}, but model.mlp_pattern="
+                      f"{m.mlp_pattern!r} gives none of the {m.n_layers} layers an MoE")
 
 
 def replace(cfg: Config, **sections: dict) -> Config:

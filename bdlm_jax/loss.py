@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from bdlm_jax.batch import make_batch
 from bdlm_jax.config import Config, ConfigError, expert_axes, replace
 from bdlm_jax.models.moe import router_losses
-from bdlm_jax.models.transformer import head_logits
+from bdlm_jax.models.transformer import STACKS, head_logits
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.params import merge
 from bdlm_jax.parallel.experts import expert_dispatch
@@ -104,8 +104,8 @@ def loss_fn(params, batch, key, cfg: Config, mesh=None):
   objective = get_objective(cfg.objective.name)
   # The embedding and head are gathered in param_dtype: the chunked loss accumulates the
   # head's gradient over many row chunks. Layers are cast to compute_dtype, then gathered.
-  whole = {k: v for k, v in params.items() if k != "layers"}
-  model = merge(cfg, {**gathered_weights(mesh)(whole), "layers": params["layers"]})
+  whole = {k: v for k, v in params.items() if k not in STACKS}
+  model = merge(cfg, {**params, **gathered_weights(mesh)(whole)})
   if mesh is not None:
     batch = jax.lax.with_sharding_constraint(batch, row_sharding(mesh))
   n_valid = jnp.sum(batch.labels >= 0)  # before an objective adds copies of the batch

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from bdlm_jax.config import Config, layer_types
+from bdlm_jax.config import Config, layer_types, mlp_types
 from bdlm_jax.parallel.layout import make_plan
 
 # Dense bf16 peak per device, for the MFU estimate when train.peak_tflops is not set.
@@ -24,14 +24,13 @@ def model_flops_per_step(cfg: Config) -> float:
   m = cfg.model
   diffusion = cfg.objective.name != "ar"
   rows = 2 * cfg.data.seq_len if diffusion else cfg.data.seq_len
-  per_layer = 2 * m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim  # qkv
-  per_layer += 2 * m.n_heads * m.head_dim * m.d_model  # o
-  if m.moe_experts:  # router + k experts
-    per_layer += 2 * m.d_model * m.moe_experts + m.moe_top_k * 3 * 2 * m.d_model * (
-        m.moe_d_ff or m.d_ff)
-  else:
-    per_layer += 3 * 2 * m.d_model * m.d_ff
-  linear = rows * m.n_layers * per_layer + 2 * cfg.data.seq_len * m.d_model * m.vocab_size
+  attention_proj = 2 * m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim  # qkv
+  attention_proj += 2 * m.n_heads * m.head_dim * m.d_model  # o
+  mlp = {"dense": 3 * 2 * m.d_model * m.d_ff,  # router + k experts:
+         "moe": 2 * m.d_model * m.moe_experts + m.moe_top_k * 3 * 2 * m.d_model * (
+             m.moe_d_ff or m.d_ff)}
+  layers = sum(attention_proj + mlp[kind] for kind in mlp_types(m))
+  linear = rows * layers + 2 * cfg.data.seq_len * m.d_model * m.vocab_size
   # Pairs of the logical stream, as one device computes them: redundant work that a
   # strategy adds (bp's replicated clean prefix) is not useful work.
   block_size = cfg.objective.block_size if diffusion else 1

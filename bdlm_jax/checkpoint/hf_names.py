@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from bdlm_jax.config import ConfigError, ModelConfig, layer_period, layer_types
+from bdlm_jax.config import ConfigError, ModelConfig, layer_period, layer_types, mlp_types
+from bdlm_jax.models.transformer import layer_slots
 
 GEMMA3 = "gemma3_text"
 QWEN3_MOE = "qwen3_moe"
@@ -138,15 +139,17 @@ def tensor_map(m: ModelConfig) -> list[Tensor]:
   model_type = hf_model_type(m)
   offset = 1.0 if model_type == GEMMA3 else 0.0
   norms = {**_NORMS[model_type], **(_QK_NORMS if m.qk_norm else {})}
-  linears = {**_LINEARS, **(_ROUTER if m.moe_experts else _DENSE_MLP)}
   per_layer = [(name, (*path, "scale"), False, offset) for name, path in norms.items()]
-  per_layer += [(name, path, True, 0.0) for name, path in linears.items()]
+  per_layer += [(name, path, True, 0.0) for name, path in _LINEARS.items()]
   out = [Tensor("model.embed_tokens.weight", ("embed", "embedding"), False, None)]
-  for i in range(m.n_layers):
-    out += [Tensor(f"model.layers.{i}.{name}", ("layers", *path), t, i, off)
-            for name, path, t, off in per_layer]
-    out += [Tensor(f"model.layers.{i}.mlp.experts.{e}.{name}", ("layers", *path), True, i,
-                   expert=e) for e in range(m.moe_experts) for name, path in _EXPERTS.items()]
+  for i, ((stack, j), kind) in enumerate(zip(layer_slots(m), mlp_types(m))):
+    mlp = [(name, path, True, 0.0)
+           for name, path in (_ROUTER if kind == "moe" else _DENSE_MLP).items()]
+    out += [Tensor(f"model.layers.{i}.{name}", (stack, *path), t, j, off)
+            for name, path, t, off in per_layer + mlp]
+    if kind == "moe":
+      out += [Tensor(f"model.layers.{i}.mlp.experts.{e}.{name}", (stack, *path), True, j,
+                     expert=e) for e in range(m.moe_experts) for name, path in _EXPERTS.items()]
   out.append(Tensor("model.norm.weight", ("final_norm", "scale"), False, None, offset))
   if not m.tie_embeddings:
     out.append(Tensor("lm_head.weight", ("lm_head", "kernel"), True, None))
@@ -155,12 +158,21 @@ def tensor_map(m: ModelConfig) -> list[Tensor]:
 
 def shape_fields(m: ModelConfig) -> dict:
   """The ModelConfig fields that fix the params' shapes: with experts, their width
-  (moe_d_ff, 0 meaning d_ff) in place of the dense d_ff no layer uses."""
+  (moe_d_ff, 0 meaning d_ff) and which layers have them; d_ff only if some layer is dense."""
   out = {k: getattr(m, k) for k in (*SHAPE_KEYS, "qk_norm", "post_norms", "moe_experts")}
   if m.moe_experts:
-    del out["d_ff"]
     out["moe_d_ff"] = m.moe_d_ff or m.d_ff
+    out["mlp_types"] = mlp_types(m)
+    if "dense" not in out["mlp_types"]:
+      del out["d_ff"]
   return out
+
+
+def shortest_period(kinds: list) -> list:
+  """The shortest prefix that repeats to `kinds` (a layer pattern's period)."""
+  n = len(kinds)
+  return kinds[:next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p]
+                                                       for i in range(n)))]
 
 
 def get_path(tree, path: tuple):
@@ -209,21 +221,23 @@ def model_config_from_hf(hf: dict, where: str) -> dict:
 def _qwen3_moe_fields(hf: dict, where: str) -> dict:
   """The expert fields of a Qwen3-MoE config.json (a key left out or null takes
   Qwen3MoeConfig's default). The expert count is `num_experts` in Qwen's files and
-  `num_local_experts` in those transformers 5 writes. Our experts are in every layer, so a
-  model with dense-MLP layers among its MoE ones is refused; one with no experts is dense."""
+  `num_local_experts` in those transformers 5 writes. Layer i is MoE unless it is in
+  `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step`, as in HF; the
+  layers' kinds become `mlp_pattern` (their shortest period). No experts: a dense model."""
   experts = next((hf[k] for k in ("num_experts", "num_local_experts") if hf.get(k) is not None),
                  _QWEN3_MOE_DEFAULTS["num_experts"])
   if not experts:
     return {}  # every layer's MLP is dense, with the tensor names of Qwen3's
   hf = {**_QWEN3_MOE_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
-  mixed = "bdlm_jax puts experts in every layer (mixed dense and MoE layers are not supported)"
-  if hf["decoder_sparse_step"] != 1:
-    raise ConfigError(f"{where}: decoder_sparse_step={hf['decoder_sparse_step']!r} makes only "
-                      f"some layers MoE layers; {mixed}, so it needs decoder_sparse_step 1")
-  if hf["mlp_only_layers"]:
-    raise ConfigError(f"{where}: mlp_only_layers={hf['mlp_only_layers']!r} has dense-MLP "
-                      f"layers; {mixed}, so it needs mlp_only_layers []")
-  return dict(moe_experts=int(experts), moe_top_k=int(hf["num_experts_per_tok"]),
+  step = int(hf["decoder_sparse_step"])
+  if step < 1:
+    raise ConfigError(f"{where}: decoder_sparse_step={step} must be >= 1")
+  kinds = ["moe" if i not in hf["mlp_only_layers"] and (i + 1) % step == 0 else "dense"
+           for i in range(hf["num_hidden_layers"])]
+  if "moe" not in kinds:
+    return {}
+  return dict(mlp_pattern="" if "dense" not in kinds else ",".join(shortest_period(kinds)),
+              moe_experts=int(experts), moe_top_k=int(hf["num_experts_per_tok"]),
               moe_d_ff=int(hf["moe_intermediate_size"]),
               moe_norm_topk=bool(hf["norm_topk_prob"]),
               moe_aux_weight=float(hf["router_aux_loss_coef"]))
@@ -257,8 +271,6 @@ def _gemma3_fields(hf: dict, where: str) -> dict:
     raise ConfigError(f"{where}: layer_types has {len(hf_types)} entries for "
                       f"num_hidden_layers={n_layers}")
   types = [_LAYER_TYPES[t] for t in hf_types]
-  period = next(p for p in range(1, n_layers + 1)
-                if all(types[i] == types[i % p] for i in range(n_layers)))
   has_local = "local" in types
   rope = hf.get("rope_parameters") or {}
   if "full_attention" in rope or "sliding_attention" in rope:  # transformers >= 5
@@ -270,7 +282,7 @@ def _gemma3_fields(hf: dict, where: str) -> dict:
     local, local_key = {}, "rope_local_base_freq"
   return dict(
       head_dim=hf["head_dim"], qk_norm=True, post_norms=True, scale_embeddings=True,
-      layer_pattern=",".join(types[:period]),
+      layer_pattern=",".join(shortest_period(types)),
       sliding_window=int(hf["sliding_window"]) if has_local else 0,
       rope_theta=_plain_rope_theta(full, full_key, where, hf["rope_theta"]),
       rope_local_theta=(_plain_rope_theta(local, local_key, where, hf["rope_local_base_freq"])
@@ -329,8 +341,8 @@ def hf_config(m: ModelConfig, dtype: str, max_positions: int, extra: dict) -> di
         "moe_intermediate_size": m.moe_d_ff or m.d_ff,
         "norm_topk_prob": m.moe_norm_topk,
         "router_aux_loss_coef": m.moe_aux_weight,
-        "decoder_sparse_step": 1,  # every layer's MLP is an MoE; `intermediate_size` is unused
-        "mlp_only_layers": [],
+        "decoder_sparse_step": 1,  # the dense layers are listed; `intermediate_size` is theirs
+        "mlp_only_layers": [i for i, kind in enumerate(mlp_types(m)) if kind == "dense"],
         "output_router_logits": False,  # as Qwen's files: HF's forward adds no aux loss
     })
   return {**out, **extra}

@@ -152,6 +152,16 @@ def router_stats(row_weight_BR, logits_TE, expert_TK, keep_TK):
               dropped=(w_T1 * ~keep_TK).sum())
 
 
+def no_stats(num_experts: int) -> dict:
+  """The router sums of a layer without experts: zeros of `router_stats`' structure, so that
+  dense and MoE layers stack on one layer axis ({} in a model with no experts)."""
+  if not num_experts:
+    return {}
+  zero = jnp.zeros((), jnp.float32)
+  return dict(tokens=zero, picks=jnp.zeros(num_experts), probs=jnp.zeros(num_experts), z=zero,
+              dropped=zero)
+
+
 def router_losses(stats: dict, num_experts: int) -> dict:
   """Load-balancing loss and z-loss from per-layer `MoE` stats stacked on a layer axis.
 

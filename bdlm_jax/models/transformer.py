@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bdlm_jax.config import ModelConfig, layer_period, layer_types
+from bdlm_jax.config import ModelConfig, layer_period, layer_types, mlp_period, mlp_types
 from bdlm_jax.kernels import residuals
 from bdlm_jax.kernels.mask import RowMeta
-from bdlm_jax.models.moe import ACTIVATIONS, MoE
+from bdlm_jax.models.moe import ACTIVATIONS, MoE, no_stats
 
 AttendFn = Callable[..., tuple[jax.Array, jax.Array]]
 
@@ -102,16 +102,17 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-  """One decoder layer. Local and global layers share its weights' shapes; `kind` (a static
-  argument of each call) picks the window and the RoPE base. With `model.post_norms` (Gemma)
-  the attention and MLP outputs are normed too, before their residual adds."""
+  """One decoder layer, with a dense or a mixture-of-experts MLP. Local and global layers
+  share its weights' shapes; `kind` (a static argument of each call) picks the window and the
+  RoPE base. With `model.post_norms` (Gemma) the attention and MLP outputs are normed too,
+  before their residual adds."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
     self.cfg = cfg
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
     self.attn = Attention(cfg, rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
-    self.mlp = MoE(cfg, rngs) if cfg.moe_experts else MLP(cfg, rngs)
+    self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
     if cfg.post_norms:
       self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
       self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
@@ -124,16 +125,18 @@ class Block(nnx.Module):
     return self.cfg.sliding_window if kind == "local" else None
 
   def finish(self, x_BRD, attn_BRHD, row_weight_BR=None, dispatch=None):
-    """(x, router stats: {} for a dense MLP; see `MoE`, counted over `row_weight_BR` and
-    run by `dispatch`)."""
+    """(x, router stats: see `MoE`, counted over `row_weight_BR` and run by `dispatch`; for
+    a dense MLP {} in a dense model, zeros in a model with experts elsewhere)."""
     b, r = attn_BRHD.shape[:2]
     out_BRD = self.attn.o_proj(attn_BRHD.reshape(b, r, -1))
     if self.cfg.post_norms:
       out_BRD = self.post_attn_norm(out_BRD)
     x_BRD = x_BRD + out_BRD
     h_BRD = self.mlp_norm(x_BRD)
-    out_BRD, stats = (self.mlp(h_BRD, row_weight_BR, dispatch) if self.cfg.moe_experts
-                      else (self.mlp(h_BRD), {}))
+    if isinstance(self.mlp, MoE):
+      out_BRD, stats = self.mlp(h_BRD, row_weight_BR, dispatch)
+    else:
+      out_BRD, stats = self.mlp(h_BRD), no_stats(self.cfg.moe_experts)
     if self.cfg.post_norms:
       out_BRD = self.post_mlp_norm(out_BRD)
     return x_BRD + out_BRD, stats
@@ -145,10 +148,28 @@ class Block(nnx.Module):
     return self.finish(x_BRD, attn_BRHD, row_weight_BR, dispatch)
 
 
+STACKS = ("layers", "dense_layers")  # the params holding stacked layer weights
+
+
+def layer_slots(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
+  """Where each layer's weights live: (stack, index on its layer axis). Every layer is in
+  `layers`, unless `model.mlp_pattern` mixes dense and MoE MLPs: then the MoE layers are in
+  `layers` and the dense ones in `dense_layers`, each stack in layer order."""
+  kinds = mlp_types(cfg)
+  mixed = len(set(kinds)) > 1
+  seen = {name: 0 for name in STACKS}
+  slots = []
+  for kind in kinds:
+    name = STACKS[1] if mixed and kind == "dense" else STACKS[0]
+    slots.append((name, seen[name]))
+    seen[name] += 1
+  return tuple(slots)
+
+
 def is_stacked(path) -> bool:
   """Whether a params-pytree path (from `jax.tree_util.tree_map_with_path`) is a stacked
   layer weight, whose leading axis is the layer axis."""
-  return any(getattr(k, "key", None) == "layers" for k in path)
+  return any(getattr(k, "key", None) in STACKS for k in path)
 
 
 def remat_policy(remat: str):
@@ -173,15 +194,20 @@ class Transformer(nnx.Module):
                            param_dtype=_dtype(cfg.param_dtype),
                            embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
 
-    @nnx.split_rngs(splits=cfg.n_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def stacked_blocks(rngs):
-      return Block(cfg, rngs)
+    def stacked_blocks(count, moe):
+      @nnx.split_rngs(splits=count)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return Block(cfg, rngs, moe)
+      return make(rngs)
 
-    # One Block whose every parameter has a leading layer axis (`kernel_LDF`): the layers run
-    # as one lax.scan over periods of the layer pattern (`scan_layers`), so compile time and
-    # program size do not grow with depth.
-    self.layers = stacked_blocks(rngs)
+    # Blocks whose every parameter has a leading layer axis (`kernel_LDF`), one stack per MLP
+    # kind (`layer_slots`): the layers run as one lax.scan over periods of the layer patterns
+    # (`scan_layers`), so compile time and program size do not grow with depth.
+    slots, kinds = layer_slots(cfg), mlp_types(cfg)
+    for name in dict.fromkeys(name for name, _ in slots):
+      moe = kinds[[n for n, _ in slots].index(name)] == "moe"
+      setattr(self, name, stacked_blocks(sum(n == name for n, _ in slots), moe))
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
     if not cfg.tie_embeddings:
       self.lm_head = _linear(cfg.d_model, cfg.vocab_size, cfg, rngs)
@@ -195,40 +221,48 @@ class Transformer(nnx.Module):
     leading layer axis, as are the returned `ys`. `layer_weights` maps one layer's weights
     before use (the caller's hook to cast and gather sharded weights per layer).
     """
-    graphdef, stacked = nnx.split(self.layers)
-    kinds = layer_types(self.cfg)
-    period = len(layer_period(self.cfg))
+    kinds, slots = layer_types(self.cfg), layer_slots(self.cfg)
+    stacks = {name: nnx.split(getattr(self, name)) for name in dict.fromkeys(n for n, _ in slots)}
+    period = math.lcm(len(layer_period(self.cfg)), len(mlp_period(self.cfg)))
     n_scanned = len(kinds) // period * period
+    per_period = {name: sum(n == name for n, _ in slots[:period]) for name in stacks}
 
-    def one_layer(kind):
-      # Layer `index` reads its weights from the stacked arrays themselves, inside the remat'd
-      # function: what it saves is then the arrays as given, never a copy of a slice.
-      def run(x, index, layered):
-        weights, *rest = jax.tree.map(
-            lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), layered)
+    def one_layer(kind, stack):
+      # A layer reads its weights (`index` on its stack) from the stacked arrays themselves,
+      # inside the remat'd function: what it saves is then the arrays as given, never a copy
+      # of a slice. Per-layer inputs `xs` are indexed by the layer's position `layer`.
+      def run(x, layer, index, layered):
+        take = lambda i: lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
+        weights = jax.tree.map(take(index), layered[0][stack])
+        rest = jax.tree.map(take(layer), layered[1])
         if layer_weights is not None:
           weights = layer_weights(weights)
-        return fn(nnx.merge(graphdef, weights), x, *rest, kind)
+        return fn(nnx.merge(stacks[stack][0], weights), x, *rest, kind)
       return remat_policy(remat)(run)
 
-    layered = (stacked, *xs)
+    layered = ({name: state for name, (_, state) in stacks.items()}, xs)
 
-    def run_period(x, start):
+    def run_period(x, p):
       outs = []
-      for i, kind in enumerate(kinds[:period]):
-        x, y = one_layer(kind)(x, start + i, layered)
+      for i in range(period):
+        stack, rank = slots[i]
+        x, y = one_layer(kinds[i], stack)(x, p * period + i, p * per_period[stack] + rank,
+                                          layered)
         outs.append(y)
       return x, jax.tree.map(lambda *y: jnp.stack(y), *outs)
 
     ys = []
     if n_scanned:
-      x, y = jax.lax.scan(run_period, x, jnp.arange(0, n_scanned, period))
+      x, y = jax.lax.scan(run_period, x, jnp.arange(n_scanned // period))
       ys.append(jax.tree.map(lambda a: a.reshape(n_scanned, *a.shape[2:]), y))
     # The remainder, in scans over runs of one kind: in a loop the weights' gradient
     # accumulates in one buffer, where two unrolled layers would add a full-size one.
-    for kind, run in itertools.groupby(range(n_scanned, len(kinds)), key=kinds.__getitem__):
-      x, y = jax.lax.scan(functools.partial(one_layer(kind), layered=layered), x,
-                          jnp.asarray(list(run)))
+    for (kind, stack), run in itertools.groupby(range(n_scanned, len(kinds)),
+                                                key=lambda i: (kinds[i], slots[i][0])):
+      run = list(run)
+      body = one_layer(kind, stack)
+      x, y = jax.lax.scan(lambda x, li: body(x, *li, layered), x,
+                          (jnp.asarray(run), jnp.asarray([slots[i][1] for i in run])))
       ys.append(y)
     return x, jax.tree.map(lambda *y: jnp.concatenate(y), *ys)
 

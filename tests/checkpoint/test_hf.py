@@ -18,6 +18,7 @@ from bdlm_jax.checkpoint.hf_export import export_hf
 from bdlm_jax.checkpoint.hf_import import import_hf, params_from_hf
 from bdlm_jax.config import Config, ConfigError, replace
 from bdlm_jax.loss import ar_logits
+from bdlm_jax.models.transformer import layer_slots
 from bdlm_jax.params import abstract_params, init_params
 from bdlm_jax.parallel.mesh import make_mesh
 from bdlm_jax.parallel.zero3 import zero3_shardings
@@ -45,7 +46,11 @@ CASES = {  # name: (model_type, tie_word_embeddings, vocab_size, save_pretrained
     "llama_tied": ("llama", True, 64, None, {}),
     "qwen3_tied": ("qwen3", True, 128, None, {}),
     "qwen3_moe_norm_topk_sharded": ("qwen3_moe", False, 300, "20KB", dict(norm_topk_prob=True)),
-    "qwen3_moe_raw_topk": ("qwen3_moe", False, 300, None, dict(norm_topk_prob=False)),
+    # Dense layers 0 and 2 around MoE layer 1 (decoder_sparse_step 2): a scanned period and a
+    # remainder, two stacks of layer weights.
+    "qwen3_moe_raw_topk_mixed": ("qwen3_moe", False, 300, None,
+                                 dict(norm_topk_prob=False, num_hidden_layers=3,
+                                      decoder_sparse_step=2)),
     "gemma3_tied": ("gemma3_text", True, 300, None, {}),
 }
 MOE_CASES = [name for name in sorted(CASES) if CASES[name][0] == "qwen3_moe"]
@@ -81,7 +86,7 @@ def hf_model(request, tmp_path_factory) -> HFModel:
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(
       getattr(transformers, config_cls)(vocab_size=vocab, tie_word_embeddings=tie,
-                                        **shapes, **keys),
+                                        **{**shapes, **keys}),
       attn_implementation="eager").eval()
   norm_center = 0.0 if model_type == "gemma3_text" else 1.0
   with torch.no_grad():
@@ -155,9 +160,13 @@ def test_qwen3_moe_import_reads_its_experts(hf_model):
   assert (m.moe_norm_topk, m.moe_aux_weight) == (hf["norm_topk_prob"], 0.001)
   experts = hf_model.torch_model.model.layers[1].mlp.experts
   gate_up_EID, down_EDI = (x.detach().numpy() for x in (experts.gate_up_proj, experts.down_proj))
-  mlp = params["layers"]["mlp"]
-  np.testing.assert_array_equal(mlp["gate_proj"][1, 3], gate_up_EID[3, :16].T)
-  np.testing.assert_array_equal(mlp["up_proj"][1, 3], gate_up_EID[3, 16:].T)
+  stack, index = layer_slots(m)[1]
+  mlp = params[stack]["mlp"]
+  np.testing.assert_array_equal(mlp["gate_proj"][index, 3], gate_up_EID[3, :16].T)
+  np.testing.assert_array_equal(mlp["up_proj"][index, 3], gate_up_EID[3, 16:].T)
+  if hf["decoder_sparse_step"] == 2:  # layers 0 and 2 dense, in their own stack
+    assert m.mlp_pattern == "dense,moe" and params["dense_layers"]["mlp"]["gate_proj"][
+        "kernel"].shape == (2, 32, 48)
   np.testing.assert_array_equal(mlp["down_proj"][1, 3], down_EDI[3].T)
   flipped = replace(cfg, model=dict(moe_norm_topk=not m.moe_norm_topk))
   vocab = hf["vocab_size"]
@@ -334,10 +343,7 @@ def test_unsupported_or_inconsistent_config_is_a_config_error(exported, tmp_path
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(decoder_sparse_step=2), r"decoder_sparse_step=2 makes only some layers MoE layers; "
-                                  r".*needs decoder_sparse_step 1"),
-    (dict(mlp_only_layers=[1]), r"mlp_only_layers=\[1\] has dense-MLP layers; "
-                                r".*needs mlp_only_layers \[\]"),
+    (dict(decoder_sparse_step=0), r"decoder_sparse_step=0 must be >= 1"),
     (dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
     (dict(moe_intermediate_size=12), r"'model.layers.0.mlp.experts.0.gate_proj.weight' has "
                                      r"shape \(16, 32\), but config.json implies \(12, 32\)"),

@@ -14,9 +14,13 @@ import pytest
 from flax import nnx
 
 from bdlm_jax import ConfigError, init_params, loop, loss_fn, make_batch, make_mesh
-from bdlm_jax.config import Config, ModelConfig, override, replace
+from bdlm_jax.config import Config, ModelConfig, layer_types, override, replace
 from bdlm_jax.metrics import model_flops_per_step
 from bdlm_jax.models.moe import MoE, router_losses
+from bdlm_jax.models.transformer import layer_slots
+from bdlm_jax.objectives import get_objective
+from bdlm_jax.params import merge
+from bdlm_jax.parallel.strategies import make_attend
 from tests.parallel import test_strategies
 from tests.test_train import tiny_config
 
@@ -211,6 +215,42 @@ def test_expert_parallel_capacity_counts_the_groups_tokens():
     np.testing.assert_allclose(got[1][key], ref[1][key], rtol=1e-5)
 
 
+MIXED = dict(n_layers=5, mlp_pattern="dense,moe", layer_pattern="local,global", sliding_window=8)
+
+
+def test_mixed_dense_and_moe_layers_scan_like_a_loop_over_the_layers():
+  """Qwen3-MoE's decoder_sparse_step 2 over 5 layers, with local/global attention: the
+  scanned periods and the remainder take each layer's weights from its own stack (MoE layers
+  in `layers`, dense ones in `dense_layers`), as a plain loop over the layers does; router
+  statistics come from the MoE layers only."""
+  cfg = replace(_cfg("none"), model=MIXED)
+  params = init_params(cfg, jax.random.key(0))
+  assert params["layers"]["mlp"]["gate_proj"].shape[:2] == (2, E)
+  assert params["dense_layers"]["mlp"]["gate_proj"]["kernel"].shape[0] == 3
+  batch = make_batch(cfg, *test_strategies._logical_batch())
+  batch, inputs, *_ = get_objective("bd3lm").corrupt(jax.random.key(1), batch,
+                                                       cfg.data.seq_len, cfg.objective)
+  model, attend = merge(cfg, params), make_attend(cfg, None)
+  hidden, stats = model.forward(inputs, batch.pos, batch.meta, attend)
+  x = model.embed_tokens(inputs)
+  for (stack, index), kind in zip(layer_slots(cfg.model), layer_types(cfg.model)):
+    graphdef, state = nnx.split(getattr(model, stack))
+    block = nnx.merge(graphdef, jax.tree.map(lambda a: a[index], state))
+    x, _ = block(x, batch.pos, batch.meta, attend, kind)
+  np.testing.assert_allclose(hidden, model.final_norm(x), rtol=1e-5, atol=1e-5)
+  rows = inputs.size
+  assert stats["tokens"].tolist() == [0, rows, 0, rows, 0]
+
+
+def test_mixed_layers_with_expert_parallelism_equal_one_device():
+  cfg = _cfg("csbp_ring", data=2, fsdp=2, seq=2, expert_axes="data,fsdp",
+             moe_dispatch="all_gather")
+  one = replace(_cfg("none"), model=MIXED)
+  test_strategies.assert_close(
+      *test_strategies._loss_and_grads(replace(cfg, model=MIXED), make_mesh(cfg)),
+      *test_strategies._loss_and_grads(one, None))
+
+
 def test_each_device_routes_only_its_own_rows():
   """Plain jit would sort the whole batch's (token, expert) pairs on every device (measured:
   s32[1536] here); under the dispatch each device sorts its own 4 x 24 rows' 192 pairs."""
@@ -249,6 +289,11 @@ def test_more_experts_per_token_than_experts_is_refused():
     (["model.moe_experts=0", "parallel.expert_axes=fsdp"], "model.moe_experts=0"),
     (["model.moe_capacity_factor=0"], r"model.moe_capacity_factor must be > 0, got 0.0"),
     (["parallel.moe_dispatch=nccl"], r"parallel.moe_dispatch='nccl' is not one of"),
+    (["model.mlp_pattern=dense,sparse"], r"model.mlp_pattern='dense,sparse' has the MLP type "
+                                         r"'sparse'; valid types: \['dense', 'moe'\]"),
+    (["model.mlp_pattern=dense"], r"model.moe_experts=4, but model.mlp_pattern='dense' gives none"),
+    (["model.moe_experts=0", "model.mlp_pattern=dense,moe"], r"has MoE layers, but "
+                                                             r"model.moe_experts=0"),
 ])
 def test_bad_expert_settings_are_refused(settings, message):
   with pytest.raises(ConfigError, match=message):
