@@ -30,8 +30,9 @@ def _tiny(objective, **model):
 
 @pytest.mark.parametrize("objective,model", [
     ("bd3lm", {}), ("fast_dllm_v2", {}), ("bd3lm", LOCAL),
-    ("bd3lm", dict(moe_experts=4, moe_top_k=2, moe_d_ff=16))],
-    ids=["bd3lm", "fast_dllm_v2", "bd3lm_local_layers", "bd3lm_experts"])
+    ("bd3lm", dict(moe_experts=4, moe_top_k=2, moe_d_ff=16, n_layers=3,
+                   mlp_pattern="dense,moe"))],
+    ids=["bd3lm", "fast_dllm_v2", "bd3lm_local_layers", "bd3lm_dense_and_moe_layers"])
 def test_kv_cache_sampler_equals_full_recompute_token_for_token(objective, model):
   cfg = _tiny(objective, **model)
   params = init_params(cfg, jax.random.key(0))
