@@ -36,6 +36,7 @@ def main(argv=None) -> int:
   from bdlm_jax.checkpoint import CheckpointError
   from bdlm_jax.data import DataError
   from bdlm_jax.loop import BadStepsError, default_workdir, train
+  from bdlm_jax.parallel.experts import check_dispatch_runs_here
   workdir = args.workdir or default_workdir(args.config)
   try:
     if cfg.mode == "export":
@@ -43,14 +44,14 @@ def main(argv=None) -> int:
       step, out_dir = export_checkpoint(cfg, workdir)
       print(f"exported step {step} of {workdir} to {out_dir} (Hugging Face format)")
       return 0
+    if cfg.mode in ("plan", "eval"):  # train checks in loop.train
+      check_dispatch_runs_here(cfg)
     if cfg.mode == "plan":
       from bdlm_jax.parallel.step_report import plan_report
       print(plan_report(cfg, progress=lambda line: print(line, file=sys.stderr)))
       return 0
     if cfg.mode == "eval":
       from bdlm_jax.evaluate import describe, evaluate_checkpoint
-      from bdlm_jax.parallel.experts import check_dispatch_runs_here
-      check_dispatch_runs_here(cfg)
       step, metrics = evaluate_checkpoint(cfg, workdir)
       if jax.process_index() == 0:
         print(f"step {step} of {workdir}: {describe(metrics, cfg.objective.name)}")

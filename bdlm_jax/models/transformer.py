@@ -8,6 +8,7 @@ the same module runs on one device or inside any sequence-parallel strategy; loc
 (sliding-window) layers pass their window W, global ones None.
 """
 
+import collections
 import functools
 import itertools
 import math
@@ -204,10 +205,9 @@ class Transformer(nnx.Module):
     # Blocks whose every parameter has a leading layer axis (`kernel_LDF`), one stack per MLP
     # kind (`layer_slots`): the layers run as one lax.scan over periods of the layer patterns
     # (`scan_layers`), so compile time and program size do not grow with depth.
-    slots, kinds = layer_slots(cfg), mlp_types(cfg)
-    for name in dict.fromkeys(name for name, _ in slots):
-      moe = kinds[[n for n, _ in slots].index(name)] == "moe"
-      setattr(self, name, stacked_blocks(sum(n == name for n, _ in slots), moe))
+    has_experts = "moe" in mlp_types(cfg)
+    for name, count in collections.Counter(name for name, _ in layer_slots(cfg)).items():
+      setattr(self, name, stacked_blocks(count, moe=has_experts and name == "layers"))
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
     if not cfg.tie_embeddings:
       self.lm_head = _linear(cfg.d_model, cfg.vocab_size, cfg, rngs)
