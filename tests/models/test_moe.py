@@ -265,13 +265,18 @@ def test_each_device_routes_only_its_own_rows():
 
 
 def test_training_logs_the_router(tmp_path):
-  cfg = replace(tiny_config(steps=3), model=MOE)
+  """In metrics.jsonl and TensorBoard, with capacity dropping on (a tight capacity drops)."""
+  cfg = replace(tiny_config(steps=3), model=dict(MOE, moe_drop_tokens=True,
+                                                 moe_capacity_factor=0.5))
   loop.train(cfg, str(tmp_path), progress=False)
   with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   last = rows[-1]
   assert last["moe_aux_loss"] >= 1.0 - 1e-5  # E * sum f p >= 1 for k >= 1 by Cauchy-Schwarz
   assert last["moe_max_load"] >= 1.0 and last["moe_z_loss"] > 0
+  assert 0.0 < last["moe_dropped"] < 1.0
+  events = b"".join(p.read_bytes() for p in (tmp_path / "tb").iterdir())
+  assert all(tag.encode() in events for tag in ("moe_aux_loss", "moe_max_load", "moe_dropped"))
   expected = last["token_loss"] + 0.01 * last["moe_aux_loss"] + 1e-3 * last["moe_z_loss"]
   assert last["loss"] == pytest.approx(expected, rel=1e-5)
 
