@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from bdlm_jax.checkpoint import restore_state
 from bdlm_jax.config import Config, replace
+from bdlm_jax.objectives import get_objective
 from bdlm_jax.data.arithmetic import ArithmeticSource, split_statement
 from bdlm_jax.feed import Feed
 from bdlm_jax.loss import loss_fn
@@ -39,14 +40,14 @@ _EVAL_KEY = 0x5EED  # folded into the seed: eval noise never reuses a training s
 
 
 def eval_config(cfg: Config) -> Config:
-  """The objective as evaluated: bd3lm's loss made the NELBO (1/t weights over [t_min, 1])."""
-  if cfg.objective.name != "bd3lm":
-    return cfg
-  return replace(cfg, objective=dict(loss_weight="inv_t", eps_min=cfg.eval.t_min, eps_max=1.0))
+  """The objective as evaluated (`evaluated` of its module: bd3lm's loss made the NELBO)."""
+  overrides = get_objective(cfg.objective.name).evaluated(cfg.objective, cfg.eval.t_min)
+  return replace(cfg, objective=overrides) if overrides else cfg
 
 
 def noise_draws(cfg: Config) -> int:
-  return 1 if cfg.objective.name == "ar" else cfg.eval.noise_draws
+  """Noise draws per held-out batch: one where nothing is random (no noisy stream)."""
+  return cfg.eval.noise_draws if get_objective(cfg.objective.name).NOISY_STREAM else 1
 
 
 def make_eval_step(cfg: Config, mesh):

@@ -8,6 +8,7 @@ import numpy as np
 from etils import epath
 
 from bdlm_jax.config import Config, layer_types, mlp_types
+from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel.layout import make_plan
 
 # Dense bf16 peak per device, for the MFU estimate when train.peak_tflops is not set.
@@ -21,8 +22,8 @@ def model_flops_per_step(cfg: Config) -> float:
   clean copies), a mixture of experts only its router and the k experts a row is sent to;
   attention counts only allowed (query, key) pairs of the mask.
   """
-  m = cfg.model
-  diffusion = cfg.objective.name != "ar"
+  m, objective = cfg.model, get_objective(cfg.objective.name)
+  diffusion = objective.NOISY_STREAM
   rows = 2 * cfg.data.seq_len if diffusion else cfg.data.seq_len
   attention_proj = 2 * m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim  # qkv
   attention_proj += 2 * m.n_heads * m.head_dim * m.d_model  # o
@@ -39,8 +40,7 @@ def model_flops_per_step(cfg: Config) -> float:
   pairs = (kinds.count("global") * plan.attention_work().sum()
            + kinds.count("local") * plan.attention_work(m.sliding_window).sum())
   attention = 4 * float(pairs) * m.n_heads * m.head_dim
-  copies = 2 if cfg.objective.name == "fast_dllm_v2" else 1  # complementary masks
-  return 3.0 * cfg.train.batch_size * copies * (linear + attention)
+  return 3.0 * cfg.train.batch_size * objective.COPIES * (linear + attention)
 
 
 def peak_flops(cfg: Config) -> float:

@@ -40,6 +40,7 @@ import numpy as np
 
 from bdlm_jax.batch import check_token_ids
 from bdlm_jax.config import Config, ConfigError
+from bdlm_jax.objectives import get_objective
 from bdlm_jax.kernels import with_windows, xla
 from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta, row_meta
 from bdlm_jax.params import merge
@@ -114,7 +115,7 @@ def _steps(cfg_json: str) -> _Steps:
   cfg = Config.from_dict(json.loads(cfg_json))
   bs, mask_id = cfg.objective.block_size, cfg.objective.mask_token_id
   chunk = cfg.model.attention_chunk
-  shift = cfg.objective.name == "fast_dllm_v2"
+  shift = get_objective(cfg.objective.name).TOKEN_SHIFT
 
   def block_pos(start):
     return start + jnp.arange(bs)[None]
@@ -194,11 +195,12 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
                       f"got {prompt.size} prompt tokens, {max_new_tokens}, {steps}")
   check_token_ids(cfg, prompt, "the prompt")
   prompt = prompt.astype(np.int32)
-  if cfg.objective.name == "ar":
+  objective = get_objective(cfg.objective.name)
+  if not objective.NOISY_STREAM:
     return _sample_ar(params, cfg, prompt, key, max_new_tokens, temperature, use_cache, eos_id)
   m, bs = cfg.model, cfg.objective.block_size
   fns = _steps(_model_json(cfg))
-  shift = cfg.objective.name == "fast_dllm_v2"  # position j is predicted by row j-1
+  shift = objective.TOKEN_SHIFT  # position j is predicted by row j-1
   first = -prompt.size % bs + prompt.size  # the prompt ends on a block boundary
   n_blocks = -(-max_new_tokens // bs)
   ctx = np.zeros((1, first + n_blocks * bs), np.int32)

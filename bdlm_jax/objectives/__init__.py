@@ -3,6 +3,13 @@ rows -> corrupt -> model -> score, with no branch per objective:
 
   LOSS_SLOT                                  "noisy", "clean" or "all": the rows of each rank
                                              whose logits are scored
+  NOISY_STREAM                               whether the rows are [x_t ; x_0] (block
+                                             diffusion) or the clean tokens alone (ar)
+  COPIES                                     sequences `corrupt` runs per batch sequence
+  TOKEN_SHIFT                                whether row i's logits predict token i + 1 of a
+                                             block (what the sampler reads)
+  evaluated(cfg, t_min) -> dict              the objective.* overrides under which held-out
+                                             eval scores it (bd3lm: the NELBO)
   logical_rows(tokens_SL, seg_SL, protected_SL, cfg) -> dict
                                              host side: the logical [S, 2L] rows (labels,
                                              maskable, ...) that `make_batch` lays out

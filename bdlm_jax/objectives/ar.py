@@ -8,6 +8,14 @@ from bdlm_jax.objectives.bd3lm import token_nll
 from bdlm_jax.objectives.streams import logical_stream
 
 LOSS_SLOT = "clean"
+NOISY_STREAM = False
+COPIES = 1
+TOKEN_SHIFT = False  # (the sampler decodes an ar model token by token)
+
+
+def evaluated(cfg: ObjectiveConfig, t_min: float) -> dict:
+  del cfg, t_min
+  return {}
 
 
 def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:

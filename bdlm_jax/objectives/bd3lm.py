@@ -9,6 +9,15 @@ from bdlm_jax.kernels.mask import NOISY
 from bdlm_jax.objectives.streams import logical_stream
 
 LOSS_SLOT = "noisy"  # logits are computed only for the noisy rows
+NOISY_STREAM = True
+COPIES = 1
+TOKEN_SHIFT = False
+
+
+def evaluated(cfg: ObjectiveConfig, t_min: float) -> dict:
+  """The NELBO: 1/t weights over noise levels [t_min, 1], whatever the training weights."""
+  del cfg
+  return dict(loss_weight="inv_t", eps_min=t_min, eps_max=1.0)
 
 
 def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:

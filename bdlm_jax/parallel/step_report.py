@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from bdlm_jax.batch import abstract_batch
 from bdlm_jax.config import STRATEGIES, Config, ConfigError, layer_types, override
 from bdlm_jax.kernels.mask import RowMeta
+from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel import hlo_stats
 from bdlm_jax.parallel.layout import LayoutPlan
 from bdlm_jax.parallel.mesh import make_mesh
@@ -48,7 +49,6 @@ from bdlm_jax.train import abstract_state, make_train_step
 GB = 1e9
 # int32 stream, block, segment and position travel with each row (`mask.as_keys`)
 META_ROW_BYTES = (len(RowMeta._fields) - 1) * 4
-COPIES = {"fast_dllm_v2": 2}  # sequences the objective runs per batch sequence (inside the loss)
 
 
 def attention_traffic(plan: LayoutPlan, kv_row_bytes: float, grad_row_bytes: float,
@@ -87,7 +87,8 @@ def _collective_itemsize(dtype) -> int:
 def config_attention_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype).itemsize):
   """`attention_traffic` of `cfg` (K/V in compute_dtype, dK/dV in kv_grad_dtype)."""
   m, p = cfg.model, cfg.parallel
-  sequences = cfg.train.batch_size // (p.data * p.fsdp) * COPIES.get(cfg.objective.name, 1)
+  copies = get_objective(cfg.objective.name).COPIES  # sequences it runs per batch sequence
+  sequences = cfg.train.batch_size // (p.data * p.fsdp) * copies
   kv_elems = sequences * 2 * m.n_kv_heads * m.head_dim
   rows = (kv_elems * itemsize(m.compute_dtype), kv_elems * itemsize(p.kv_grad_dtype),
           sequences * META_ROW_BYTES)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from bdlm_jax.config import Config, ConfigError
+from bdlm_jax.objectives import get_objective
 from bdlm_jax.kernels import get_kernel, with_windows
 from bdlm_jax.kernels.mask import RowMeta, as_keys
 from bdlm_jax.parallel.allgather import allgather_attend
@@ -40,7 +41,7 @@ def plan_for(cfg: Config) -> LayoutPlan:
   if cfg.parallel.strategy not in TRANSPORTS:
     raise ConfigError(f"unknown parallel.strategy {cfg.parallel.strategy!r}; "
                       f"valid: {sorted(TRANSPORTS)}")
-  noisy = cfg.objective.name != "ar"
+  noisy = get_objective(cfg.objective.name).NOISY_STREAM
   block = cfg.objective.block_size if noisy else 1
   return _cached_plan(cfg.parallel.strategy, cfg.data.seq_len, block, cfg.parallel.seq, noisy)
 
