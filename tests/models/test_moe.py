@@ -120,13 +120,14 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
   return output
 
 
-# Expert parallelism on two meshes, both seq strategies, both dispatches (the ragged one
-# emulated): E = 4 experts over G = 4 devices (one each) or 2 (two each); three meshes.
+# Expert parallelism on three meshes, csbp_ring, cp_ring and bp, both dispatches (the ragged one
+# emulated): E = 4 experts over G = 4 devices (one each) or 2 (two each).
 EXPERT_PARALLEL = [
     ("csbp_ring", dict(data=2, fsdp=2, seq=2, expert_axes="data,fsdp"), "all_gather"),
     ("cp_ring", dict(fsdp=4, seq=2, expert_axes="fsdp"), "all_gather"),
     ("csbp_ring", dict(fsdp=2, seq=4, expert_axes="seq"), "ragged_all_to_all"),
     ("cp_ring", dict(data=2, fsdp=2, seq=2, expert_axes="seq"), "ragged_all_to_all"),
+    ("bp", dict(data=2, fsdp=2, seq=2, expert_axes="fsdp,seq"), "all_gather"),  # replicated rows
 ]
 
 
