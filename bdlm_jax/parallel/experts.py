@@ -12,8 +12,9 @@ route all of them there. So the layer runs under `shard_map`, in one of two layo
   that device runs its experts' grouped matmuls on every row it received and sends the outputs
   back. The message sizes come from the group's per-expert pair counts (one small all-gather),
   so every device knows the whole exchange: `jax.lax.ragged_all_to_all` moves exactly the rows
-  needed; the `all_gather` dispatch gathers the group's rows and returns outputs with one
-  `psum_scatter`. Capacity (`model.moe_drop_tokens`) is counted over the group's tokens.
+  needed. The `all_gather` dispatch (what runs on CPU) gathers the group's tokens and routing
+  instead, and returns each device's weighted expert outputs with one `psum_scatter`.
+  Capacity (`model.moe_drop_tokens`) is counted over the group's tokens.
 
 Router statistics are sums over rows, so they are psummed over the row axes either way.
 """
@@ -93,43 +94,10 @@ class Exchange(NamedTuple):
   def offsets_at_senders(self):  # where each member's rows for me sit in its send buffer
     return _exclusive_cumsum(self.sent, 1)[:, self.me]
 
-  def sources(self, slots: int):
-    """(member, row in its send buffer, valid) of each of my receive buffer's slots."""
-    slot_N = jnp.arange(slots)
-    received = self.sent[:, self.me]
-    src_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(received), slot_N, side="right"),
-                        received.shape[0] - 1)
-    row_N = self.offsets_at_senders[src_N] + slot_N - self.recv_offsets[src_N]
-    return src_N, row_N, slot_N < received.sum()
-
-
-def _to_experts(how, axes, send_PD, ex: Exchange, slots: int):
-  """[slots, D] receive buffer: each member's rows for my experts, in member order."""
-  if how == "ragged_all_to_all":
-    return jax.lax.ragged_all_to_all(
-        send_PD, jnp.zeros((slots, send_PD.shape[1]), send_PD.dtype), ex.send_offsets,
-        ex.sent[ex.me], ex.offsets_at_receivers, ex.sent[:, ex.me], axis_name=axes)
-  src_N, row_N, valid_N = ex.sources(slots)
-  every_GPD = jax.lax.all_gather(send_PD, axes)
-  return jnp.where(valid_N[:, None], every_GPD[src_N, row_N], 0)
-
-
-def _from_experts(how, axes, recv_ND, ex: Exchange, pairs: int):
-  """[pairs, D]: the outputs of my send buffer's rows, back from their experts' devices."""
-  if how == "ragged_all_to_all":
-    return jax.lax.ragged_all_to_all(
-        recv_ND, jnp.zeros((pairs, recv_ND.shape[1]), recv_ND.dtype), ex.recv_offsets,
-        ex.sent[:, ex.me], ex.offsets_at_senders, ex.sent[ex.me], axis_name=axes)
-  src_N, row_N, valid_N = ex.sources(recv_ND.shape[0])
-  group = ex.sent.shape[0]
-  back_GPD = jnp.zeros((group, pairs, recv_ND.shape[1]), recv_ND.dtype).at[
-      jnp.where(valid_N, src_N, group), row_N].set(recv_ND, mode="drop")
-  return jax.lax.psum_scatter(back_GPD, axes, scatter_dimension=0)
-
 
 def _expert_parallel(m: ModelConfig, axes, how, x_BRD, row_weight_BR, weights):
   """`models.moe.experts` with this device's experts only (gate/up/down hold E/G of them):
-  pairs travel to their experts' devices and back."""
+  rows travel to their experts' devices and back."""
   router_DE, gate_LDF, up_LDF, down_LFD = weights
   b, r, d = x_BRD.shape
   k, num_local = m.moe_top_k, gate_LDF.shape[0]
@@ -137,29 +105,67 @@ def _expert_parallel(m: ModelConfig, axes, how, x_BRD, row_weight_BR, weights):
   x_TD = x_BRD.reshape(b * r, d)
   weight_TK, expert_TK, logits_TE = moe.route(m, x_TD, router_DE)
   order_P, expert_P, sizes_E = moe.sort_pairs(expert_TK, m.moe_experts)
-  pairs = order_P.shape[0]
   cap = moe.capacity(m, group * b * r)
   kept_GGL = moe.kept_counts(jax.lax.all_gather(sizes_E, axes), cap).reshape(
       group, group, num_local)  # [sender, receiver, receiver's expert]
-  ex = Exchange(kept_GGL.sum(-1), jax.lax.axis_index(axes))
-  keep_P = moe.keep_mask(expert_P, sizes_E, kept_GGL[ex.me].reshape(-1))
-  # Kept pairs, in expert order, are already grouped by receiver: compact them.
-  slot_P = jnp.where(keep_P, jnp.cumsum(keep_P) - 1, pairs)
-  send_PD = jnp.zeros((pairs, d), x_TD.dtype).at[slot_P].set(x_TD[order_P // k], mode="drop")
+  me = jax.lax.axis_index(axes)
+  keep_P = moe.keep_mask(expert_P, sizes_E, kept_GGL[me].reshape(-1))
+  keep_TK = moe.unsort(keep_P, order_P, k)
+  # My experts' rows, in expert order: every member may send me all its pairs; with a
+  # capacity my experts take at most cap each.
+  slots = group * order_P.shape[0] if cap is None else min(group * order_P.shape[0],
+                                                          num_local * cap)
+  sizes_L = kept_GGL[:, me].sum(0)
+  mlp = lambda x_ND: moe.expert_mlp(m, x_ND, sizes_L, gate_LDF, up_LDF, down_LFD)
+  if how == "ragged_all_to_all":
+    y_PD = _ragged_exchange(x_TD[order_P // k], keep_P, Exchange(kept_GGL.sum(-1), me),
+                            kept_GGL[:, me], slots, mlp, axes)
+    out_TD = moe.combine(y_PD, order_P, weight_TK)
+  else:
+    out_TD = _gathered_tokens(x_TD, weight_TK, expert_TK, keep_TK, me * num_local, num_local,
+                              slots, mlp, axes)
+  return out_TD.reshape(b, r, d), moe.router_stats(row_weight_BR, logits_TE, expert_TK, keep_TK)
 
-  # Every member may send me all its pairs; with a capacity my experts take at most cap each.
-  slots = group * pairs if cap is None else min(group * pairs, num_local * cap)
-  recv_ND = _to_experts(how, axes, send_PD, ex, slots)
-  mine_GL = kept_GGL[:, ex.me]
+
+def _ragged_exchange(x_PD, keep_P, ex: Exchange, mine_GL, slots: int, mlp, axes):
+  """[P, D] outputs of the expert-sorted pairs (0 where dropped): the kept rows, compacted
+  (in expert order they are grouped by receiver), go to their experts' devices and back in
+  two `ragged_all_to_all`s of exactly the rows needed."""
+  pairs, d = x_PD.shape
+  slot_P = jnp.where(keep_P, jnp.cumsum(keep_P) - 1, pairs)
+  send_PD = jnp.zeros((pairs, d), x_PD.dtype).at[slot_P].set(x_PD, mode="drop")
+  recv_ND = jax.lax.ragged_all_to_all(
+      send_PD, jnp.zeros((slots, d), x_PD.dtype), ex.send_offsets, ex.sent[ex.me],
+      ex.offsets_at_receivers, ex.sent[:, ex.me], axis_name=axes)
+  # Received: sender by sender, each sender's rows by my local expert; group them by expert.
+  group, num_local = mine_GL.shape
   expert_N = jnp.repeat(jnp.tile(jnp.arange(num_local), group), mine_GL.reshape(-1),
                         total_repeat_length=slots)
   expert_N = jnp.where(jnp.arange(slots) < mine_GL.sum(), expert_N, num_local)
   order_N = jnp.argsort(expert_N, stable=True)
-  y_ND = moe.expert_mlp(m, recv_ND[order_N], mine_GL.sum(0), gate_LDF, up_LDF, down_LFD)
+  y_ND = mlp(recv_ND[order_N])
   y_ND = jnp.zeros_like(y_ND).at[order_N].set(y_ND)
-  back_PD = _from_experts(how, axes, y_ND, ex, pairs)
+  back_PD = jax.lax.ragged_all_to_all(
+      y_ND, jnp.zeros((pairs, d), y_ND.dtype), ex.recv_offsets, ex.sent[:, ex.me],
+      ex.offsets_at_senders, ex.sent[ex.me], axis_name=axes)
+  return jnp.take(back_PD, slot_P, axis=0, mode="fill", fill_value=0)
 
-  y_PD = jnp.take(back_PD, slot_P, axis=0, mode="fill", fill_value=0)
-  out_TD = moe.combine(y_PD, order_P, weight_TK)
-  return out_TD.reshape(b, r, d), moe.router_stats(row_weight_BR, logits_TE, expert_TK,
-                                                   moe.unsort(keep_P, order_P, k))
+
+def _gathered_tokens(x_TD, weight_TK, expert_TK, keep_TK, first: int, num_local: int,
+                     slots: int, mlp, axes):
+  """[T, D] outputs of my tokens: every member's tokens and routing are all-gathered, each
+  device runs its experts on the kept pairs that picked them and weighs the outputs, and one
+  `psum_scatter` sums each token's k outputs back onto its own device. Moves tokens, not
+  (token, expert) pairs: k times fewer rows than gathering the pairs."""
+  t, d = x_TD.shape
+  k = expert_TK.shape[1]
+  x_ND = jax.lax.all_gather(x_TD, axes).reshape(-1, d)
+  expert_Q, weight_Q, keep_Q = (jax.lax.all_gather(a, axes).reshape(-1)
+                                for a in (expert_TK, weight_TK, keep_TK))
+  local_Q = expert_Q - first
+  mine_Q = keep_Q & (local_Q >= 0) & (local_Q < num_local)
+  order_N = jnp.argsort(jnp.where(mine_Q, local_Q, num_local), stable=True)[:slots]
+  token_N = order_N // k
+  y_ND = mlp(x_ND[token_N]) * weight_Q[order_N, None].astype(x_ND.dtype)
+  out_ND = jnp.zeros_like(x_ND).at[token_N].add(y_ND)
+  return jax.lax.psum_scatter(out_ND.reshape(-1, t, d), axes, scatter_dimension=0)
