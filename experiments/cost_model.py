@@ -1,5 +1,6 @@
 """Analytical step time and peak memory per sequence strategy, projected to the paper's
-settings (16 H200 = 2 nodes x 8, 8B- and 27B-class dense models, 128K-1M tokens).
+settings (16 H200 = 2 nodes x 8, 8B- and 27B-class dense models and a 30B-A3B-class
+mixture of experts, 128K-1M tokens).
 
   python experiments/cost_model.py
   python experiments/cost_model.py --kernel-csv experiments/results/kernel_bench.csv
@@ -10,14 +11,18 @@ A plain model, not a simulator. Per rank and per step:
   rank computes, split by whose K/V they read (its own *stay* K/V, or rank s's *travelling*
   K/V), so a ring can be timed step by step. Their sum per rank equals
   `LayoutPlan.attention_work()`; linear layers cost rows x per-row FLOPs, as in
-  `bdlm_jax.metrics.model_flops_per_step` (both checked by tests).
+  `bdlm_jax.metrics.model_flops_per_step` (both checked by tests). A mixture of experts
+  costs what a row uses, its router and k experts (*active* parameters), while its memory
+  holds every expert (*total* parameters): `param_count(m, active=...)`.
 * Time = FLOPs at achieved TFLOP/s + alpha-beta communication (NVLink inside a node,
   InfiniBand across; a ring that leaves a node moves at the InfiniBand hop's pace). A ring
   step hides its K/V hop under its compute, but each hop is a matched send/receive between
   neighbours, so a rank with little work at one step waits for its neighbours: the ring is
   timed step by step from each rank's work at that step. All-gather and reduce-scatter are
   exposed (attention needs the gathered K/V; the backward gathers them again). The bytes are
-  what the transports issue (`bdlm_jax.parallel.step_report.attention_traffic`).
+  what the transports issue (`bdlm_jax.parallel.step_report.attention_traffic`). An MoE's
+  experts are split over all GPUs (`parallel.expert_axes=seq`): each layer sends every kept
+  (token, expert) row to its expert's GPU and back, exposed (`moe_exchange`).
 * Memory, where `experiments/scale_probe.py` compiled the setting (`--probe-csv`): the
   compiled per-device peak of the real train step, also for the other block sizes of that
   (model, L, strategy) (B moves memory only through layout padding). Elsewhere it is
@@ -43,7 +48,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
 sys.path.insert(0, ROOT)
 
-from bdlm_jax.config import ModelConfig  # noqa: E402
+from bdlm_jax.config import ModelConfig, mlp_types  # noqa: E402
+from bdlm_jax.models.moe import capacity  # noqa: E402
 from bdlm_jax.parallel.hlo_stats import wire_bytes  # noqa: E402
 from bdlm_jax.parallel.layout import PAD, LayoutPlan, make_plan  # noqa: E402
 from bdlm_jax.parallel.step_report import attention_traffic  # noqa: E402
@@ -90,7 +96,10 @@ class Assumptions:
 
 # Shapes of the paper-class models in bdlm_jax's Llama-style block, all layers global attention
 # (Gemma 3 27B's dimensions, qk_norm and vocabulary; its 5:1 sliding windows, GeGLU and
-# sandwich norms are not modelled). mask_token_id only has to be a valid id.
+# sandwich norms are not modelled; Qwen3-30B-A3B's, every layer a mixture of experts, whose
+# experts take at most 1.25x their fair share of a group's rows, so that the expert-parallel
+# receive buffers are sized by that capacity, not by the worst case of every row at one GPU).
+# mask_token_id only has to be a valid id.
 MODELS = {
     "llama3-8b": ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
                              n_kv_heads=8, head_dim=128, d_ff=14336, rope_theta=500000.0,
@@ -98,6 +107,12 @@ MODELS = {
     "gemma3-27b": ModelConfig(vocab_size=262208, d_model=5376, n_layers=62, n_heads=32,
                               n_kv_heads=16, head_dim=128, d_ff=21504, rope_theta=1e6,
                               qk_norm=True, tie_embeddings=True, compute_dtype="bfloat16"),
+    "qwen3-30b-a3b": ModelConfig(vocab_size=151936, d_model=2048, n_layers=48, n_heads=32,
+                                 n_kv_heads=4, head_dim=128, d_ff=6144, moe_experts=128,
+                                 moe_top_k=8, moe_d_ff=768, moe_norm_topk=True,
+                                 moe_drop_tokens=True, moe_capacity_factor=1.25,
+                                 rope_theta=1e6, qk_norm=True, tie_embeddings=False,
+                                 compute_dtype="bfloat16"),
 }
 SEQ_LENS = (128 * 1024, 256 * 1024, 512 * 1024, 1024 * 1024)
 BLOCK_SIZES = (16, 64, 256)
@@ -115,15 +130,36 @@ PAPER = (
 
 # ----------------------------------------------------------------------------- model shapes
 
+def _mlp_params(m: ModelConfig, active: bool) -> int:
+  """One layer's SwiGLU MLP: dense, or an MoE's router and its experts (all E, or the k one
+  row uses). The model's layers are all alike: a dense/MoE `mlp_pattern` is not modelled."""
+  if len(set(mlp_types(m))) > 1:
+    raise ValueError(f"the cost model takes every layer dense or every layer MoE, not "
+                     f"model.mlp_pattern={m.mlp_pattern!r}")
+  if not m.moe_experts:
+    return 3 * m.d_model * m.d_ff
+  experts = m.moe_top_k if active else m.moe_experts
+  return m.d_model * m.moe_experts + experts * 3 * m.d_model * (m.moe_d_ff or m.d_ff)
+
+
+def expert_params(m: ModelConfig) -> int:
+  """Every layer's expert weights: under expert parallelism they stay where they are used
+  (never gathered by ZeRO-3, their gradients never reduced)."""
+  return m.n_layers * (_mlp_params(m, False) - m.d_model * m.moe_experts) if m.moe_experts else 0
+
+
 def layer_flops_per_row(m: ModelConfig) -> float:
-  """Forward FLOPs of one row through one layer's projections and SwiGLU MLP."""
+  """Forward FLOPs of one row through one layer's projections and SwiGLU MLP (of an MoE, the
+  router and the k experts the row uses: active parameters)."""
   qkv = 2 * m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim
-  return qkv + 2 * m.n_heads * m.head_dim * m.d_model + 3 * 2 * m.d_model * m.d_ff
+  return qkv + 2 * m.n_heads * m.head_dim * m.d_model + 2 * _mlp_params(m, active=True)
 
 
-def param_count(m: ModelConfig) -> int:
+def param_count(m: ModelConfig, active: bool = False) -> int:
+  """Total parameters (what memory holds), or with `active` those one token computes with
+  (an MoE's router and k experts; the same as total for a dense model)."""
   per_layer = (m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim
-               + m.n_heads * m.head_dim * m.d_model + 3 * m.d_model * m.d_ff + 2 * m.d_model
+               + m.n_heads * m.head_dim * m.d_model + _mlp_params(m, active) + 2 * m.d_model
                + (2 * m.head_dim if m.qk_norm else 0))
   embed = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
   return embed + m.n_layers * per_layer + m.d_model
@@ -217,6 +253,37 @@ def _ring_s(start: np.ndarray, compute: np.ndarray, kv_hop: float, grad_hop: flo
   return float(start.max())
 
 
+def expert_slots(m: ModelConfig, rows: int, num_gpus: int) -> tuple[int, int]:
+  """(pairs, receive slots) of one GPU's MoE layer, experts split over `num_gpus`
+  (`parallel.experts`): its rows' k (token, expert) pairs, and the rows its experts may
+  receive, the group's pairs bounded by their capacity (`models.moe.capacity`)."""
+  pairs = rows * m.moe_top_k
+  cap = capacity(m, num_gpus * rows)
+  group = num_gpus * pairs
+  return pairs, group if cap is None else min(group, m.moe_experts // num_gpus * cap)
+
+
+def moe_exchange(m: ModelConfig, rows: int, hw: Hardware, a: Assumptions) -> tuple[float, float]:
+  """(bytes, seconds) per GPU and step of an MoE's token exchange, experts split over every
+  GPU: per layer each of the rows' k (token, expert) pairs goes to its expert's GPU (d_model
+  in the compute dtype) and its output comes back; in the forward, again in the remat's
+  forward, and in the backward (the gradients, the reverse way). The router is taken as
+  balanced (every pair kept, a 1/G share staying on its GPU); the exchange is exposed (the
+  MLP waits for its rows), its inter-node share on InfiniBand alongside the NVLink share."""
+  g = hw.num_gpus
+  if not m.moe_experts or g == 1:
+    return 0.0, 0.0
+  one_way = rows * m.moe_top_k * m.d_model * a.compute_bytes
+  exchanges = m.n_layers * 2 * (2 + a.remat_forward)
+  nvlink = one_way * (min(g, hw.gpus_per_node) - 1) / g / (hw.nvlink_gb_s * GB)
+  if g > hw.gpus_per_node:
+    seconds = hw.ib_alpha_us * 1e-6 + max(
+        nvlink, one_way * (g - hw.gpus_per_node) / g / (hw.ib_gb_s * GB))
+  else:
+    seconds = hw.nvlink_alpha_us * 1e-6 + nvlink
+  return exchanges * one_way, exchanges * seconds
+
+
 def step_time(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) -> dict:
   """Seconds of one step (one sequence over the seq ranks), and where they go."""
   p = work.plan.num_ranks
@@ -250,10 +317,12 @@ def step_time(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) -> d
   linear = rows * layer_flops_per_row(m) * (3 + a.remat_forward) / (hw.matmul_tflops * 1e12)
   logits = 3 * 2 * work.plan.n_noisy * m.d_model * m.vocab_size / (hw.matmul_tflops * 1e12)
   attention = m.n_layers * (attn_fwd + attn_bwd)
-  return dict(total_s=m.n_layers * linear + logits + attention,
+  moe_bytes, moe_s = moe_exchange(m, rows, hw, a)
+  return dict(total_s=m.n_layers * linear + logits + attention + moe_s,
               attention_s=attention, linear_s=m.n_layers * linear + logits,
               attention_busy_s=m.n_layers * (1 + bwd) * busy,
-              comm_bytes_per_step=step_comm_bytes(work, m, a))
+              comm_bytes_per_step=step_comm_bytes(work, m, a),
+              moe_exchange_s=moe_s, moe_exchange_bytes=moe_bytes)
 
 
 def step_comm_bytes(work: PlanWork, m: ModelConfig, a: Assumptions) -> float:
@@ -269,8 +338,9 @@ def step_comm_bytes(work: PlanWork, m: ModelConfig, a: Assumptions) -> float:
 
 def param_traffic_s(m: ModelConfig, hw: Hardware, a: Assumptions) -> float:
   """ZeRO-3 weight traffic per step (gather bf16 twice, reduce-scatter f32 grads), the same
-  for every strategy and assumed hidden under the linear layers' compute."""
-  n = param_count(m) * (hw.num_gpus - 1) / hw.num_gpus
+  for every strategy and assumed hidden under the linear layers' compute; an MoE's experts,
+  split over the GPUs, do not move."""
+  n = (param_count(m) - expert_params(m)) * (hw.num_gpus - 1) / hw.num_gpus
   return n * (2 * a.compute_bytes + 4) / (hw.ib_gb_s * GB)
 
 
@@ -287,8 +357,15 @@ def peak_memory(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) ->
   # attention core's output and LSE; q, K/V and any gathered K/V are recomputed.
   saved_layer = rows * ((m.d_model + q_row) * e + 4 * m.n_heads)
   # Transient while one layer runs its backward: recomputed MLP/projections and their
-  # gradients, the f32 dq, and the K/V buffers in flight with their f32 gradients.
-  linear_tmp = 2 * rows * (3 * m.d_ff + m.d_model + q_row + kv_row // 2) * e + rows * q_row * 4
+  # gradients, the f32 dq, and the K/V buffers in flight with their f32 gradients. An MoE's
+  # MLP runs on its experts' received rows: they, the rows sent and received back, and the
+  # experts' intermediates (`parallel.experts`, ragged_all_to_all dispatch).
+  if m.moe_experts:
+    pairs, slots = expert_slots(m, rows, hw.num_gpus)
+    mlp = slots * 3 * (m.moe_d_ff or m.d_ff) + 2 * (pairs + slots) * m.d_model
+  else:
+    mlp = rows * 3 * m.d_ff
+  linear_tmp = 2 * (mlp + rows * (m.d_model + q_row + kv_row // 2)) * e + rows * q_row * 4
   if TRANSPORT[work.plan.strategy] == "ring":
     kv_tmp = 2 * work.n_travel * kv_row * (e + a.kv_grad_bytes)  # current + next, kv + dkv
   else:  # every visible key's K/V and f32 dK/dV (the all-gather gathers all ranks' part)
@@ -306,13 +383,15 @@ def peak_memory(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) ->
 
 def load_probe(path: str, hw: Hardware) -> dict:
   """{(model, L, B, strategy): compiled peak bytes} from a scale_probe CSV: full-depth rows
-  of this cost model's models on `hw.num_gpus` devices that compiled."""
+  of this cost model's models on `hw.num_gpus` devices that compiled; of an MoE, the
+  ragged dispatch (the GPU's) compiled with stand-ins, not the all_gather one XLA:CPU runs."""
   with open(path) as f:
     rows = list(csv.DictReader(f))
   return {(r["model"], int(r["seq_len"]), int(r["block_size"]), r["strategy"]):
           float(r["peak_bytes"]) for r in rows
           if r["model"] in MODELS and not r["error"] and not r["depth_check"]
           and not r.get("overrides")
+          and (r.get("standins") == "True") == bool(MODELS[r["model"]].moe_experts)
           and int(r["devices"]) == hw.num_gpus and r["remat"] == "full"
           and int(r["layers"]) == MODELS[r["model"]].n_layers}
 
@@ -354,8 +433,11 @@ def project(hw: Hardware, scenarios: dict, models=MODELS, seq_lens=SEQ_LENS,
 
 
 def _idle_fraction(row: dict | None) -> float | None:
-  """Share of the step spent communicating or waiting for ring neighbours."""
-  return None if row is None else (row["attention_s"] - row["attention_busy_s"]) / row["total_s"]
+  """Share of the step spent communicating (an MoE's token exchange too) or waiting for ring
+  neighbours."""
+  if row is None:
+    return None
+  return (row["attention_s"] - row["attention_busy_s"] + row["moe_exchange_s"]) / row["total_s"]
 
 
 def speedups(rows: list[dict]) -> list[dict]:
@@ -419,12 +501,45 @@ def _constants(hw: Hardware, a: Assumptions, calibration: str) -> list[str]:
   lines += [f"* assumptions.{f.name} = {getattr(a, f.name)}" for f in dataclasses.fields(a)]
   lines += [f"* {calibration}", "* models (all layers global attention):"]
   for name, m in MODELS.items():
-    lines.append(f"  * {name}: {param_count(m) / 1e9:.2f}B params, d_model {m.d_model}, "
-                 f"{m.n_layers} layers, {m.n_heads} q / {m.n_kv_heads} kv heads x "
-                 f"{m.head_dim}, d_ff {m.d_ff}, vocab {m.vocab_size}, tied embeddings "
-                 f"{m.tie_embeddings}; ZeRO-3 weight traffic {param_traffic_s(m, hw, a):.1f} s "
-                 f"per step, assumed hidden")
+    if not m.moe_experts:
+      lines.append(f"  * {name}: {param_count(m) / 1e9:.2f}B params, d_model {m.d_model}, "
+                   f"{m.n_layers} layers, {m.n_heads} q / {m.n_kv_heads} kv heads x "
+                   f"{m.head_dim}, d_ff {m.d_ff}, vocab {m.vocab_size}, tied embeddings "
+                   f"{m.tie_embeddings}; ZeRO-3 weight traffic {param_traffic_s(m, hw, a):.1f} "
+                   f"s per step, assumed hidden")
+      continue
+    lines += _moe_lines(name, m, hw, a)
   return lines + [""]
+
+
+def _moe_lines(name: str, m: ModelConfig, hw: Hardware, a: Assumptions) -> list[str]:
+  """An MoE's parameter counts, expert layout and token exchange, as assumed."""
+  g, seq_len = hw.num_gpus, 256 * 1024
+  rows = 2 * seq_len // g  # noisy and clean rows of one GPU
+  pairs, slots = expert_slots(m, rows, g)
+  one_way = pairs * m.d_model * a.compute_bytes
+  sent, seconds = moe_exchange(m, rows, hw, a)
+  return [
+      f"  * {name}: {param_count(m) / 1e9:.2f}B params in total (memory: parameters, "
+      f"gradients and Adam moments), {param_count(m, active=True) / 1e9:.2f}B active (FLOPs "
+      f"and MFU: the router and {m.moe_top_k} of {m.moe_experts} experts of width "
+      f"{m.moe_d_ff} per token), d_model {m.d_model}, {m.n_layers} layers, every one a "
+      f"mixture of experts, {m.n_heads} q / {m.n_kv_heads} kv heads x {m.head_dim}, vocab "
+      f"{m.vocab_size}, tied embeddings {m.tie_embeddings}; ZeRO-3 weight traffic of the "
+      f"{(param_count(m) - expert_params(m)) / 1e9:.2f}B non-expert params "
+      f"{param_traffic_s(m, hw, a):.1f} s per step, assumed hidden",
+      f"    * expert parallelism: each layer's experts split over all {g} GPUs "
+      f"(`parallel.expert_axes=seq`, {m.moe_experts // g} per GPU, their states never "
+      f"gathered), dispatch `ragged_all_to_all`, router balanced; an expert takes at most "
+      f"{m.moe_capacity_factor}x its fair share of the group's pairs, so a GPU's experts "
+      f"receive into {slots / pairs:.2f}x its own pairs' rows",
+      f"    * token exchange per layer and GPU: kept (token, expert) pairs x d_model x "
+      f"{a.compute_bytes} B to the experts and as many back, in the forward, the remat's "
+      f"forward and the backward (6 exchanges); at L = {_k(seq_len)} {rows} rows x "
+      f"{m.moe_top_k} = {pairs} pairs, {one_way / GB:.2f} GB each way, "
+      f"{sent / m.n_layers / GB:.2f} GB per layer, {sent / GB:.0f} GB per step "
+      f"({(g - 1) / g:.0%} leaving the GPU, {max(g - hw.gpus_per_node, 0) / g:.0%} the node), "
+      f"{seconds:.1f} s per step, exposed"]
 
 
 def _strategy_table(rows: list[dict], spd: list[dict]) -> list[str]:
@@ -527,7 +642,8 @@ def _memory_table(rows: list[dict], hw: Hardware, probe: str) -> list[str]:
   limit = hw.hbm_gb * hw.usable_fraction
   both = [r for r in rows if r["compiled_bytes"]]
   lines = [f"Fits / OOM against {limit:.0f} GB usable: {len(both)} of {len(rows)} verdicts "
-           f"compiled (the real train step's per-device peak, read from `{probe}`; at the "
+           f"compiled (the real train step's per-device peak, read from `{probe}`, of an "
+           f"MoE its ragged dispatch compiled with stand-ins; at the "
            f"probe's block size, and the same figure for the other block sizes), the other "
            f"{len(rows) - len(both)} assumed (this model's estimate). Below: the probed "
            "settings.", ""]
@@ -563,7 +679,7 @@ def report(hw: Hardware, calibration: str, compiled=None,
   lines += _memory_table(rows_by["default"], hw, probe)
   lines += _ring_table(rows_by["default"], hw, default, 64)
   lines += ["### Projection next to the paper", "",
-            "Ranges run over both models and block sizes " + ", ".join(map(str, BLOCK_SIZES))
+            "Ranges run over each model's block sizes " + ", ".join(map(str, BLOCK_SIZES))
             + ". Scenarios change one assumption: *balanced ring steps* gives every rank its "
             "mean ring-step time (what a CP layout balanced per step, not only per rank, "
             "would get); *no ring overlap* exposes every ring hop; "
@@ -583,6 +699,7 @@ def write_results_readme(results_dir: str) -> str:
   parts = ["# Results", "",
            "Generated; do not edit. Regenerate with "
            "`python experiments/parallel_bench.py --quick && python experiments/scale_probe.py "
+           "&& python experiments/scale_probe.py --models qwen3-30b-a3b --lens 262144 --append "
            "&& python experiments/scale_probe.py --ablate --models llama3-8b --lens 262144 "
            "--strategies csbp_ring csbp_allgather && python experiments/cost_model.py` "
            "(and `python experiments/window_traffic.py`, `python experiments/block_size_sweep.py` "

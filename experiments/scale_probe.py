@@ -20,11 +20,22 @@ markdown shows how compile time grows with depth (the layer scan should keep it 
 `--ablate` compiles the first model at the first L once per entry of ABLATIONS, each turning
 one memory feature off (or one option on), so the table shows what each buys.
 
-Writes scale_probe.{csv,md,png} under --out (scale_probe_quick.* with --quick). XLA:CPU is
-not the GPU compiler: its memory is the structure to optimise, not a GPU's exact figure.
-Model presets (all layers global attention, the Llama-style block of bdlm_jax.models):
-llama3-8b and gemma3-27b as in experiments/cost_model.py (Gemma 3 27B's dimensions), and
-qwen3-8b (Qwen3-8B's dimensions, qk_norm).
+Writes scale_probe.{csv,md,png} under --out (scale_probe_quick.* with --quick); `--append`
+keeps the other models' rows and sections of an earlier run there and replaces only these
+models'. XLA:CPU is not the GPU compiler: its memory is the structure to optimise, not a
+GPU's exact figure. Model presets (all layers global attention, the Llama-style block of
+bdlm_jax.models): llama3-8b, gemma3-27b and qwen3-30b-a3b as in experiments/cost_model.py
+(Gemma 3 27B's dimensions; Qwen3-30B-A3B's, a mixture of experts), and qwen3-8b (Qwen3-8B's
+dimensions, qk_norm).
+
+An MoE preset splits its experts over the seq axis (`parallel.expert_axes=seq`). XLA:CPU
+compiles neither the GPU's dispatch (`ragged-all-to-all`) nor a grouped matmul (jax lowers
+`ragged_dot` there as a dense matmul over every local expert's masked copy of the rows), so
+each MoE setting is compiled twice: the real step with `parallel.moe_dispatch=all_gather`
+(which gathers the group's tokens; most of its memory on CPU is that dense `ragged_dot`),
+and the ragged dispatch with shape-faithful stand-ins (`_ragged_standins`: the same
+buffers, not the same FLOPs or collectives), the latter being the figure the cost model
+reads. The markdown puts both next to the cost model's analytic figure for the ragged path.
 """
 
 import argparse
@@ -40,6 +51,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import jax  # noqa: E402
+
 from bdlm_jax.config import Config, ConfigError, ModelConfig, override, replace  # noqa: E402
 from bdlm_jax.parallel import step_report  # noqa: E402
 from experiments import cost_model  # noqa: E402
@@ -51,6 +64,7 @@ MODELS = {
                             n_kv_heads=8, head_dim=128, d_ff=12288, rope_theta=1e6,
                             qk_norm=True, tie_embeddings=False),
     "gemma3-27b": cost_model.MODELS["gemma3-27b"],
+    "qwen3-30b-a3b": cost_model.MODELS["qwen3-30b-a3b"],
     "tiny": ModelConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                         head_dim=8, d_ff=64, attention_chunk=32),
 }
@@ -58,7 +72,10 @@ STRATEGIES = ("cp_allgather", "cp_ring", "cp_ring_balanced", "bp", "csbp_allgath
 # --quick: 32 tokens are 2 blocks, fewer than 4 ranks, so bp and csbp are rejected there.
 QUICK = dict(models=["tiny"], lens=[32, 64], devices=4, block_size=16, depth_check=1,
              device_memory_gb=0.01)
-KEYS = ("model", "seq_len", "strategy", "devices", "layers", "block_size", "remat", "overrides")
+KEYS = ("model", "seq_len", "strategy", "devices", "layers", "block_size", "remat", "overrides",
+        "standins")
+# An MoE's experts over the seq axis, its rows moved by a dispatch XLA:CPU compiles.
+EXPERT_PARALLEL = ("parallel.expert_axes=seq", "parallel.moe_dispatch=all_gather")
 # --ablate: (what changes, config overrides) against the defaults of `probe_config`. The
 # state sharding (ZeRO-3 over fsdp x seq) and the layer scan have no switch: their effect is
 # in the arguments column and in the depth check of the main table.
@@ -74,15 +91,33 @@ ABLATIONS = (
 
 
 def probe_config(model: str, seq_len: int, strategy: str, devices: int, layers: int,
-                 block_size: int, remat: str, overrides=()) -> Config:
-  """One sequence of `seq_len` tokens over a seq axis of `devices`; bf16 compute; then
-  `overrides` (`--set` syntax)."""
+                 block_size: int, remat: str, overrides=(), standins: bool = False) -> Config:
+  """One sequence of `seq_len` tokens over a seq axis of `devices`; bf16 compute; an MoE's
+  experts split over that axis (`EXPERT_PARALLEL`; with `standins` the ragged dispatch);
+  then `overrides` (`--set` syntax)."""
   m = dataclasses.replace(MODELS[model], n_layers=layers, remat=remat,
                           compute_dtype="bfloat16", param_dtype="float32")
   cfg = replace(Config(), model=m, data=dict(seq_len=seq_len),
                 objective=dict(block_size=block_size, mask_token_id=m.vocab_size - 1),
                 parallel=dict(strategy=strategy, seq=devices), train=dict(batch_size=1))
-  return override(cfg, overrides)
+  moe = (*EXPERT_PARALLEL, *(["parallel.moe_dispatch=ragged_all_to_all"] if standins else []))
+  return override(cfg, (*(moe if m.moe_experts else ()), *overrides))
+
+
+def _ragged_standins() -> None:
+  """Replaces the ragged ops XLA:CPU cannot compile by stand-ins with their buffers: a plain
+  matmul with the first expert's weights for `ragged_dot` (the rows of a grouped matmul,
+  [N, K] x [K, F] -> [N, F]; its weight gradient fills the [E, K, F] buffer as a grouped
+  one does), and a local copy into the output buffer for `ragged_all_to_all`. Memory only:
+  FLOPs and collectives of such a compile are not the step's."""
+  def ragged_dot(lhs, rhs, group_sizes, **_):
+    return lhs @ rhs[0]
+
+  def ragged_all_to_all(operand, output, *_, **__):
+    n = min(operand.shape[0], output.shape[0])
+    return jax.lax.dynamic_update_slice(output, operand[:n], (0, 0))
+
+  jax.lax.ragged_dot, jax.lax.ragged_all_to_all = ragged_dot, ragged_all_to_all
 
 
 def measure(job: dict, timeout_s: float) -> dict:
@@ -107,6 +142,8 @@ def measure(job: dict, timeout_s: float) -> dict:
 
 
 def _worker(job: dict) -> None:
+  if job["standins"]:
+    _ragged_standins()
   try:
     row = step_report.step_report(probe_config(**job)).row()
   except Exception as e:  # noqa: BLE001 (a strategy that does not compile is a finding)
@@ -119,14 +156,17 @@ def jobs(args) -> list[dict]:
   `--ablate`, every (strategy, ablation) of the first model and L instead."""
   out, checks = [], []
   for model in args.models:
-    job = lambda seq_len, strategy, layers, overrides=(): dict(
+    job = lambda seq_len, strategy, layers, overrides=(), standins=False: dict(
         model=model, seq_len=seq_len, strategy=strategy, devices=args.devices, layers=layers,
-        block_size=args.block_size, remat=args.remat, overrides=list(overrides))
+        block_size=args.block_size, remat=args.remat, overrides=list(overrides),
+        standins=standins)
     layers = args.layers or MODELS[model].n_layers
     if args.ablate:
       return [dict(job(args.lens[0], s, layers, overrides), variant=label)
               for s in args.strategies for label, overrides in ABLATIONS]
-    out += [job(n, s, layers) for n in args.lens for s in args.strategies]
+    variants = (False, True) if MODELS[model].moe_experts else (False,)
+    out += [job(n, s, layers, standins=v) for n in args.lens for s in args.strategies
+            for v in variants]
     if args.depth_check and args.depth_check != layers:
       checks.append(dict(job(args.lens[0], args.strategies[0], args.depth_check),
                          depth_check=True))
@@ -146,7 +186,8 @@ def run(args, progress=print) -> list[dict]:
 
 
 def _line(r: dict) -> str:
-  head = f"{r['model']} L={r['seq_len']} {r['strategy']} ({r['layers']} layers): "
+  head = (f"{r['model']} L={r['seq_len']} {r['strategy']} ({r['layers']} layers"
+          f"{', ragged stand-ins' if r.get('standins') else ''}): ")
   if r.get("error"):
     return head + r["error"]
   return head + (f"peak {r['peak_bytes'] / GB:.2f} GB, attention {r['attention_bytes'] / GB:.2f}"
@@ -161,42 +202,97 @@ def _version() -> str:
       f" + uncommitted changes in {', '.join(dirty)}" if dirty else "")
 
 
-def markdown(rows: list[dict], args, device_bytes: float, command: str) -> str:
+def _produced(command: str) -> str:
   when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+  return f"Produced by `{command}` on {when}, core version {_version()}."
+
+
+def markdown(rows: list[dict], args, device_bytes: float, command: str) -> str:
   lines = ["## Compiled memory at scale (per device, compile only)", "",
-           f"Produced by `{command}` on {when}, core version {_version()}. "
-           f"{args.devices} simulated CPU devices on the seq axis, one sequence per step, "
-           f"block size {args.block_size}, bf16 compute, f32 parameters, remat "
+           f"{_produced(command)} {args.devices} simulated CPU devices on the seq axis, one "
+           f"sequence per step, block size {args.block_size}, bf16 compute, f32 parameters, remat "
            f"`{args.remat}`. Peak = arguments + temp + output - alias (XLA:CPU figures: the "
            "structure to optimise, not a GPU's exact bytes). *attention GB/step*: K/V, dK/dV "
            "and row metadata each device sends per step, from the layout plan (ring-algorithm "
            "wire bytes, bf16 K/V, f32 dK/dV); *attention check*: compiled attention "
            "collectives ÷ the plan's (1.00: the core moves what its transport should).", ""]
   for model in args.models:
-    m = MODELS[model]
-    mine = [r for r in rows if r["model"] == model and not r.get("depth_check")]
-    lines += [f"### {model}", "",
-              f"{cost_model.param_count(m) / 1e9:.2f}B parameters: d_model {m.d_model}, "
-              f"{mine[0]['layers']} layers, {m.n_heads} q / {m.n_kv_heads} kv heads of "
-              f"{m.head_dim}, d_ff {m.d_ff}, vocab {m.vocab_size}, qk_norm {m.qk_norm}, tied "
-              f"embeddings {m.tie_embeddings}.", ""]
-    lines += step_report.table(mine, device_bytes, keys=("seq_len", "strategy")) + [""]
-    for seq_len in args.lens:
-      best = step_report.choose([r for r in mine if r["seq_len"] == seq_len], device_bytes)
-      lines.append(f"* L = {seq_len}: " + (f"{best['strategy']} fits with the least attention "
-                                           "traffic" if best else "no strategy fits"))
-    for check in (r for r in rows if r["model"] == model and r.get("depth_check")):
-      full = next(r for r in mine if r["seq_len"] == check["seq_len"]
-                  and r["strategy"] == check["strategy"])
-      if check.get("error") or full.get("error"):
-        lines.append(f"* depth check: {check.get('error') or full.get('error')}")
-        continue
-      lines.append(f"* compile time, {check['strategy']} at L = {check['seq_len']}: "
-                   f"{full['compile_s']:.1f} s at {full['layers']} layers vs "
-                   f"{check['compile_s']:.1f} s at {check['layers']} "
-                   f"({full['compile_s'] / check['compile_s']:.2f}x)")
-    lines.append("")
+    lines += model_section(rows, model, args, device_bytes)
   return "\n".join(lines)
+
+
+def _params(m: ModelConfig) -> str:
+  if not m.moe_experts:
+    return f"{cost_model.param_count(m) / 1e9:.2f}B parameters"
+  return (f"{cost_model.param_count(m) / 1e9:.2f}B parameters ("
+          f"{cost_model.param_count(m, active=True) / 1e9:.2f}B active: router and "
+          f"{m.moe_top_k} of {m.moe_experts} experts of width {m.moe_d_ff} per token)")
+
+
+def model_section(rows: list[dict], model: str, args, device_bytes: float) -> list[str]:
+  """One model's table (the real step), best pick per L and depth check; for an MoE also
+  the ragged dispatch's stand-in compile and the cost model's analytic figure."""
+  m = MODELS[model]
+  mine = [r for r in rows if r["model"] == model and not r.get("depth_check")
+          and not r.get("standins")]
+  lines = [f"### {model}", "",
+           f"{_params(m)}: d_model {m.d_model}, {mine[0]['layers']} layers, {m.n_heads} q / "
+           f"{m.n_kv_heads} kv heads of {m.head_dim}, d_ff {m.moe_d_ff or m.d_ff}, vocab "
+           f"{m.vocab_size}, qk_norm {m.qk_norm}, tied embeddings {m.tie_embeddings}.", ""]
+  if m.moe_experts:
+    lines += [f"Experts split over the {args.devices} seq devices "
+              f"({m.moe_experts // args.devices} each, `parallel.expert_axes=seq`), capacity "
+              f"{m.moe_capacity_factor}x a fair share (`model.moe_drop_tokens`); the table: "
+              "the real step with `parallel.moe_dispatch=all_gather`.", ""]
+  lines += step_report.table(mine, device_bytes, keys=("seq_len", "strategy")) + [""]
+  for seq_len in sorted({r["seq_len"] for r in mine}):
+    best = step_report.choose([r for r in mine if r["seq_len"] == seq_len], device_bytes)
+    lines.append(f"* L = {seq_len}: " + (f"{best['strategy']} fits with the least attention "
+                                         "traffic" if best else "no strategy fits"))
+  for check in (r for r in rows if r["model"] == model and r.get("depth_check")):
+    full = next(r for r in mine if r["seq_len"] == check["seq_len"]
+                and r["strategy"] == check["strategy"])
+    if check.get("error") or full.get("error"):
+      lines.append(f"* depth check: {check.get('error') or full.get('error')}")
+      continue
+    lines.append(f"* compile time, {check['strategy']} at L = {check['seq_len']}: "
+                 f"{full['compile_s']:.1f} s at {full['layers']} layers vs "
+                 f"{check['compile_s']:.1f} s at {check['layers']} "
+                 f"({full['compile_s'] / check['compile_s']:.2f}x)")
+  if m.moe_experts:
+    lines += [""] + _dispatch_table(rows, model, args, device_bytes)
+  return lines + [""]
+
+
+def _dispatch_table(rows: list[dict], model: str, args, device_bytes: float) -> list[str]:
+  """Peak GB per device of the MoE step by dispatch: compiled all_gather, compiled ragged
+  with stand-ins, and the cost model's analytic ragged figure."""
+  ours = [r for r in rows if r["model"] == model and not r.get("depth_check")]
+  m = dataclasses.replace(MODELS[model], n_layers=ours[0]["layers"])
+  hw = cost_model.Hardware(nodes=1, gpus_per_node=args.devices)
+  gb = lambda r: "—" if r is None or r.get("error") else f"{r['peak_bytes'] / GB:.2f}"
+  lines = ["Peak GB per device by token dispatch. *all_gather*: the table above, inflated by "
+           "jax's CPU `ragged_dot`, a dense matmul over each local expert's masked copy of the "
+           "rows (no grouped matmul on XLA:CPU). *ragged, stand-ins*: "
+           "`parallel.moe_dispatch=ragged_all_to_all`, the GPU's, compiled with shape-faithful "
+           "stand-ins for `ragged_all_to_all` (XLA:CPU cannot compile it) and `ragged_dot`: "
+           "the ragged path's buffers. *analytic*: the cost model's "
+           "assumption for the ragged path (states + saved layer inputs and attention outputs "
+           "+ one layer's backward), which reads about half of XLA:CPU's figure for the dense "
+           "models.", "",
+           "| seq_len | strategy | all_gather GB | ragged, stand-ins GB | analytic GB | "
+           f"ragged fits {device_bytes / GB:g} GB |", "|---|---|---|---|---|---|"]
+  for real in (r for r in ours if not r.get("standins")):
+    stand = next((r for r in ours if r.get("standins") and (r["seq_len"], r["strategy"])
+                  == (real["seq_len"], real["strategy"])), None)
+    work = cost_model.plan_work(real["strategy"], real["seq_len"], args.block_size,
+                                args.devices)
+    analytic = cost_model.peak_memory(m, work, hw, cost_model.Assumptions())["total_bytes"]
+    fits = "—" if gb(stand) == "—" else ("yes" if stand["peak_bytes"] <= device_bytes
+                                         else "**no**")
+    lines.append(f"| {real['seq_len']} | {real['strategy']} | {gb(real)} | {gb(stand)} | "
+                 f"{analytic / GB:.2f} | {fits} |")
+  return lines
 
 
 def ablation_markdown(rows: list[dict], args, command: str) -> str:
@@ -252,6 +348,25 @@ def plot(rows: list[dict], args, device_bytes: float, path: str) -> None:
   plt.close(fig)
 
 
+def read(path: str) -> list[dict]:
+  """The rows `write` wrote, with the fields the markdown and plot compute with parsed."""
+  with open(path) as f:
+    rows = list(csv.DictReader(f))
+  for r in rows:
+    r.update(seq_len=int(r["seq_len"]), overrides=r["overrides"].split(),
+             peak_bytes=int(r["peak_bytes"]) if r["peak_bytes"] else "")
+  return rows
+
+
+def _splice(old: str, model: str, section: str) -> str:
+  """`old` markdown with `model`'s section replaced by `section`, or `section` appended."""
+  head, *parts = old.split("\n### ")
+  parts = [f"### {x}".rstrip("\n") for x in parts]
+  at = next((i for i, x in enumerate(parts) if x.startswith(f"### {model}\n")), len(parts))
+  parts[at:at + 1] = [section.rstrip("\n")]
+  return "\n\n".join([head.rstrip("\n"), *parts]) + "\n"
+
+
 def write(rows: list[dict], path: str) -> None:
   columns = list(KEYS) + ["variant", "depth_check", "error"]
   columns += [k for r in rows for k in r if k not in columns]
@@ -282,6 +397,8 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true", help="a tiny model (tests)")
   parser.add_argument("--ablate", action="store_true",
                       help="one compile per ABLATIONS entry at the first model and L")
+  parser.add_argument("--append", action="store_true",
+                      help="keep the other models' rows and sections already in --out")
   parser.add_argument("--out", default=cost_model.RESULTS_DIR)
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -299,11 +416,22 @@ def main(argv=None):
           markdown(rows, args, device_bytes, command.strip()))
   print(text)
   os.makedirs(args.out, exist_ok=True)
-  write(rows, os.path.join(args.out, f"{name}.csv"))
-  with open(os.path.join(args.out, f"{name}.md"), "w") as f:
+  path = os.path.join(args.out, name)
+  if args.append and not args.ablate and os.path.exists(f"{path}.csv"):
+    rows = [r for r in read(f"{path}.csv") if r["model"] not in args.models] + rows
+    with open(f"{path}.md") as f:
+      text = f.read()
+    for model in args.models:
+      section = model_section(rows, model, args, device_bytes)
+      section.insert(2, f"{_produced(command.strip())} This section only; the setting as "
+                     "above.\n")
+      text = _splice(text, model, "\n".join(section))
+    args.models = list(dict.fromkeys(r["model"] for r in rows))
+  write(rows, f"{path}.csv")
+  with open(f"{path}.md", "w") as f:
     f.write(text)
   if not args.ablate:
-    plot(rows, args, device_bytes, os.path.join(args.out, f"{name}.png"))
+    plot(rows, args, device_bytes, f"{path}.png")
   return rows
 
 

@@ -1,5 +1,6 @@
 """The cost model reproduces its own inputs: the plans' attention work, the model's FLOPs and
-parameter count, zero traffic on one rank, and the overlap rule of its ring."""
+parameter count (an MoE's active ones for FLOPs, total ones for memory), zero traffic on one
+rank, and the overlap rule of its ring."""
 
 import csv
 import math
@@ -16,6 +17,7 @@ from experiments import cost_model as cm
 
 SMALL = dict(vocab_size=260, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
              d_ff=128)
+MOE = dict(SMALL, moe_experts=8, moe_top_k=2, moe_d_ff=32, moe_norm_topk=True)
 ONE_GPU = cm.Hardware(nodes=1, gpus_per_node=1)
 
 
@@ -42,18 +44,52 @@ def test_attention_pairs_are_L_times_L_plus_B():
     assert pairs(2 * L, B) == 4 * pairs(L, B) - 2 * L * B
 
 
-def test_useful_flops_equal_model_flops_per_step():
-  cfg = replace(Config(), model=SMALL, data=dict(seq_len=128), objective=dict(block_size=16),
+@pytest.mark.parametrize("model", [SMALL, MOE], ids=["dense", "moe"])
+def test_useful_flops_equal_model_flops_per_step(model):
+  """For an MoE, both count the router and the k experts a row uses (active parameters)."""
+  cfg = replace(Config(), model=model, data=dict(seq_len=128), objective=dict(block_size=16),
                 train=dict(batch_size=1))
   assert math.isclose(cm.useful_flops(cfg.model, 128, 16), model_flops_per_step(cfg),
                       rel_tol=1e-12)
 
 
+@pytest.mark.parametrize("model", [SMALL, MOE], ids=["dense", "moe"])
 @pytest.mark.parametrize("tie", [True, False])
-def test_param_count_equals_the_flax_model(tie):
-  cfg = replace(Config(), model=dict(SMALL, tie_embeddings=tie))
+def test_param_count_equals_the_flax_model(model, tie):
+  cfg = replace(Config(), model=dict(model, tie_embeddings=tie))
   real = sum(x.size for x in jax.tree.leaves(abstract_params(cfg)))
   assert cm.param_count(cfg.model) == real
+
+
+def test_moe_flops_see_active_parameters_and_memory_total_ones():
+  m = cm.MODELS["qwen3-30b-a3b"]
+  total, active = cm.param_count(m), cm.param_count(m, active=True)
+  assert 30e9 < total < 31e9 and 3.2e9 < active < 3.5e9  # Qwen3-30B-A3B: 30.5B, 3.3B
+  dense = _model()
+  assert cm.param_count(dense, active=True) == cm.param_count(dense)
+  # Per row, a layer's FLOPs are 2x its active weights (attention core aside).
+  embed = m.vocab_size * m.d_model * 2 + m.d_model
+  norms = 2 * m.d_model + 2 * m.head_dim
+  assert cm.layer_flops_per_row(m) == 2 * ((active - embed) / m.n_layers - norms)
+  hw, a = cm.Hardware(), cm.Assumptions()
+  work = cm.plan_work("csbp_ring", 16384, 64, hw.num_gpus)
+  memory = cm.peak_memory(m, work, hw, a)
+  assert memory["states_bytes"] == total * a.state_bytes_per_param / hw.num_gpus
+  assert cm.expert_params(m) + 1.5e9 < total  # experts never travel: ZeRO-3 gathers the rest
+  assert cm.param_traffic_s(m, hw, a) < cm.param_traffic_s(cm.MODELS["llama3-8b"], hw, a)
+
+
+def test_moe_token_exchange_is_pairs_times_d_model_six_times_per_layer():
+  m, hw, a = cm.MODELS["qwen3-30b-a3b"], cm.Hardware(), cm.Assumptions()
+  rows = 2 * 262144 // hw.num_gpus
+  sent, seconds = cm.moe_exchange(m, rows, hw, a)
+  # there and back, in the forward, the remat's forward and the backward
+  assert sent == m.n_layers * 6 * rows * m.moe_top_k * m.d_model * a.compute_bytes
+  assert seconds > 0
+  assert cm.moe_exchange(m, rows, ONE_GPU, a) == (0.0, 0.0)
+  assert cm.moe_exchange(cm.MODELS["llama3-8b"], rows, hw, a) == (0.0, 0.0)
+  pairs, slots = cm.expert_slots(m, rows, hw.num_gpus)  # receive buffers sized by capacity
+  assert pairs == rows * m.moe_top_k and slots == 1.25 * pairs
 
 
 @pytest.mark.parametrize("strategy", cm.STRATEGIES)
@@ -103,7 +139,7 @@ def test_projection_reports_speedups_and_memory_on_a_small_setting():
                     block_sizes=(64,))["default"]
   assert len(rows) == len(cm.MODELS) * len(cm.STRATEGIES)
   assert all(r["total_s"] > 0 and r["total_bytes"] > 0 for r in rows)
-  (spd, _) = cm.speedups(rows)
+  spd = cm.speedups(rows)[0]
   fitting = {r["strategy"]: r for r in rows if r["model"] == spd["model"] and r["fits"]}
   best = lambda names: min(fitting[s]["total_s"] for s in names if s in fitting)
   assert spd["csbp"] in ("csbp_ring", "csbp_allgather")
@@ -113,12 +149,17 @@ def test_projection_reports_speedups_and_memory_on_a_small_setting():
 
 def test_compiled_memory_decides_the_verdict_where_the_probe_ran(tmp_path):
   path = tmp_path / "scale_probe.csv"
-  head = "model,seq_len,strategy,devices,layers,block_size,remat,depth_check,error,peak_bytes\n"
-  path.write_text(head + "llama3-8b,16384,csbp_ring,16,32,64,full,,,5e11\n"
-                  "llama3-8b,16384,cp_ring,16,32,64,full,,compile failed: X,\n"
-                  "llama3-8b,16384,bp,16,4,64,full,,,1e9\n")
+  head = ("model,seq_len,strategy,devices,layers,block_size,remat,depth_check,error,peak_bytes,"
+          "standins\n")
+  path.write_text(head + "llama3-8b,16384,csbp_ring,16,32,64,full,,,5e11,\n"
+                  "llama3-8b,16384,cp_ring,16,32,64,full,,compile failed: X,,\n"
+                  "llama3-8b,16384,bp,16,4,64,full,,,1e9,\n"
+                  "qwen3-30b-a3b,16384,csbp_ring,16,48,64,full,,,3e11,False\n"
+                  "qwen3-30b-a3b,16384,csbp_ring,16,48,64,full,,,1e11,True\n")
   compiled = cm.load_probe(str(path), cm.Hardware())
-  assert compiled == {("llama3-8b", 16384, 64, "csbp_ring"): 5e11}  # full depth, compiled
+  # full depth, compiled; the MoE's ragged dispatch (stand-ins), not its all_gather one
+  assert compiled == {("llama3-8b", 16384, 64, "csbp_ring"): 5e11,
+                      ("qwen3-30b-a3b", 16384, 64, "csbp_ring"): 1e11}
   rows = cm.project(cm.Hardware(), {"default": cm.Assumptions()}, seq_lens=(16384,),
                     block_sizes=(64,), compiled=compiled)["default"]
   at = {(r["model"], r["strategy"]): r for r in rows}
@@ -128,7 +169,7 @@ def test_compiled_memory_decides_the_verdict_where_the_probe_ran(tmp_path):
   assumed = at[("llama3-8b", "cp_ring")]
   assert assumed["compiled_bytes"] is None and assumed["memory_bytes"] == assumed["total_bytes"]
   text = "\n".join(cm._memory_table(rows, cm.Hardware(), "scale_probe.csv"))
-  assert f"1 of {len(rows)} verdicts compiled" in text and "OOM (compiled)" in text
+  assert f"2 of {len(rows)} verdicts compiled" in text and "OOM (compiled)" in text
   other_block = cm.project(cm.Hardware(), {"default": cm.Assumptions()}, seq_lens=(16384,),
                            block_sizes=(16,), compiled=compiled)["default"]
   ring16 = next(r for r in other_block if (r["model"], r["strategy"]) == ring_key)

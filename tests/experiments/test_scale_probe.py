@@ -35,3 +35,39 @@ def test_ablation_compiles_each_feature_off_next_to_all_on(tmp_path, monkeypatch
   assert float(f32["attention_bytes"]) > float(on["attention_bytes"])  # f32 K/V on the wire
   text = (tmp_path / "scale_probe_quick_ablation.md").read_text()
   assert "| csbp_ring | every feature on |" in text and "| 1.00x |" in text
+
+
+def test_append_keeps_other_models_rows_and_sections(tmp_path, monkeypatch):
+  row = dict(model="tiny", seq_len=64, strategy="csbp_ring", devices=4, layers=2, block_size=16,
+             remat="full", overrides=[], standins=False, argument_bytes=10**6, temp_bytes=10**6,
+             output_bytes=0, alias_bytes=0, peak_bytes=2 * 10**6, compile_s=1.0,
+             attention_bytes=10**5, attention_check=1.0)
+  monkeypatch.setattr(scale_probe, "run", lambda args: [row])  # no compile: the merge only
+  scale_probe.write([dict(row, model="other")], tmp_path / "scale_probe_quick.csv")
+  md = tmp_path / "scale_probe_quick.md"
+  md.write_text("## head\n\nintro\n\n### other\n\nkept\n\n### tiny\n\nstale\n")
+  scale_probe.main(["--quick", "--append", "--out", str(tmp_path)])
+  with open(tmp_path / "scale_probe_quick.csv") as f:
+    assert [r["model"] for r in csv.DictReader(f)] == ["other", "tiny"]
+  text = md.read_text()
+  assert text.startswith("## head\n\nintro\n\n### other\n\nkept\n\n### tiny\n") 
+  assert "stale" not in text and "This section only" in text and "| 64 | csbp_ring |" in text
+
+
+def test_ragged_standins_keep_the_ragged_ops_shapes(monkeypatch):
+  """The stand-ins XLA:CPU compiles in place of the MoE's ragged ops have their buffers."""
+  import jax
+  import jax.numpy as jnp
+  ragged_dot = jax.lax.ragged_dot
+  monkeypatch.setattr(jax.lax, "ragged_dot", ragged_dot)  # restored after the test
+  monkeypatch.setattr(jax.lax, "ragged_all_to_all", jax.lax.ragged_all_to_all)
+  scale_probe._ragged_standins()
+  x, w, sizes = jnp.ones((12, 4)), jnp.ones((3, 4, 5)), jnp.array([5, 0, 7], jnp.int32)
+  assert jax.lax.ragged_dot(x, w, sizes).shape == ragged_dot(x, w, sizes).shape == (12, 5)
+  grad = jax.grad(lambda w: jax.lax.ragged_dot(x, w, sizes).sum())(w)
+  assert grad.shape == w.shape
+  offsets = jnp.zeros(2, jnp.int32)
+  for rows in (8, 16):  # to the experts (more slots than pairs) and back
+    out = jax.lax.ragged_all_to_all(jnp.ones((12, 4)), jnp.zeros((rows, 4)), offsets, offsets,
+                                    offsets, offsets, axis_name="seq")
+    assert out.shape == (rows, 4)
