@@ -10,7 +10,10 @@ A plain model, not a simulator. Per rank and per step:
 * Work comes from the strategy's real layout plan (`make_plan`): the (query, key) pairs each
   rank computes, split by whose K/V they read (its own *stay* K/V, or rank s's *travelling*
   K/V), so a ring can be timed step by step. Their sum per rank equals
-  `LayoutPlan.attention_work()`; linear layers cost rows x per-row FLOPs, as in
+  `LayoutPlan.attention_work()`. Each layer kind is costed apart (`layer_types`): a local
+  layer of window W computes its windowed pairs (`attention_work(W)`) and moves K/V the way
+  `window_transport` picks (the windowed exchange, exposed, or the global transport under a
+  window mask). Linear layers cost rows x per-row FLOPs, as in
   `bdlm_jax.metrics.model_flops_per_step` (both checked by tests). A mixture of experts
   costs what a row uses, its router and k experts (*active* parameters), while its memory
   holds every expert (*total* parameters): `param_count(m, active=...)`.
@@ -20,17 +23,20 @@ A plain model, not a simulator. Per rank and per step:
   neighbours, so a rank with little work at one step waits for its neighbours: the ring is
   timed step by step from each rank's work at that step. All-gather and reduce-scatter are
   exposed (attention needs the gathered K/V; the backward gathers them again). The bytes are
-  what the transports issue (`bdlm_jax.parallel.step_report.attention_traffic`). An MoE's
-  experts are split over all GPUs (`parallel.expert_axes=seq`): each layer sends every kept
-  (token, expert) row to its expert's GPU and back, exposed (`moe_exchange`).
+  what the transports issue (`bdlm_jax.parallel.step_report.attention_traffic`, per layer
+  kind). An MoE's experts are split over all GPUs (`parallel.expert_axes=seq`): each layer
+  sends every kept (token, expert) row to its expert's GPU and back, exposed
+  (`moe_exchange`).
 * Memory, where `experiments/scale_probe.py` compiled the setting (`--probe-csv`): the
   compiled per-device peak of the real train step, also for the other block sizes of that
   (model, L, strategy) (B moves memory only through layout padding). Elsewhere it is
-  *assumed*: model states
-  (ZeRO-3 over all GPUs) + what full remat saves per layer (the layer input, the attention
-  output and its LSE) + the largest transient (one layer's backward, or one loss chunk of
-  `model.logits_chunk` rows). The report prints both figures and their ratio where both
-  exist, and marks each fits / OOM verdict as compiled or assumed.
+  *assumed*: model states (ZeRO-3 over all GPUs) + what full remat saves per layer (the
+  layer input, the attention output and its LSE, a local layer's exchanged K/V) + the largest
+  transient (one layer's backward, or one loss chunk of `model.logits_chunk` rows). The
+  report prints both figures and their ratio where both exist, and marks each fits / OOM
+  verdict as compiled or assumed. gemma3-27b's compiled rows ran with every layer global
+  (`load_probe`): a measured figure of the same model, kept in preference to the assumption,
+  which reads about half the compiled peak for every model scale_probe compiled.
 
 Every constant is in `Hardware` / `Assumptions` and is printed with the results.
 """
@@ -48,12 +54,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
 sys.path.insert(0, ROOT)
 
-from bdlm_jax.config import ModelConfig, mlp_types  # noqa: E402
+from bdlm_jax.config import ModelConfig, layer_types, mlp_types  # noqa: E402
 from bdlm_jax.models.moe import capacity  # noqa: E402
-from bdlm_jax.parallel.hlo_stats import wire_bytes  # noqa: E402
+from bdlm_jax.parallel.hlo_stats import COLLECTIVE_KINDS, wire_bytes  # noqa: E402
 from bdlm_jax.parallel.layout import PAD, LayoutPlan, make_plan  # noqa: E402
 from bdlm_jax.parallel.step_report import attention_traffic  # noqa: E402
-from bdlm_jax.parallel.strategies import TRANSPORTS  # noqa: E402
+from bdlm_jax.parallel.strategies import TRANSPORTS, exchange_for, window_transport  # noqa: E402
 
 STRATEGIES = ("cp_allgather", "cp_ring", "cp_ring_balanced", "bp", "csbp_allgather", "csbp_ring")
 BASELINES = ("cp_allgather", "cp_ring", "cp_ring_balanced", "bp")
@@ -94,11 +100,12 @@ class Assumptions:
   remat_forward: int = 1  # full remat re-runs each layer's linear forward once in the backward
 
 
-# Shapes of the paper-class models in bdlm_jax's Llama-style block, all layers global attention
-# (Gemma 3 27B's dimensions, qk_norm and vocabulary; its 5:1 sliding windows, GeGLU and
-# sandwich norms are not modelled; Qwen3-30B-A3B's, every layer a mixture of experts, whose
-# experts take at most 1.25x their fair share of a group's rows, so that the expert-parallel
-# receive buffers are sized by that capacity, not by the worst case of every row at one GPU).
+# Shapes of the paper-class models in bdlm_jax's Llama-style block (Gemma 3 27B's dimensions,
+# qk_norm, vocabulary and 5:1 local:global layers of window 1024, local RoPE base 10K; its
+# GeGLU and sandwich norms are not modelled; Qwen3-30B-A3B's, every layer a mixture of
+# experts, whose experts take at most 1.25x their fair share of a group's rows, so that the
+# expert-parallel receive buffers are sized by that capacity, not by the worst case of every
+# row at one GPU).
 # mask_token_id only has to be a valid id.
 MODELS = {
     "llama3-8b": ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
@@ -106,7 +113,9 @@ MODELS = {
                              tie_embeddings=False, compute_dtype="bfloat16"),
     "gemma3-27b": ModelConfig(vocab_size=262208, d_model=5376, n_layers=62, n_heads=32,
                               n_kv_heads=16, head_dim=128, d_ff=21504, rope_theta=1e6,
-                              qk_norm=True, tie_embeddings=True, compute_dtype="bfloat16"),
+                              qk_norm=True, tie_embeddings=True, compute_dtype="bfloat16",
+                              layer_pattern="local,local,local,local,local,global",
+                              sliding_window=1024, rope_local_theta=10000.0),
     "qwen3-30b-a3b": ModelConfig(vocab_size=151936, d_model=2048, n_layers=48, n_heads=32,
                                  n_kv_heads=4, head_dim=128, d_ff=6144, moe_experts=128,
                                  moe_top_k=8, moe_d_ff=768, moe_norm_topk=True,
@@ -165,12 +174,23 @@ def param_count(m: ModelConfig, active: bool = False) -> int:
   return embed + m.n_layers * per_layer + m.d_model
 
 
+def attention_kinds(m: ModelConfig) -> list[tuple[int | None, int]]:
+  """(window, layer count) of each attention kind the model has: None for its global layers,
+  `sliding_window` for its local ones (`layer_types`)."""
+  kinds = layer_types(m)
+  return [(window, n) for window, n in ((None, kinds.count("global")),
+                                        (m.sliding_window, kinds.count("local"))) if n]
+
+
 def useful_flops(m: ModelConfig, seq_len: int, block_size: int) -> float:
-  """Useful FLOPs of one sequence's step (3x forward), as `model_flops_per_step` counts."""
-  pairs = float(make_plan("none", seq_len, block_size, 1).attention_work().sum())
+  """Useful FLOPs of one sequence's step (3x forward), as `model_flops_per_step` counts
+  (a local layer: its windowed pairs)."""
+  plan = make_plan("none", seq_len, block_size, 1)
+  attention = sum(n * 4 * float(plan.attention_work(window).sum()) * m.n_heads * m.head_dim
+                  for window, n in attention_kinds(m))
   forward = (2 * seq_len * m.n_layers * layer_flops_per_row(m)
              + 2 * seq_len * m.d_model * m.vocab_size
-             + m.n_layers * 4 * pairs * m.n_heads * m.head_dim)
+             + attention)
   return 3 * forward
 
 
@@ -284,12 +304,13 @@ def moe_exchange(m: ModelConfig, rows: int, hw: Hardware, a: Assumptions) -> tup
   return exchanges * one_way, exchanges * seconds
 
 
-def step_time(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) -> dict:
-  """Seconds of one step (one sequence over the seq ranks), and where they go."""
+def _attention_s(m: ModelConfig, work: PlanWork, stay: np.ndarray, travel: np.ndarray,
+                 hw: Hardware, a: Assumptions) -> tuple[float, float, float]:
+  """(forward, backward, busiest rank's compute) seconds of one layer on the plan's own
+  transport, each rank computing `stay` [P] + `travel` [P, P] (query, key) pairs."""
   p = work.plan.num_ranks
   kv_row = 2 * m.n_kv_heads * m.head_dim  # K and V elements of one row
   attn_s_per_pair = 4 * m.n_heads * m.head_dim / (hw.attention_tflops * 1e12)
-  stay, travel = work.executed(a.tile_skipping)
   stay_s = stay * attn_s_per_pair
   bwd = a.attention_bwd_factor
   kv_bytes = work.n_travel * (kv_row * a.compute_bytes + a.meta_bytes_per_row)
@@ -313,26 +334,75 @@ def step_time(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) -> d
       gather = (p - 1) * _hop_s(kv_bytes, hw, p)
       scatter = (p - 1) * _hop_s(work.n_travel * kv_row * a.kv_grad_bytes, hw, p)
     attn_fwd, attn_bwd = busy + gather, bwd * busy + gather + scatter
+  return attn_fwd, attn_bwd, busy
+
+
+def _local_attention_s(m: ModelConfig, work: PlanWork, window: int, hw: Hardware,
+                       a: Assumptions) -> tuple[float, float, float]:
+  """`_attention_s` of a local layer of window W, on the transport `window_transport` picks.
+
+  The windowed exchange: each rank computes its windowed pairs (`attention_work(W)`; without
+  tile skipping its queries x [own ; received] rows), after one exposed `ppermute` per ring
+  distance carrying K/V + metadata; the backward returns their dK/dV (K/V's dtype) the
+  reverse way, and reuses the received rows that remat saved. On the global transport (or
+  none, `bp`) with a window mask: that transport's timing with each rank's pairs scaled to
+  its windowed share (the plan gives windowed pairs per rank, not per K/V owner; without
+  tile skipping, the global visits' pairs, a mask-unaware kernel skipping no window)."""
+  plan = work.plan
+  windowed = plan.attention_work(window)
+  if window_transport(plan, window) != "exchange":
+    stay, travel = work.executed(a.tile_skipping)
+    if a.tile_skipping:
+      full = plan.attention_work()
+      share = np.divide(windowed, full, out=np.zeros(len(full)), where=full > 0)
+      stay, travel = stay * share, travel * share[:, None]
+    return _attention_s(m, work, stay, travel, hw, a)
+  exchange = exchange_for(plan, window)
+  rows = plan.rows_per_rank
+  pairs = windowed if a.tile_skipping else rows * (rows + exchange.rows_sent())
+  busy = np.max(pairs) * 4 * m.n_heads * m.head_dim / (hw.attention_tflops * 1e12)
+  kv_row = 2 * m.n_kv_heads * m.head_dim
+  hops = lambda row_bytes: sum(_hop_s(send.shape[1] * row_bytes, hw, plan.num_ranks)
+                               for send in exchange.send)
+  bwd = a.attention_bwd_factor
+  return (busy + hops(kv_row * a.compute_bytes + a.meta_bytes_per_row),
+          bwd * busy + hops(kv_row * a.compute_bytes), busy)
+
+
+def step_time(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) -> dict:
+  """Seconds of one step (one sequence over the seq ranks), and where they go; each layer
+  kind (global, local of window W) timed on its own transport."""
+  attention = busy = 0.0
+  for window, n in attention_kinds(m):
+    if window is None:
+      attn_fwd, attn_bwd, layer_busy = _attention_s(m, work, *work.executed(a.tile_skipping),
+                                                    hw, a)
+    else:
+      attn_fwd, attn_bwd, layer_busy = _local_attention_s(m, work, window, hw, a)
+    attention += n * (attn_fwd + attn_bwd)
+    busy += n * (1 + a.attention_bwd_factor) * layer_busy
   rows = work.plan.rows_per_rank  # padding rows run through the linear layers too
   linear = rows * layer_flops_per_row(m) * (3 + a.remat_forward) / (hw.matmul_tflops * 1e12)
   logits = 3 * 2 * work.plan.n_noisy * m.d_model * m.vocab_size / (hw.matmul_tflops * 1e12)
-  attention = m.n_layers * (attn_fwd + attn_bwd)
   moe_bytes, moe_s = moe_exchange(m, rows, hw, a)
   return dict(total_s=m.n_layers * linear + logits + attention + moe_s,
               attention_s=attention, linear_s=m.n_layers * linear + logits,
-              attention_busy_s=m.n_layers * (1 + bwd) * busy,
+              attention_busy_s=busy,
               comm_bytes_per_step=step_comm_bytes(work, m, a),
               moe_exchange_s=moe_s, moe_exchange_bytes=moe_bytes)
 
 
 def step_comm_bytes(work: PlanWork, m: ModelConfig, a: Assumptions) -> float:
   """Bytes each rank sends for attention in one step: what the transport issues per layer
-  (`attention_traffic`: the ring shifts K/V + metadata P-1 times forward and P-1 times
+  kind (`attention_traffic`: the ring shifts K/V + metadata P-1 times forward and P-1 times
   backward and the dK/dV P times; the all-gather gathers K/V + metadata forward and again
-  backward and reduce-scatters the dK/dV), as ring algorithms send it (`wire_bytes`)."""
+  backward and reduce-scatters the dK/dV; a local layer's windowed exchange sends the rows
+  its windows reach and takes their dK/dV back), as ring algorithms send it (`wire_bytes`)."""
   kv_row = 2 * m.n_kv_heads * m.head_dim
-  traffic = attention_traffic(work.plan, kv_row * a.compute_bytes, kv_row * a.kv_grad_bytes,
-                              a.meta_bytes_per_row, m.n_layers)
+  totals = [attention_traffic(work.plan, kv_row * a.compute_bytes, kv_row * a.kv_grad_bytes,
+                              a.meta_bytes_per_row, n, window)
+            for window, n in attention_kinds(m)]
+  traffic = {kind: sum(t[kind] for t in totals) for kind in COLLECTIVE_KINDS}
   return wire_bytes(traffic, work.plan.num_ranks)
 
 
@@ -347,14 +417,16 @@ def param_traffic_s(m: ModelConfig, hw: Hardware, a: Assumptions) -> float:
 # ----------------------------------------------------------------------------- memory
 
 def peak_memory(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) -> dict:
-  """Bytes per rank, assumed: states + saved activations + the largest transient buffer."""
+  """Bytes per rank, assumed: states + saved activations + the largest transient buffer, of
+  the layer kind (global, local of window W) that needs the most."""
   e = a.compute_bytes
   rows = work.plan.rows_per_rank
   kv_row = 2 * m.n_kv_heads * m.head_dim
   q_row = m.n_heads * m.head_dim
   states = param_count(m) * a.state_bytes_per_param / hw.num_gpus
   # Saved per layer (full remat, `models.transformer.remat_policy`): the layer input and the
-  # attention core's output and LSE; q, K/V and any gathered K/V are recomputed.
+  # attention core's output and LSE, and a local layer's exchanged K/V rows with their
+  # metadata; q, K/V and any gathered K/V are recomputed.
   saved_layer = rows * ((m.d_model + q_row) * e + 4 * m.n_heads)
   # Transient while one layer runs its backward: recomputed MLP/projections and their
   # gradients, the f32 dq, and the K/V buffers in flight with their f32 gradients. An MoE's
@@ -371,11 +443,20 @@ def peak_memory(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) ->
   else:  # every visible key's K/V and f32 dK/dV (the all-gather gathers all ranks' part)
     gathered = work.plan.num_ranks * work.n_travel
     kv_tmp = (work.n_stay + gathered) * kv_row * (e + 4)
+  saved = transient = 0
+  for window, n in attention_kinds(m):
+    layer_saved, layer_kv = saved_layer, kv_tmp
+    if window is not None and window_transport(work.plan, window) == "exchange":
+      received = exchange_for(work.plan, window).rows_sent()
+      layer_saved += received * (kv_row * e + a.meta_bytes_per_row)
+      layer_kv = (rows + received) * kv_row * 2 * e  # [own ; received] K/V and their dK/dV
+    saved += n * layer_saved
+    transient = max(transient, linear_tmp + layer_kv)
   chunk = min(m.logits_chunk or work.plan.n_noisy, work.plan.n_noisy)  # loss.chunked_loss
   logits_tmp = 2 * chunk * m.vocab_size * 4
-  transient = max(linear_tmp + kv_tmp, logits_tmp)
-  total = states + m.n_layers * saved_layer + transient
-  return dict(total_bytes=total, states_bytes=states, saved_bytes=m.n_layers * saved_layer,
+  transient = max(transient, logits_tmp)
+  total = states + saved + transient
+  return dict(total_bytes=total, states_bytes=states, saved_bytes=saved,
               transient_bytes=transient)
 
 
@@ -384,7 +465,9 @@ def peak_memory(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) ->
 def load_probe(path: str, hw: Hardware) -> dict:
   """{(model, L, B, strategy): compiled peak bytes} from a scale_probe CSV: full-depth rows
   of this cost model's models on `hw.num_gpus` devices that compiled; of an MoE, the
-  ragged dispatch (the GPU's) compiled with stand-ins, not the all_gather one XLA:CPU runs."""
+  ragged dispatch (the GPU's) compiled with stand-ins, not the all_gather one XLA:CPU runs.
+  The CSV does not record the layer pattern: its gemma3-27b rows were compiled with every
+  layer global, and are used as that model's memory (see the module docstring)."""
   with open(path) as f:
     rows = list(csv.DictReader(f))
   return {(r["model"], int(r["seq_len"]), int(r["block_size"]), r["strategy"]):
@@ -499,17 +582,29 @@ def _constants(hw: Hardware, a: Assumptions, calibration: str) -> list[str]:
   lines = ["Constants (every one an assumption; change them in `Hardware` / `Assumptions`):", ""]
   lines += [f"* hardware.{f.name} = {getattr(hw, f.name)}" for f in dataclasses.fields(hw)]
   lines += [f"* assumptions.{f.name} = {getattr(a, f.name)}" for f in dataclasses.fields(a)]
-  lines += [f"* {calibration}", "* models (all layers global attention):"]
+  lines += [f"* {calibration}", "* models:"]
   for name, m in MODELS.items():
     if not m.moe_experts:
       lines.append(f"  * {name}: {param_count(m) / 1e9:.2f}B params, d_model {m.d_model}, "
-                   f"{m.n_layers} layers, {m.n_heads} q / {m.n_kv_heads} kv heads x "
+                   f"{m.n_layers} layers ({_layer_kinds(m)}), {m.n_heads} q / "
+                   f"{m.n_kv_heads} kv heads x "
                    f"{m.head_dim}, d_ff {m.d_ff}, vocab {m.vocab_size}, tied embeddings "
                    f"{m.tie_embeddings}; ZeRO-3 weight traffic {param_traffic_s(m, hw, a):.1f} "
                    f"s per step, assumed hidden")
       continue
     lines += _moe_lines(name, m, hw, a)
   return lines + [""]
+
+
+def _layer_kinds(m: ModelConfig) -> str:
+  """How many layers of each attention kind, and what a local one sends."""
+  kinds = layer_types(m)
+  if set(kinds) == {"global"}:
+    return "all global attention"
+  return (f"{kinds.count('local')} local of window {m.sliding_window}, "
+          f"{kinds.count('global')} global; a local layer's pairs are its window's, its K/V "
+          f"move by the windowed exchange where that sends fewer rows than the global "
+          f"transport, exposed, and its received rows are saved for the backward")
 
 
 def _moe_lines(name: str, m: ModelConfig, hw: Hardware, a: Assumptions) -> list[str]:
@@ -523,7 +618,8 @@ def _moe_lines(name: str, m: ModelConfig, hw: Hardware, a: Assumptions) -> list[
       f"  * {name}: {param_count(m) / 1e9:.2f}B params in total (memory: parameters, "
       f"gradients and Adam moments), {param_count(m, active=True) / 1e9:.2f}B active (FLOPs "
       f"and MFU: the router and {m.moe_top_k} of {m.moe_experts} experts of width "
-      f"{m.moe_d_ff} per token), d_model {m.d_model}, {m.n_layers} layers, every one a "
+      f"{m.moe_d_ff} per token), d_model {m.d_model}, {m.n_layers} layers "
+      f"({_layer_kinds(m)}), every one a "
       f"mixture of experts, {m.n_heads} q / {m.n_kv_heads} kv heads x {m.head_dim}, vocab "
       f"{m.vocab_size}, tied embeddings {m.tie_embeddings}; ZeRO-3 weight traffic of the "
       f"{(param_count(m) - expert_params(m)) / 1e9:.2f}B non-expert params "

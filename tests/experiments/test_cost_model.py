@@ -1,8 +1,10 @@
-"""The cost model reproduces its own inputs: the plans' attention work, the model's FLOPs and
-parameter count (an MoE's active ones for FLOPs, total ones for memory), zero traffic on one
-rank, and the overlap rule of its ring."""
+"""The cost model reproduces its own inputs: the plans' attention work (a local layer's
+windowed pairs), the model's FLOPs and parameter count (an MoE's active ones for FLOPs, total
+ones for memory), the transports' traffic per layer kind, zero traffic on one rank, and the
+overlap rule of its ring."""
 
 import csv
+import dataclasses
 import math
 
 import jax
@@ -12,12 +14,16 @@ import pytest
 from bdlm_jax.config import Config, replace
 from bdlm_jax.metrics import model_flops_per_step
 from bdlm_jax.params import abstract_params
+from bdlm_jax.parallel.hlo_stats import wire_bytes
 from bdlm_jax.parallel.layout import make_plan
+from bdlm_jax.parallel.step_report import META_ROW_BYTES, config_attention_traffic
+from bdlm_jax.parallel.strategies import exchange_for, window_transport
 from experiments import cost_model as cm
 
 SMALL = dict(vocab_size=260, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
              d_ff=128)
 MOE = dict(SMALL, moe_experts=8, moe_top_k=2, moe_d_ff=32, moe_norm_topk=True)
+LOCAL = dict(SMALL, n_layers=3, layer_pattern="local,local,global", sliding_window=20)
 ONE_GPU = cm.Hardware(nodes=1, gpus_per_node=1)
 
 
@@ -44,9 +50,10 @@ def test_attention_pairs_are_L_times_L_plus_B():
     assert pairs(2 * L, B) == 4 * pairs(L, B) - 2 * L * B
 
 
-@pytest.mark.parametrize("model", [SMALL, MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("model", [SMALL, MOE, LOCAL], ids=["dense", "moe", "local"])
 def test_useful_flops_equal_model_flops_per_step(model):
-  """For an MoE, both count the router and the k experts a row uses (active parameters)."""
+  """For an MoE, both count the router and the k experts a row uses (active parameters); for
+  local layers, their windowed pairs."""
   cfg = replace(Config(), model=model, data=dict(seq_len=128), objective=dict(block_size=16),
                 train=dict(batch_size=1))
   assert math.isclose(cm.useful_flops(cfg.model, 128, 16), model_flops_per_step(cfg),
@@ -199,3 +206,66 @@ def test_results_readme_joins_the_sections_in_order(tmp_path):
   (tmp_path / "parallel_bench.md").write_text("BENCH")
   text = open(cm.write_results_readme(str(tmp_path))).read()
   assert text.index("BENCH") < text.index("COST")
+
+
+def test_gemma3_preset_has_five_local_layers_per_global_one():
+  m = cm.MODELS["gemma3-27b"]
+  assert cm.attention_kinds(m) == [(None, 10), (1024, 52)]
+  assert all(cm.attention_kinds(cm.MODELS[name]) == [(None, cm.MODELS[name].n_layers)]
+             for name in ("llama3-8b", "qwen3-30b-a3b"))
+
+
+@pytest.mark.parametrize("strategy", cm.STRATEGIES)
+@pytest.mark.parametrize("window", [8, 200])  # the windowed exchange, or not for every plan
+def test_local_layers_compute_each_ranks_windowed_pairs(strategy, window):
+  """Whichever transport a local layer takes, its busiest rank computes its windowed pairs."""
+  m, a = _model(layer_pattern="local", sliding_window=window), cm.Assumptions()
+  work = cm.plan_work(strategy, 128, 16, 4)
+  t = cm.step_time(m, work, cm.Hardware(nodes=1, gpus_per_node=4), a)
+  pair_s = 4 * m.n_heads * m.head_dim / (cm.Hardware().attention_tflops * 1e12)
+  busy = m.n_layers * (1 + a.attention_bwd_factor) * work.plan.attention_work(window).max()
+  assert t["attention_busy_s"] == pytest.approx(busy * pair_s, rel=1e-12)
+  unskipped = cm.step_time(m, work, cm.Hardware(nodes=1, gpus_per_node=4),
+                           cm.Assumptions(tile_skipping=False))
+  assert unskipped["attention_busy_s"] >= t["attention_busy_s"]
+
+
+@pytest.mark.parametrize("strategy", cm.STRATEGIES)
+def test_comm_bytes_per_layer_kind_equal_the_configs_attention_traffic(strategy):
+  cfg = replace(Config(), model=dict(LOCAL, compute_dtype="bfloat16"),
+                data=dict(seq_len=128), objective=dict(block_size=16),
+                parallel=dict(strategy=strategy, seq=4), train=dict(batch_size=1))
+  a = cm.Assumptions(meta_bytes_per_row=META_ROW_BYTES)
+  work = cm.plan_work(strategy, 128, 16, 4)
+  assert cm.step_comm_bytes(work, cfg.model, a) == wire_bytes(config_attention_traffic(cfg), 4)
+
+
+def test_csbp_local_layers_exchange_their_window_and_save_it():
+  """At long L the windowed exchange sends a few blocks, not the ring's clean half; remat
+  keeps the received rows, so each local layer saves them."""
+  m, hw, a = cm.MODELS["gemma3-27b"], cm.Hardware(), cm.Assumptions()
+  work = cm.plan_work("csbp_ring", 131072, 64, hw.num_gpus)
+  assert window_transport(work.plan, m.sliding_window) == "exchange"
+  received = exchange_for(work.plan, m.sliding_window).rows_sent()
+  all_global = dataclasses.replace(m, layer_pattern="global")
+  kv_row = 2 * m.n_kv_heads * m.head_dim
+  local_sent = cm.step_comm_bytes(work, m, a) - cm.step_comm_bytes(
+      work, dataclasses.replace(m, n_layers=10, layer_pattern="global"), a)
+  assert local_sent == 52 * received * (2 * kv_row * a.compute_bytes + a.meta_bytes_per_row)
+  assert local_sent < cm.step_comm_bytes(work, all_global, a) / 10
+  saved = cm.peak_memory(m, work, hw, a)["saved_bytes"]
+  assert saved - cm.peak_memory(all_global, work, hw, a)["saved_bytes"] == (
+      52 * received * (kv_row * a.compute_bytes + a.meta_bytes_per_row))
+  assert cm.step_time(m, work, hw, a)["total_s"] < cm.step_time(all_global, work, hw, a)["total_s"]
+
+
+def test_probe_rows_of_a_model_with_local_layers_are_its_memory(tmp_path):
+  """scale_probe.csv does not record the layer pattern: its gemma3-27b rows ran all global,
+  and stay that model's compiled memory (the assumption reads about half of any compile)."""
+  path = tmp_path / "scale_probe.csv"
+  path.write_text("model,seq_len,strategy,devices,layers,block_size,remat,depth_check,error,"
+                  "peak_bytes,standins\n"
+                  "gemma3-27b,16384,csbp_ring,16,62,64,full,,,5e10,\n"
+                  "llama3-8b,16384,csbp_ring,16,32,64,full,,,5e10,\n")
+  assert cm.load_probe(str(path), cm.Hardware()) == {
+      (model, 16384, 64, "csbp_ring"): 5e10 for model in ("gemma3-27b", "llama3-8b")}
