@@ -23,10 +23,11 @@ one memory feature off (or one option on), so the table shows what each buys.
 Writes scale_probe.{csv,md,png} under --out (scale_probe_quick.* with --quick); `--append`
 keeps the other models' rows and sections of an earlier run there and replaces only these
 models'. XLA:CPU is not the GPU compiler: its memory is the structure to optimise, not a
-GPU's exact figure. Model presets (all layers global attention, the Llama-style block of
-bdlm_jax.models): llama3-8b, gemma3-27b and qwen3-30b-a3b as in experiments/cost_model.py
-(Gemma 3 27B's dimensions; Qwen3-30B-A3B's, a mixture of experts), and qwen3-8b (Qwen3-8B's
-dimensions, qk_norm).
+GPU's exact figure. Model presets (the Llama-style block of bdlm_jax.models): llama3-8b,
+gemma3-27b and qwen3-30b-a3b as in experiments/cost_model.py (Gemma 3 27B's dimensions and
+5 local : 1 global layers, whose rows in results/scale_probe.csv were compiled before the
+preset had local layers, every layer global; Qwen3-30B-A3B's, a mixture of experts), and
+qwen3-8b (Qwen3-8B's dimensions, qk_norm).
 
 An MoE preset splits its experts over the seq axis (`parallel.expert_axes=seq`). XLA:CPU
 compiles neither the GPU's dispatch (`ragged-all-to-all`) nor a grouped matmul (jax lowers
