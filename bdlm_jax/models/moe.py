@@ -101,6 +101,11 @@ def sort_pairs(expert_TK, num_experts: int):
   return order_P, flat_P[order_P], jnp.bincount(flat_P, length=num_experts).astype(jnp.int32)
 
 
+def exclusive_cumsum(x, axis: int = 0):
+  """Sums of the entries before each one: where each group starts, from group sizes."""
+  return jnp.cumsum(x, axis=axis) - x
+
+
 def capacity(cfg: ModelConfig, tokens: int) -> int | None:
   """Pairs each expert takes from `tokens` routed together (None: all, no dropping)."""
   if not cfg.moe_drop_tokens:
@@ -113,13 +118,12 @@ def kept_counts(counts_GE, cap: int | None):
   `cap` slots in member order (the first member's first)."""
   if cap is None:
     return counts_GE
-  before_GE = jnp.cumsum(counts_GE, axis=0) - counts_GE
-  return jnp.clip(cap - before_GE, 0, counts_GE)
+  return jnp.clip(cap - exclusive_cumsum(counts_GE), 0, counts_GE)
 
 
 def keep_mask(expert_P, sizes_E, kept_E):
   """Whether each expert-sorted pair is among the first kept_E[e] of its expert e."""
-  rank_P = jnp.arange(expert_P.shape[0]) - (jnp.cumsum(sizes_E) - sizes_E)[expert_P]
+  rank_P = jnp.arange(expert_P.shape[0]) - exclusive_cumsum(sizes_E)[expert_P]
   return rank_P < kept_E[expert_P]
 
 

@@ -66,10 +66,6 @@ def expert_dispatch(cfg: Config, mesh):
   return dispatch
 
 
-def _exclusive_cumsum(x, axis=0):
-  return jnp.cumsum(x, axis=axis) - x
-
-
 class Exchange(NamedTuple):
   """Who sends whom how many rows, seen from device `me` of a group of G: `sent[i, j]` kept
   pairs go from member i to member j; a sender's rows for member j are contiguous in its send
@@ -80,19 +76,19 @@ class Exchange(NamedTuple):
 
   @property
   def send_offsets(self):  # where my rows for each member start in my send buffer
-    return _exclusive_cumsum(self.sent[self.me])
+    return moe.exclusive_cumsum(self.sent[self.me])
 
   @property
   def recv_offsets(self):  # where each member's rows start in my receive buffer
-    return _exclusive_cumsum(self.sent[:, self.me])
+    return moe.exclusive_cumsum(self.sent[:, self.me])
 
   @property
   def offsets_at_receivers(self):  # where my rows land in each member's receive buffer
-    return _exclusive_cumsum(self.sent, 0)[self.me]
+    return moe.exclusive_cumsum(self.sent, 0)[self.me]
 
   @property
   def offsets_at_senders(self):  # where each member's rows for me sit in its send buffer
-    return _exclusive_cumsum(self.sent, 1)[:, self.me]
+    return moe.exclusive_cumsum(self.sent, 1)[:, self.me]
 
 
 def _expert_parallel(m: ModelConfig, axes, how, x_BRD, row_weight_BR, weights):
