@@ -8,12 +8,12 @@ from bdlm_jax.batch import Batch, abstract_batch, make_batch
 from bdlm_jax.checkpoint.hf_export import export_hf
 from bdlm_jax.checkpoint.hf_import import import_hf
 from bdlm_jax.config import Config, ConfigError, load_config, override
-from bdlm_jax.loss import ar_logits, loss_fn
+from bdlm_jax.loss import ar_logits, draft_logits, loss_fn
 from bdlm_jax.params import init_params
 from bdlm_jax.parallel.mesh import make_mesh
 from bdlm_jax.sample import sample
 from bdlm_jax.train import TrainState, abstract_state, init_state, make_train_step
 
 __all__ = ["Batch", "Config", "ConfigError", "TrainState", "abstract_batch", "abstract_state",
-           "ar_logits", "export_hf", "import_hf", "init_params", "init_state", "load_config",
+           "ar_logits", "draft_logits", "export_hf", "import_hf", "init_params", "init_state", "load_config",
            "loss_fn", "make_batch", "make_mesh", "make_train_step", "override", "sample"]

@@ -19,6 +19,8 @@ import traceback
 import typing
 from typing import Any, Iterable
 
+import numpy as np
+
 
 class ConfigError(ValueError):
   """A config key, value or combination that cannot run."""
@@ -26,7 +28,8 @@ class ConfigError(ValueError):
 
 STRATEGIES = ("none", "cp_allgather", "cp_ring", "cp_ring_balanced", "bp", "csbp_allgather",
               "csbp_ring")
-OBJECTIVES = ("bd3lm", "fast_dllm_v2", "ar")
+OBJECTIVES = ("bd3lm", "fast_dllm_v2", "ar", "dflash")
+ANCHOR_SAMPLING = ("uniform", "strided")  # objective.anchors (dflash)
 ATTENTION_IMPLS = ("xla", "pallas")
 LAYER_TYPES = ("global", "local")
 MLP_TYPES = ("dense", "moe")
@@ -121,11 +124,35 @@ class ObjectiveConfig:
   eps_max: float = 1.0
   loss_weight: str = "inv_t"  # or "unit"
   mask_token_id: int = 259
+  # dflash (DESIGN.md section 10): up to `max_anchors` draft blocks [x_a, MASK x (B-1)] per
+  # sequence, anchors drawn uniformly or strided over the supervised positions; draft slot
+  # k >= 1 predicts x_{a+k} with weight exp(-(k-1)/gamma), by cross-entropy to the data
+  # ("ce") or by KL divergence from the target's own next-token distribution ("kl").
+  max_anchors: int = 8
+  anchors: str = "uniform"
+  gamma: float = 7.0
+  draft_loss: str = "ce"
 
   @property
   def reserved_mask_id(self) -> int | None:
     """The id no data may hold: [MASK], for objectives that corrupt (None for `ar`)."""
     return None if self.name == "ar" else self.mask_token_id
+
+
+@dataclasses.dataclass
+class DrafterConfig:
+  """objective=dflash: a small block-diffusion drafter over a frozen target, the model that
+  `model.*` describes (DESIGN.md section 10). The drafter shares the target's embedding and
+  LM head (so its width is the target's d_model); 0 widths take the target's."""
+  target: str = ""  # the frozen target: a Hugging Face folder or a workdir of ours
+  n_layers: int = 1
+  n_heads: int = 0
+  n_kv_heads: int = 0
+  head_dim: int = 0
+  d_ff: int = 0
+  # Target layers (0-based) whose output hidden states, concatenated per position, are the
+  # drafter's context; empty: `n_layers` of them spread over the target's depth.
+  target_layers: str = ""
 
 
 @dataclasses.dataclass
@@ -218,6 +245,7 @@ class Config:
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   objective: ObjectiveConfig = dataclasses.field(default_factory=ObjectiveConfig)
   parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+  drafter: DrafterConfig = dataclasses.field(default_factory=DrafterConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
   sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
@@ -381,6 +409,11 @@ _RANGES = {
     "model.norm_eps": ("in (0, 1)", lambda x: 0 < x < 1),
     "model.query_pre_attn_scalar": (">= 0 (0: head_dim)", lambda x: x >= 0),
     "model.logit_softcap": (">= 0 (0: no soft cap)", lambda x: x >= 0),
+    "objective.gamma": _ABOVE_0,
+    "drafter.n_heads": (">= 0 (0: the target's)", lambda x: x >= 0),
+    "drafter.n_kv_heads": (">= 0 (0: the target's)", lambda x: x >= 0),
+    "drafter.head_dim": (">= 0 (0: the target's)", lambda x: x >= 0),
+    "drafter.d_ff": (">= 0 (0: the target's)", lambda x: x >= 0),
     "data.num_threads": _AT_LEAST_0,
     "train.lr": _ABOVE_0,
     "train.warmup_steps": _AT_LEAST_0,
@@ -422,6 +455,8 @@ def validate(cfg: Config) -> None:
   _choice("model.remat", m.remat, REMAT)
   _choice("model.mlp_activation", m.mlp_activation, MLP_ACTIVATIONS)
   _choice("objective.loss_weight", o.loss_weight, ("inv_t", "unit"))
+  _choice("objective.anchors", o.anchors, ANCHOR_SAMPLING)
+  _choice("objective.draft_loss", o.draft_loss, ("ce", "kl"))
   _choice("data.source", d.source, DATA_SOURCES)
   _choice("data.format", d.format, DATA_FORMATS)
   _choice("data.chat_template", d.chat_template, CHAT_TEMPLATES)
@@ -442,7 +477,8 @@ def validate(cfg: Config) -> None:
       "train.log_every": t.log_every, "train.ckpt_every": t.ckpt_every,
       "train.max_to_keep": t.max_to_keep, "train.max_bad_steps": t.max_bad_steps,
       "sample.max_new_tokens": cfg.sample.max_new_tokens, "eval.batches": cfg.eval.batches,
-      "eval.noise_draws": cfg.eval.noise_draws,
+      "eval.noise_draws": cfg.eval.noise_draws, "objective.max_anchors": o.max_anchors,
+      "drafter.n_layers": cfg.drafter.n_layers,
   }
   for key, value in positive.items():
     if value < 1:
@@ -476,7 +512,9 @@ def validate(cfg: Config) -> None:
   if not 0.0 < o.eps_min <= o.eps_max <= 1.0:
     raise ConfigError(
         f"need 0 < objective.eps_min <= objective.eps_max <= 1, got {o.eps_min}, {o.eps_max}")
-  if o.name != "ar" and d.seq_len % o.block_size:
+  if o.name == "dflash":  # draft blocks start at anchors, anywhere: no multiple needed
+    _check_drafter(cfg)
+  elif o.name != "ar" and d.seq_len % o.block_size:
     raise ConfigError(
         f"data.seq_len={d.seq_len} is not a multiple of objective.block_size={o.block_size}; "
         f"choose a block size that divides the sequence length")
@@ -549,6 +587,59 @@ def _check_expert_parallel(m: ModelConfig, p: "ParallelConfig") -> None:
                       f"parallel.expert_axes={p.expert_axes!r} ({ways} devices)")
 
 
+def target_layer_ids(cfg: Config) -> tuple[int, ...]:
+  """The target layers whose outputs feed the drafter: `drafter.target_layers`, or up to
+  `drafter.n_layers` distinct ids spread from layer 1 to layer n-3 of the target (DFlash's
+  choice: neither the first layer nor the last two), clipped to the target's depth."""
+  text = cfg.drafter.target_layers.strip()
+  if text:
+    try:
+      return tuple(int(t) for t in text.split(","))
+    except ValueError:
+      raise ConfigError(f"drafter.target_layers={text!r} must be comma-separated integers")
+  n = cfg.model.n_layers
+  lo, hi = min(1, n - 1), max(min(1, n - 1), n - 3)
+  return tuple(int(i) for i in np.unique(np.round(np.linspace(lo, hi, cfg.drafter.n_layers))))
+
+
+def drafter_model(cfg: Config) -> ModelConfig:
+  """The drafter's layers as a ModelConfig: Qwen3-style (q/k norm, SwiGLU, global attention),
+  the target's width, dtypes and attention settings, `drafter.*` for the rest."""
+  m, d = cfg.model, cfg.drafter
+  return dataclasses.replace(
+      ModelConfig(), vocab_size=m.vocab_size, d_model=m.d_model, n_layers=d.n_layers,
+      n_heads=d.n_heads or m.n_heads, n_kv_heads=d.n_kv_heads or m.n_kv_heads,
+      head_dim=d.head_dim or m.head_dim, d_ff=d.d_ff or m.d_ff, rope_theta=m.rope_theta,
+      qk_norm=True, norm_eps=m.norm_eps, param_dtype=m.param_dtype,
+      compute_dtype=m.compute_dtype, remat=m.remat, attention_impl=m.attention_impl,
+      attention_chunk=m.attention_chunk, logits_chunk=m.logits_chunk)
+
+
+def _check_drafter(cfg: Config) -> None:
+  m, o, d = cfg.model, cfg.objective, cfg.drafter
+  if cfg.data.seq_len < o.block_size:
+    raise ConfigError(f"data.seq_len={cfg.data.seq_len} is shorter than one draft block "
+                      f"(objective.block_size={o.block_size})")
+  if o.block_size < 2:
+    raise ConfigError(f"objective.block_size={o.block_size}: a draft block needs its anchor "
+                      f"and at least one slot to predict (>= 2)")
+  ids = target_layer_ids(cfg)
+  bad = [i for i in ids if not 0 <= i < m.n_layers]
+  if bad:
+    raise ConfigError(f"drafter.target_layers {bad} lie outside the target's layers "
+                      f"[0, model.n_layers={m.n_layers})")
+  if len(set(ids)) != len(ids):
+    raise ConfigError(f"drafter.target_layers={d.target_layers!r} names a layer twice")
+  if set(layer_types(m)) != {"global"} or m.moe_experts:
+    raise ConfigError("objective=dflash takes a dense, all-global target for now "
+                      "(model.layer_pattern='global', model.moe_experts=0)")
+  dm = drafter_model(cfg)
+  if dm.n_heads % dm.n_kv_heads or dm.head_dim % 2:
+    raise ConfigError(f"the drafter's heads ({dm.n_heads} query, {dm.n_kv_heads} key/value, "
+                      f"head_dim {dm.head_dim}) need query heads a multiple of key/value heads "
+                      f"and an even head_dim")
+
+
 def _check_layer_pattern(m: ModelConfig) -> None:
   period = layer_period(m)
   for t in period:
@@ -586,7 +677,7 @@ def replace(cfg: Config, **sections: dict) -> Config:
   return out
 
 
-__all__ = ["Config", "ConfigError", "ModelConfig", "DataConfig", "ObjectiveConfig",
+__all__ = ["Config", "ConfigError", "ModelConfig", "DataConfig", "ObjectiveConfig", "DrafterConfig",
            "ParallelConfig", "TrainConfig", "SampleConfig", "EvalConfig", "ExportConfig",
            "PlanConfig", "load_config", "layer_period", "layer_types",
            "override", "validate", "all_keys",

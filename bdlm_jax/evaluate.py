@@ -46,8 +46,10 @@ def eval_config(cfg: Config) -> Config:
 
 
 def noise_draws(cfg: Config) -> int:
-  """Noise draws per held-out batch: one where nothing is random (no noisy stream)."""
-  return cfg.eval.noise_draws if get_objective(cfg.objective.name).NOISY_STREAM else 1
+  """Noise draws per held-out batch: one where nothing is random (no noisy stream, or a
+  drafter's blocks, masked all but their anchor)."""
+  objective = get_objective(cfg.objective.name)
+  return cfg.eval.noise_draws if objective.NOISY_STREAM and not objective.DRAFTER else 1
 
 
 def make_eval_step(cfg: Config, mesh):
@@ -82,8 +84,10 @@ class HeldOut:
     self._batches = [next(feed) for _ in range(cfg.eval.batches)]
     self._step = make_eval_step(micro, mesh)
     self._key = jax.random.fold_in(jax.random.key(cfg.seed), _EVAL_KEY)
+    # (A drafter does not generate alone: experiments/dflash_tau.py measures it with its target.)
     self._prompts = arithmetic_prompts(cfg, cfg.eval.prompts) if (
-        cfg.data.source == "arithmetic" and cfg.eval.prompts) else []
+        cfg.data.source == "arithmetic" and cfg.eval.prompts
+        and not get_objective(cfg.objective.name).DRAFTER) else []
 
   def __call__(self, params) -> dict[str, float]:
     total, count = 0.0, 0
@@ -168,6 +172,8 @@ def show_sample(cfg: Config, workdir: str) -> str:
   """One generation from the latest checkpoint of `workdir`, prompted by `sample.prompt`
   (embedded data: by default the first statement of a held-out document)."""
   from bdlm_jax.sample import sample_checkpoint
+  if get_objective(cfg.objective.name).DRAFTER:
+    return "(a drafter proposes blocks for its target: experiments/dflash_tau.py measures it)"
   if not (cfg.sample.prompt or cfg.sample.prompt_file):
     if cfg.data.source != "arithmetic":
       return "(set sample.prompt to see a sample here)"

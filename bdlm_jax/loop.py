@@ -9,10 +9,14 @@ from tqdm import tqdm
 
 from bdlm_jax.checkpoint import Checkpointer
 from bdlm_jax.checkpoint.hf_import import params_from_hf
+from bdlm_jax.checkpoint.target import load_target
 from bdlm_jax.config import Config
 from bdlm_jax.evaluate import HeldOut
 from bdlm_jax.feed import Feed
 from bdlm_jax.metrics import MetricsWriter, model_flops_per_step, peak_flops, peak_memory_bytes
+from bdlm_jax.models.drafter import FROZEN
+from bdlm_jax.objectives import get_objective
+from bdlm_jax.params import init_params
 from bdlm_jax.parallel.experts import check_dispatch_runs_here
 from bdlm_jax.parallel.mesh import initialize_distributed, make_mesh
 from bdlm_jax.train import abstract_state, init_state, make_train_step
@@ -54,6 +58,8 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
       data.set_state(data_state)
     else:
       params = params_from_hf(cfg, mesh) if cfg.init_from else None  # AR -> BDLM conversion
+      if get_objective(cfg.objective.name).DRAFTER:  # a fresh drafter, its target's weights
+        params = dict(init_params(cfg, init_key, mesh), **{FROZEN: load_target(cfg, mesh)})
       start, state = 0, init_state(cfg, init_key, mesh, params)
     train_step = make_train_step(cfg, mesh)
     held_out = HeldOut(cfg, mesh) if cfg.train.eval_every else None

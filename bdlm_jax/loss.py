@@ -14,7 +14,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from bdlm_jax.batch import make_batch
-from bdlm_jax.config import Config, ConfigError, expert_axes, replace
+from bdlm_jax.config import Config, ConfigError, expert_axes, replace, target_layer_ids
+from bdlm_jax.models.drafter import FROZEN
 from bdlm_jax.models.moe import router_losses
 from bdlm_jax.models.transformer import STACKS, head_logits
 from bdlm_jax.objectives import get_objective
@@ -46,9 +47,10 @@ def _check_batch(cfg, batch, plan):
 
 
 def chunked_loss(head, score_fn, chunk: int, softcap: float, h_SND, labels_SN, take_SN,
-                 weight_SN):
-  """`score_fn(logits, labels, take, weight)` summed over chunks of `chunk` rows; the logits
-  are `head_logits(head, h, softcap)`.
+                 weight_SN, *teacher_SND):
+  """`score_fn(logits, labels, take, weight, *teacher_logits)` summed over chunks of `chunk`
+  rows; the logits are `head_logits(head, h, softcap)`, and so are those of any `teacher`
+  hidden states given (a drafter's target, for its KL loss).
 
   Only one chunk's float32 logits [S, chunk, vocab] exist at a time, never [rows, vocab]:
   the chunks run as a `lax.scan` whose body is rematerialised, so the backward recomputes
@@ -65,10 +67,12 @@ def chunked_loss(head, score_fn, chunk: int, softcap: float, h_SND, labels_SN, t
 
   @jax.checkpoint
   def body(total, xs):
-    h, labels, take, weight = xs
-    return total + score_fn(head_logits(head, h, softcap), labels, take, weight), None
+    h, labels, take, weight, *teacher = xs
+    logits = [head_logits(head, x, softcap) for x in (h, *teacher)]
+    return total + score_fn(logits[0], labels, take, weight, *logits[1:]), None
 
-  xs = (split(h_SND, 0), split(labels_SN, -1), split(take_SN, False), split(weight_SN, 0))
+  xs = (split(h_SND, 0), split(labels_SN, -1), split(take_SN, False), split(weight_SN, 0),
+        *(split(t, 0) for t in teacher_SND))
   total = jnp.zeros_like(weight_SN, shape=())  # zeros_like: varies over mesh axes as the rows
   return jax.lax.scan(body, total, xs)[0]
 
@@ -96,30 +100,75 @@ def _loss_on_every_device(head, score_fn, chunk: int, softcap: float, mesh, *row
   return jax.shard_map(local, mesh=mesh, in_specs=(P(), *row_specs), out_specs=P())(state, *rows)
 
 
+def _gathered_once(params, gather):
+  """`params` with every weight outside the layer stacks through `gather`: the embedding,
+  head and norms (and a drafter's fc) once per step; stacked layers are gathered one by one
+  in their scan."""
+  return {k: v if k in STACKS else _gathered_once(v, gather) if isinstance(v, dict)
+          else gather(v) for k, v in params.items()}
+
+
+def _drafter_hidden(cfg: Config, model, plan, batch, inputs, mesh, layer_weights):
+  """Final drafter hidden states of the draft rows (each rank's noisy slot), and for a KL
+  loss (`objective.draft_loss=kl`) the target's final hidden states that score them.
+
+  The frozen target runs causally over the context rows (each rank's clean slot, where
+  they already are) and hands the drafter its hidden states at the chosen layers. Draft
+  slot k of anchor a is scored against the target's prediction at position a + k - 1,
+  which is fetched from whichever rank holds it (one gather of the rows, not per layer)."""
+  draft = functools.partial(_slot_rows, plan=plan, slot="noisy")
+  ctx = functools.partial(_slot_rows, plan=plan, slot="clean")
+  draft_meta, ctx_meta = jax.tree.map(draft, batch.meta), jax.tree.map(ctx, batch.meta)
+  target = model.target
+  feats, final = target.features(ctx(inputs), ctx(batch.pos), ctx_meta,
+                                 make_attend(cfg, mesh, rows="clean"), target_layer_ids(cfg),
+                                 layer_weights)
+  hidden = model.drafter(target.embed_tokens(draft(inputs)), draft(batch.pos), draft_meta,
+                         feats, ctx(batch.pos), ctx_meta, make_attend(cfg, mesh, rows="draft"),
+                         layer_weights)
+  if cfg.objective.draft_loss != "kl":
+    return hidden, ()
+  source = jnp.asarray(plan.context_rows)[jnp.clip(draft(batch.pos) - 1, 0, plan.seq_len - 1)]
+  teacher = jnp.take_along_axis(final, source[..., None], axis=1)
+  if mesh is not None:
+    teacher = jax.lax.with_sharding_constraint(teacher, row_sharding(mesh))
+  return hidden, (teacher,)
+
+
 def loss_fn(params, batch, key, cfg: Config, mesh=None):
   """(loss, metrics): weighted masked-token CE summed over the batch / valid tokens, plus an
-  MoE's weighted router losses (then the CE alone is `metrics["token_loss"]`)."""
+  MoE's weighted router losses (then the CE alone is `metrics["token_loss"]`).
+
+  A drafter objective (dflash) scores its drafter's rows; its target is frozen here: no
+  gradient reaches it, whatever the caller differentiates."""
   plan = plan_for(cfg)
   _check_batch(cfg, batch, plan)
   objective = get_objective(cfg.objective.name)
+  if objective.DRAFTER:
+    params = {**params, FROZEN: jax.lax.stop_gradient(params[FROZEN])}
   # The embedding and head are gathered in param_dtype: the chunked loss accumulates the
   # head's gradient over many row chunks. Layers are cast to compute_dtype, then gathered.
-  whole = {k: v for k, v in params.items() if k not in STACKS}
-  model = merge(cfg, {**params, **gathered_weights(mesh)(whole)})
+  model = merge(cfg, _gathered_once(params, gathered_weights(mesh)))
+  layer_weights = gathered_weights(mesh, jnp.dtype(cfg.model.compute_dtype),
+                                   expert_axes(cfg.parallel))
   if mesh is not None:
     batch = jax.lax.with_sharding_constraint(batch, row_sharding(mesh))
   n_valid = jnp.sum(batch.labels >= 0)  # before an objective adds copies of the batch
   batch, inputs, scored, weight = objective.corrupt(key, batch, cfg.data.seq_len,
                                                     cfg.objective)
-  # Router statistics count each real row once (not padding, not bp's replicated copies).
-  counted = (batch.seg > 0) & plan.first_copies[None]
-  hidden, stats = model.forward(
-      inputs, batch.pos, batch.meta, make_attend(cfg, mesh),
-      layer_weights=gathered_weights(mesh, jnp.dtype(cfg.model.compute_dtype),
-                                     expert_axes(cfg.parallel)),
-      row_weight_BR=counted, dispatch=expert_dispatch(cfg, mesh))
+  teacher, stats = (), {}
+  if objective.DRAFTER:
+    hidden, teacher = _drafter_hidden(cfg, model, plan, batch, inputs, mesh, layer_weights)
+  else:
+    # Router statistics count each real row once (not padding, not bp's replicated copies).
+    counted = (batch.seg > 0) & plan.first_copies[None]
+    hidden, stats = model.forward(inputs, batch.pos, batch.meta, make_attend(cfg, mesh),
+                                  layer_weights=layer_weights, row_weight_BR=counted,
+                                  dispatch=expert_dispatch(cfg, mesh))
+    hidden = _slot_rows(hidden, plan, objective.LOSS_SLOT)
   score = functools.partial(objective.score, cfg=cfg.objective)
-  rows = [_slot_rows(x, plan, objective.LOSS_SLOT) for x in (hidden, batch.labels, scored, weight)]
+  rows = [hidden] + [_slot_rows(x, plan, objective.LOSS_SLOT)
+                     for x in (batch.labels, scored, weight)] + list(teacher)
   total = _loss_on_every_device(model.head, score, cfg.model.logits_chunk,
                                 cfg.model.logit_softcap, mesh, *rows)
   loss = total / jnp.maximum(n_valid, 1)
@@ -143,3 +192,25 @@ def ar_logits(params, cfg: Config, tokens) -> jax.Array:
   model = merge(ar_cfg, params)
   hidden = model(batch.tokens, batch.pos, batch.meta, make_attend(ar_cfg))
   return model.logits(hidden)
+
+
+def draft_logits(params, cfg: Config, tokens, segment_ids=None, protected=None):
+  """A drafter's float32 logits at its draft rows, [S, A, B, vocab], and the `Batch` of its
+  logical rows (`[draft ; context]`; draft row j*B + k is slot k of anchor j), on one device.
+
+  For evaluation (acceptance length): the anchors are the ones training would draw for these
+  tokens. `tokens` are logical [S, L], concrete (the layout is built on the host)."""
+  one = replace(cfg, parallel=dict(strategy="none", seq=1, data=1, fsdp=1))
+  batch = make_batch(one, np.asarray(tokens), segment_ids, protected)
+  plan = plan_for(one)
+
+  @jax.jit
+  def run(params, batch):
+    model = merge(one, params)
+    batch, inputs, _, _ = get_objective(one.objective.name).corrupt(
+        None, batch, one.data.seq_len, one.objective)
+    hidden, _ = _drafter_hidden(one, model, plan, batch, inputs, None, None)
+    return head_logits(model.head, hidden, one.model.logit_softcap)
+
+  s, b = batch.tokens.shape[0], one.objective.block_size
+  return run(params, batch).reshape(s, -1, b, one.model.vocab_size), batch

@@ -7,7 +7,8 @@ import jax
 import numpy as np
 from etils import epath
 
-from bdlm_jax.config import Config, layer_types, mlp_types
+from bdlm_jax.config import (Config, ModelConfig, drafter_model, layer_types, mlp_types,
+                             target_layer_ids)
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel.layout import make_plan
 
@@ -15,23 +16,30 @@ from bdlm_jax.parallel.layout import make_plan
 _PEAK_TFLOPS = {"h200": 989.0, "h100": 989.0, "a100": 312.0, "tpu v5": 197.0, "tpu v4": 275.0}
 
 
-def model_flops_per_step(cfg: Config) -> float:
-  """Useful training FLOPs of one optimiser step (forward + backward = 3x forward).
-
-  Linear layers see every logical row once (2L rows for diffusion objectives: noisy and
-  clean copies), a mixture of experts only its router and the k experts a row is sent to;
-  attention counts only allowed (query, key) pairs of the mask.
-  """
-  m, objective = cfg.model, get_objective(cfg.objective.name)
-  diffusion = objective.NOISY_STREAM
-  rows = 2 * cfg.data.seq_len if diffusion else cfg.data.seq_len
+def _layer_flops_per_row(m: ModelConfig) -> float:
+  """Forward FLOPs of one layer's linear maps for one row, summed over the layers."""
   attention_proj = 2 * m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim  # qkv
   attention_proj += 2 * m.n_heads * m.head_dim * m.d_model  # o
   mlp = {"dense": 3 * 2 * m.d_model * m.d_ff,  # router + k experts:
          "moe": 2 * m.d_model * m.moe_experts + m.moe_top_k * 3 * 2 * m.d_model * (
              m.moe_d_ff or m.d_ff)}
-  layers = sum(attention_proj + mlp[kind] for kind in mlp_types(m))
-  linear = rows * layers + 2 * cfg.data.seq_len * m.d_model * m.vocab_size
+  return sum(attention_proj + mlp[kind] for kind in mlp_types(m))
+
+
+def model_flops_per_step(cfg: Config) -> float:
+  """Useful training FLOPs of one optimiser step (forward + backward = 3x forward).
+
+  Linear layers see every logical row once (2L rows for diffusion objectives: noisy and
+  clean copies), a mixture of experts only its router and the k experts a row is sent to;
+  attention counts only allowed (query, key) pairs of the mask. A drafter (dflash) adds its
+  frozen target's forward over the L context rows (1x: no backward) to its own training.
+  """
+  m, objective = cfg.model, get_objective(cfg.objective.name)
+  if objective.DRAFTER:
+    return _drafter_flops_per_step(cfg)
+  diffusion = objective.NOISY_STREAM
+  rows = 2 * cfg.data.seq_len if diffusion else cfg.data.seq_len
+  linear = rows * _layer_flops_per_row(m) + 2 * cfg.data.seq_len * m.d_model * m.vocab_size
   # Pairs of the logical stream, as one device computes them: redundant work that a
   # strategy adds (bp's replicated clean prefix) is not useful work.
   block_size = cfg.objective.block_size if diffusion else 1
@@ -41,6 +49,23 @@ def model_flops_per_step(cfg: Config) -> float:
            + kinds.count("local") * plan.attention_work(m.sliding_window).sum())
   attention = 4 * float(pairs) * m.n_heads * m.head_dim
   return 3.0 * cfg.train.batch_size * objective.COPIES * (linear + attention)
+
+
+def _drafter_flops_per_step(cfg: Config) -> float:
+  """The target's causal forward over L rows, then the drafter's forward + backward: its
+  layers over the A*B draft rows, its fc and k/v projections over the L context rows, the
+  logits of the draft rows, and the allowed draft-query pairs (anchors at their expected
+  places, `LayoutPlan.block_starts`)."""
+  m, d, L = cfg.model, drafter_model(cfg), cfg.data.seq_len
+  n_feat = len(target_layer_ids(cfg))
+  target = L * _layer_flops_per_row(m) + 4.0 * L * (L + 1) / 2 * m.n_heads * m.head_dim * m.n_layers
+  plan = make_plan("none", L, cfg.objective.block_size, 1, draft_blocks=cfg.objective.max_anchors)
+  draft_rows = plan.noisy_len
+  ctx_kv = 2 * d.d_model * 2 * d.n_kv_heads * d.head_dim * d.n_layers
+  drafter = (draft_rows * (_layer_flops_per_row(d) + 2 * d.d_model * m.vocab_size)
+             + L * (ctx_kv + 2 * n_feat * m.d_model * d.d_model)
+             + 4.0 * float(plan.attention_work().sum()) * d.n_heads * d.head_dim * d.n_layers)
+  return cfg.train.batch_size * (target + 3.0 * drafter)
 
 
 def peak_flops(cfg: Config) -> float:

@@ -7,25 +7,58 @@ import json
 import jax
 from flax import nnx
 
-from bdlm_jax.config import Config, ModelConfig, expert_axes
+from bdlm_jax.config import Config, ModelConfig, drafter_model, expert_axes, target_layer_ids
+from bdlm_jax.models.drafter import FROZEN, DFlash
 from bdlm_jax.models.transformer import Transformer
+from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel.zero3 import zero3_shardings
 
 
+def _model_args(cfg: Config) -> tuple:
+  """Hashable, JSON-able arguments of `_build`: the model configs and a drafter's context
+  width (in target layers), or no drafter."""
+  if not get_objective(cfg.objective.name).DRAFTER:
+    return _json(cfg.model), "", 0
+  return _json(cfg.model), _json(drafter_model(cfg)), len(target_layer_ids(cfg))
+
+
+def _json(model: ModelConfig) -> str:
+  return json.dumps(dataclasses.asdict(model), sort_keys=True)
+
+
+def _build(model_json: str, drafter_json: str, n_features: int, rngs: nnx.Rngs):
+  """The model of a config: a `Transformer`, or a drafter objective's `DFlash`."""
+  model = ModelConfig(**json.loads(model_json))
+  if not drafter_json:
+    return Transformer(model, rngs=rngs)
+  return DFlash(model, ModelConfig(**json.loads(drafter_json)), n_features, rngs)
+
+
 @functools.lru_cache(maxsize=16)
-def _graph(model_json: str):
-  model_cfg = ModelConfig(**json.loads(model_json))
-  abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
-  return nnx.split(abstract)
+def _graph(*args):
+  return nnx.split(nnx.eval_shape(lambda: _build(*args, nnx.Rngs(0))))
 
 
 def _graph_of(cfg: Config):
-  return _graph(json.dumps(dataclasses.asdict(cfg.model), sort_keys=True))
+  return _graph(*_model_args(cfg))
+
+
+def split_frozen(cfg: Config, params) -> tuple[dict, dict]:
+  """(trainable, frozen) parts of `params`: a drafter's target is frozen, nothing else."""
+  frozen = (FROZEN,) if get_objective(cfg.objective.name).DRAFTER else ()
+  return ({k: v for k, v in params.items() if k not in frozen},
+          {k: v for k, v in params.items() if k in frozen})
 
 
 def abstract_params(cfg: Config):
   """ShapeDtypeStructs of the params pytree."""
   return nnx.to_pure_dict(_graph_of(cfg)[1])
+
+
+def transformer_params(model: ModelConfig):
+  """ShapeDtypeStructs of a plain `Transformer` of `model` (what a Hugging Face folder holds;
+  a drafter's target)."""
+  return nnx.to_pure_dict(_graph(_json(model), "", 0)[1])
 
 
 def merge(cfg: Config, params) -> Transformer:
@@ -38,8 +71,10 @@ def merge(cfg: Config, params) -> Transformer:
 
 def init_params(cfg: Config, key, mesh=None):
   """Same values on every mesh (drawn from `key` alone); only their placement differs."""
+  args = _model_args(cfg)
+
   def init(key):
-    return nnx.to_pure_dict(nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(params=key))))
+    return nnx.to_pure_dict(nnx.state(_build(*args, nnx.Rngs(params=key))))
 
   if mesh is None:
     return jax.jit(init)(key)

@@ -196,6 +196,9 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
   check_token_ids(cfg, prompt, "the prompt")
   prompt = prompt.astype(np.int32)
   objective = get_objective(cfg.objective.name)
+  if objective.DRAFTER:
+    raise ConfigError("a drafter (objective=dflash) proposes blocks for its target and does "
+                      "not generate alone; experiments/dflash_tau.py measures its acceptance")
   if not objective.NOISY_STREAM:
     return _sample_ar(params, cfg, prompt, key, max_new_tokens, temperature, use_cache, eos_id)
   m, bs = cfg.model, cfg.objective.block_size

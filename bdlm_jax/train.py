@@ -13,15 +13,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from bdlm_jax.config import Config, expert_axes
 from bdlm_jax.loss import loss_fn
 from bdlm_jax.optimizer import learning_rate, make_optimizer
-from bdlm_jax.params import abstract_params, init_params
+from bdlm_jax.params import abstract_params, init_params, split_frozen
 from bdlm_jax.parallel.mesh import row_sharding
 from bdlm_jax.parallel.zero3 import zero3_shardings
 
 
 class TrainState(NamedTuple):
   step: jax.Array  # int32 scalar
-  params: dict
-  opt_state: optax.OptState
+  params: dict  # every parameter, a drafter's frozen target included
+  opt_state: optax.OptState  # of the trainable parameters only (`split_frozen`)
 
 
 def state_shardings(cfg: Config, mesh):
@@ -40,7 +40,8 @@ def _state_shapes(cfg: Config) -> TrainState:
 
 
 def _fresh_state(cfg: Config, params) -> TrainState:
-  return TrainState(jnp.zeros((), jnp.int32), params, make_optimizer(cfg.train).init(params))
+  trainable, _ = split_frozen(cfg, params)
+  return TrainState(jnp.zeros((), jnp.int32), params, make_optimizer(cfg.train).init(trainable))
 
 
 def init_state(cfg: Config, key, mesh, params=None) -> TrainState:
@@ -52,11 +53,13 @@ def init_state(cfg: Config, key, mesh, params=None) -> TrainState:
 PEAK_METRICS = ("moe_max_load",)
 
 
-def _accumulated_grads(cfg, mesh, params, batch, key):
+def _accumulated_grads(cfg, mesh, params, frozen, batch, key):
   """Gradient of (sum of token losses) / (valid tokens) over `grad_accum` micro-batches (plus
-  an MoE's router losses, each micro-batch's weighted by its valid tokens)."""
+  an MoE's router losses, each micro-batch's weighted by its valid tokens), with respect to
+  the trainable `params`; the `frozen` ones are held fixed."""
   n = cfg.train.grad_accum
-  grad_fn = jax.value_and_grad(lambda p, b, k: loss_fn(p, b, k, cfg, mesh), has_aux=True)
+  grad_fn = jax.value_and_grad(lambda p, b, k: loss_fn({**p, **frozen}, b, k, cfg, mesh),
+                               has_aux=True)
   if n == 1:
     (loss, metrics), grads = grad_fn(params, batch, key)
     return grads, metrics
@@ -110,9 +113,11 @@ def make_train_step(cfg: Config, mesh):
   schedule = learning_rate(cfg.train)
 
   def train_step(state: TrainState, batch, key):
-    grads, metrics = _accumulated_grads(cfg, mesh, state.params, batch, key)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    new = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
+    params, frozen = split_frozen(cfg, state.params)
+    grads, metrics = _accumulated_grads(cfg, mesh, params, frozen, batch, key)
+    updates, opt_state = optimizer.update(grads, state.opt_state, params)
+    new = TrainState(state.step + 1, {**optax.apply_updates(params, updates), **frozen},
+                     opt_state)
     grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm) & _all_finite(new)
     metrics = dict(metrics, grad_norm=grad_norm, lr=schedule(state.step),

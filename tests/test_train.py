@@ -130,7 +130,7 @@ def test_grad_accumulation_matches_single_batch(parallel):
   params = init_params(cfg, jax.random.key(0), mesh)
   key = jax.random.key(1)
 
-  accumulated, metrics = jax.jit(lambda p: _accumulated_grads(cfg, mesh, p, batch, key))(params)
+  accumulated, metrics = jax.jit(lambda p: _accumulated_grads(cfg, mesh, p, {}, batch, key))(params)
   (loss, full_metrics), grads = jax.jit(jax.value_and_grad(
       lambda p: loss_fn(p, batch, key, single, mesh), has_aux=True))(params)
 

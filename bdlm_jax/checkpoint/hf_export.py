@@ -21,6 +21,7 @@ from bdlm_jax.checkpoint.hf_import import INDEX_FILE
 from bdlm_jax.checkpoint.hf_names import get_path, hf_config, tensor_map
 from bdlm_jax.checkpoint.manager import restore_state
 from bdlm_jax.config import Config, ConfigError
+from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel.mesh import make_mesh, to_host
 
 MAX_SHARD_BYTES = 5 * 2**30
@@ -66,6 +67,9 @@ def export_checkpoint(cfg: Config, workdir: str) -> tuple[int, str]:
   `workdir` -> `export.out_dir`; returns (step, out_dir)."""
   if not cfg.export.out_dir:
     raise ConfigError("mode=export needs export.out_dir, e.g. --set export.out_dir=runs/hf")
+  if get_objective(cfg.objective.name).DRAFTER:
+    raise ConfigError("mode=export writes a causal LM; a drafter (objective=dflash) is not "
+                      "one: its weights are in the checkpoint's params['drafter']")
   step, state = restore_state(cfg, workdir, make_mesh(cfg), cfg.export.checkpoint_step)
   export_hf(state.params, cfg, cfg.export.out_dir)
   return step, cfg.export.out_dir

@@ -22,7 +22,7 @@ from bdlm_jax.checkpoint.hf_names import (IGNORED_SUFFIXES, Tensor, get_path,
                                           model_config_from_hf, set_path, shape_fields,
                                           tensor_map)
 from bdlm_jax.config import Config, ConfigError, ModelConfig, expert_axes, replace
-from bdlm_jax.params import abstract_params
+from bdlm_jax.params import transformer_params
 from bdlm_jax.parallel.zero3 import zero3_shardings
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -105,7 +105,7 @@ def read_hf_config(path: str) -> dict:
 
 
 def _read_params(path: str, cfg: Config, mesh) -> dict:
-  abstract = abstract_params(cfg)
+  abstract = transformer_params(cfg.model)
   if mesh is None:
     shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
   else:

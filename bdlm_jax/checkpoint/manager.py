@@ -112,6 +112,11 @@ class Checkpointer:
     steps = self._committed_steps()
     return steps[0] if steps else None
 
+  def saved_config(self, step: int) -> dict:
+    """The config (as a dict, without the tokenizer fingerprint) `step` was written with."""
+    saved = self._mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    return {k: v for k, v in saved.config.items() if k != TOKENIZER_KEY}
+
   def restore(self, abstract_state: Any, step: int | None = None) -> tuple[int, Any, Any]:
     """Returns (step, state, data_state) restored onto the shardings in `abstract_state`.
 

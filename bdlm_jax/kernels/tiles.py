@@ -125,8 +125,8 @@ def plan_row_meta(plan) -> RowMeta:
   """NumPy RowMeta [P, rows_per_rank] of a LayoutPlan's rows, one document, padding seg 0."""
   rows = plan.rows
   valid = rows >= 0
-  pos = np.where(valid, rows, 0) % plan.seq_len
-  stream = np.where(rows >= plan.seq_len, CLEAN, NOISY)
+  stream = np.where(rows >= plan.noisy_len, CLEAN, NOISY)
+  pos = np.where(valid, rows, 0) - np.where(stream == CLEAN, plan.noisy_len, 0)
   return row_meta(stream.astype(np.int32), (pos // plan.block_size).astype(np.int32),
                   valid.astype(np.int32), pos.astype(np.int32))
 

@@ -71,21 +71,32 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, _dtype(cfg.param_dtype))
       self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, _dtype(cfg.param_dtype))
 
+  def _theta(self, kind: str) -> float:
+    cfg = self.cfg
+    return cfg.rope_local_theta if kind == "local" and cfg.rope_local_theta else cfg.rope_theta
+
   def qkv(self, x_BRD, pos_BR, kind: str = "global"):
     cfg = self.cfg
-    theta = cfg.rope_local_theta if kind == "local" and cfg.rope_local_theta else cfg.rope_theta
     b, r, _ = x_BRD.shape
     q = self.q_proj(x_BRD).reshape(b, r, cfg.n_heads, cfg.head_dim)
-    k = self.k_proj(x_BRD).reshape(b, r, cfg.n_kv_heads, cfg.head_dim)
-    v = self.v_proj(x_BRD).reshape(b, r, cfg.n_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
-      q, k = self.q_norm(q), self.k_norm(k)
-    q, k = rope(q, pos_BR, theta), rope(k, pos_BR, theta)
+      q = self.q_norm(q)
+    q = rope(q, pos_BR, self._theta(kind))
     if cfg.query_pre_attn_scalar:
       # The kernels scale logits by q's head_dim ** -0.5; Gemma wants query_pre_attn_scalar's.
       q = q * jnp.asarray(math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar), q.dtype)
-    return q, k, v
+    return (q, *self.kv(x_BRD, pos_BR, kind))
 
+  def kv(self, x_BRD, pos_BR, kind: str = "global"):
+    """Keys (normed, rotated) and values of rows that serve only as keys (a drafter's
+    context)."""
+    cfg = self.cfg
+    b, r, _ = x_BRD.shape
+    k = self.k_proj(x_BRD).reshape(b, r, cfg.n_kv_heads, cfg.head_dim)
+    v = self.v_proj(x_BRD).reshape(b, r, cfg.n_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+      k = self.k_norm(k)
+    return rope(k, pos_BR, self._theta(kind)), v
 
 
 
@@ -188,13 +199,13 @@ def remat_policy(remat: str):
       *residuals.NAMES))
 
 
-class Transformer(nnx.Module):
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.cfg = cfg
-    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=_dtype(cfg.compute_dtype),
-                           param_dtype=_dtype(cfg.param_dtype),
-                           embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+class LayerStack(nnx.Module):
+  """A module whose `cfg.n_layers` decoder layers are stacked, to run as one scan."""
 
+  def build_layers(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    """Blocks whose every parameter has a leading layer axis (`kernel_LDF`), one stack per MLP
+    kind (`layer_slots`): the layers run as one lax.scan over periods of the layer patterns
+    (`scan_layers`), so compile time and program size do not grow with depth."""
     def stacked_blocks(count, moe):
       @nnx.split_rngs(splits=count)
       @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -202,15 +213,9 @@ class Transformer(nnx.Module):
         return Block(cfg, rngs, moe)
       return make(rngs)
 
-    # Blocks whose every parameter has a leading layer axis (`kernel_LDF`), one stack per MLP
-    # kind (`layer_slots`): the layers run as one lax.scan over periods of the layer patterns
-    # (`scan_layers`), so compile time and program size do not grow with depth.
     has_experts = "moe" in mlp_types(cfg)
     for name, count in collections.Counter(name for name, _ in layer_slots(cfg)).items():
       setattr(self, name, stacked_blocks(count, moe=has_experts and name == "layers"))
-    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
-    if not cfg.tie_embeddings:
-      self.lm_head = _linear(cfg.d_model, cfg.vocab_size, cfg, rngs)
 
   def scan_layers(self, fn, x, *xs, remat: str = "none", layer_weights=None):
     """(x, ys) of `fn(block, x, *xs_l, kind) -> (x, y)` run over the layers.
@@ -266,6 +271,18 @@ class Transformer(nnx.Module):
       ys.append(y)
     return x, jax.tree.map(lambda *y: jnp.concatenate(y), *ys)
 
+
+class Transformer(LayerStack):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=_dtype(cfg.compute_dtype),
+                           param_dtype=_dtype(cfg.param_dtype),
+                           embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+    self.build_layers(cfg, rngs)
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
+    if not cfg.tie_embeddings:
+      self.lm_head = _linear(cfg.d_model, cfg.vocab_size, cfg, rngs)
+
   def __call__(self, tokens_BR, pos_BR, meta: RowMeta, attend: AttendFn,
                layer_weights=None) -> jax.Array:
     """Final hidden states [B, R, D] of every row."""
@@ -290,6 +307,30 @@ class Transformer(nnx.Module):
     (x_BRD, *_), stats = self.scan_layers(layer, carry, remat=self.cfg.remat,
                                           layer_weights=layer_weights)
     return self.final_norm(x_BRD), stats
+
+  def features(self, tokens_BR, pos_BR, meta: RowMeta, attend: AttendFn,
+               layer_ids: tuple[int, ...], layer_weights=None) -> tuple[jax.Array, jax.Array]:
+    """([B, R, len(layer_ids), D], [B, R, D]): the outputs of layers `layer_ids` (0-based;
+    Hugging Face's `hidden_states[i + 1]`), for a drafter's context, and the final hidden
+    states. Each layer writes its output into its slot of one buffer in the scan carry (the
+    unselected ones into a spare slot), so only the chosen layers' states are kept."""
+    n = len(layer_ids)
+    slot = [n] * self.cfg.n_layers
+    for i, layer_id in enumerate(layer_ids):
+      slot[layer_id] = i
+
+    def layer(block, carry, slot, kind):
+      x_BRD, pos_BR, meta, feats = carry
+      x_BRD, _ = block(x_BRD, pos_BR, meta, attend, kind)
+      feats = jax.lax.dynamic_update_index_in_dim(feats, x_BRD, slot, axis=2)
+      return (x_BRD, pos_BR, meta, feats), None
+
+    x_BRD = self.embed_tokens(tokens_BR)
+    feats = jnp.zeros((*x_BRD.shape[:2], n + 1, x_BRD.shape[-1]), x_BRD.dtype)
+    (x_BRD, *_, feats), _ = self.scan_layers(
+        layer, (x_BRD, pos_BR, meta, feats), jnp.asarray(slot), remat=self.cfg.remat,
+        layer_weights=layer_weights)
+    return feats[:, :, :n], self.final_norm(x_BRD)
 
   def embed_tokens(self, tokens_BR) -> jax.Array:
     """The first layer's input [B, R, D]: embeddings, times sqrt(d_model) for Gemma (as

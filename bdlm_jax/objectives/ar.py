@@ -10,6 +10,7 @@ from bdlm_jax.objectives.streams import logical_stream
 LOSS_SLOT = "clean"
 NOISY_STREAM = False
 COPIES = 1
+DRAFTER = False
 TOKEN_SHIFT = False  # (the sampler decodes an ar model token by token)
 
 

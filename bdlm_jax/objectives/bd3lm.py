@@ -11,6 +11,7 @@ from bdlm_jax.objectives.streams import logical_stream
 LOSS_SLOT = "noisy"  # logits are computed only for the noisy rows
 NOISY_STREAM = True
 COPIES = 1
+DRAFTER = False
 TOKEN_SHIFT = False
 
 

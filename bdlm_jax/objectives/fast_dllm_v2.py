@@ -38,6 +38,7 @@ from bdlm_jax.objectives.streams import logical_stream
 LOSS_SLOT = "all"  # noisy rows inside blocks, clean rows at the block ends
 NOISY_STREAM = True
 COPIES = 2  # complementary masks
+DRAFTER = False
 TOKEN_SHIFT = True
 
 

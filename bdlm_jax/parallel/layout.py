@@ -1,7 +1,9 @@
 """Static layout plans: which logical rows of `[x_t ; x_0]` each rank of the `seq` axis holds.
 
 A plan is pure data, computed once in NumPy from (L, B, P). Logical row r < L is the noisy
-(corrupted) token at position r; row L + p is the clean token at position p. Every rank
+(corrupted) token at position r; row L + p is the clean token at position p. A drafter
+objective (dflash) has A draft blocks of B rows as its noisy stream instead: rows r < A*B,
+then the clean context A*B + p (`noisy_len`). Every rank
 holds the same number of rows: first its *noisy slot* (`n_noisy` rows), then its *clean
 slot*; -1 marks a padding row. `travel` says which local K/V must visit other ranks:
 
@@ -30,6 +32,23 @@ class LayoutPlan:
   rows: np.ndarray  # int32 [P, rows_per_rank]: logical row index, PAD for padding
   n_noisy: int
   travel: str
+  draft_blocks: int = 0  # A: the noisy stream is A draft blocks (dflash); 0: the sequence's own
+
+  @property
+  def noisy_len(self) -> int:
+    """Logical noisy rows; the clean row of position p is `noisy_len + p`."""
+    return self.draft_blocks * self.block_size if self.draft_blocks else self.seq_len
+
+  def block_starts(self) -> np.ndarray:
+    """int64 [noisy blocks]: the clean context each noisy block sees, as its first position.
+
+    A draft block's anchor depends on the data; here the j-th of A sorted anchors sits at its
+    expected place, (j + 1) * L / (A + 1) (uniform anchors), so static costs can use it.
+    """
+    if self.draft_blocks:
+      j = np.arange(self.draft_blocks)
+      return np.round((j + 1) * self.seq_len / (self.draft_blocks + 1)).astype(np.int64)
+    return np.arange(self.seq_len // self.block_size, dtype=np.int64) * self.block_size
 
   @property
   def num_ranks(self) -> int:
@@ -51,17 +70,23 @@ class LayoutPlan:
 
     A noisy query in block b sees its own block and b earlier clean blocks: B*(b+1) keys;
     a clean query in block b sees blocks 0..b: B*(b+1) keys too. A window keeps a noisy
-    query's W-1 clean keys before bB, and a clean query's keys from p - (W-1) on.
+    query's W-1 clean keys before bB, and a clean query's keys from p - (W-1) on. A draft
+    query sees its block and the context before its anchor (`block_starts`); the context
+    rows are keys only.
     """
-    L, B = self.seq_len, self.block_size
+    B, n = self.block_size, self.noisy_len
     valid = self.rows != PAD
-    pos = self.rows % L
-    start = pos // B * B
+    noisy = self.rows < n
+    pos = np.where(noisy, self.rows, self.rows - n)
+    start = np.where(noisy, self.block_starts()[np.where(noisy, self.rows, 0) // B],
+                     pos // B * B)
     if window is None:
       keys = start + B
     else:
-      keys = np.where(self.rows < L, B + np.minimum(window - 1, start),
+      keys = np.where(noisy, B + np.minimum(window - 1, start),
                       start + B - np.maximum(0, pos - (window - 1)))
+    if self.draft_blocks:
+      keys = np.where(noisy, keys, 0)
     return np.where(valid, keys, 0).sum(axis=1).astype(np.int64)
 
   @functools.cached_property
@@ -73,6 +98,18 @@ class LayoutPlan:
     first = np.zeros(flat.shape, bool)
     first[np.unique(flat, return_index=True)[1]] = True
     return first
+
+  @functools.cached_property
+  def context_rows(self) -> np.ndarray:
+    """int32 [L]: where each position's clean row is among every rank's clean slot, laid end
+    to end (its first copy where `bp` replicates it): how a row fetches another position's
+    clean state."""
+    clean = self.rows[:, self.n_noisy:].reshape(-1) - self.noisy_len
+    out = np.zeros(self.seq_len, np.int32)
+    first = np.unique(np.where(clean >= 0, clean, self.seq_len), return_index=True)
+    keep = first[0] < self.seq_len
+    out[first[0][keep]] = first[1][keep]
+    return out
 
   def valid_rows(self) -> np.ndarray:
     """int64 [P]: non-padding rows held by each rank (what activation memory scales with)."""
@@ -144,11 +181,14 @@ def _block_rows(blocks: list[int], block_size: int) -> np.ndarray:
 
 
 def make_plan(strategy: str, seq_len: int, block_size: int, num_ranks: int,
-              noisy_stream: bool = True) -> LayoutPlan:
+              noisy_stream: bool = True, draft_blocks: int = 0) -> LayoutPlan:
   """The layout of `strategy` for one sequence of `seq_len` tokens on `num_ranks` ranks.
 
   `noisy_stream=False` is the autoregressive case: only the clean stream exists.
+  `draft_blocks` A > 0 is a drafter's: A draft blocks ahead of the clean context.
   """
+  if draft_blocks:
+    return _draft_plan(strategy, seq_len, block_size, num_ranks, draft_blocks)
   L, B, P = seq_len, block_size, num_ranks
   plan = lambda rows, n_noisy, travel: LayoutPlan(strategy, L, B, np.asarray(rows, np.int32),
                                                   n_noisy, travel)
@@ -185,6 +225,39 @@ def make_plan(strategy: str, seq_len: int, block_size: int, num_ranks: int,
     raise ConfigError(f"unknown parallel.strategy {strategy!r}")
   noisy_slot, clean_slot = _pad_rows(noisy), _pad_rows(clean)
   return plan(np.concatenate([noisy_slot, clean_slot], axis=1), n_noisy, travel)
+
+
+def _draft_plan(strategy: str, L: int, B: int, P: int, A: int) -> LayoutPlan:
+  """A drafter's layout (DESIGN.md section 10): A draft blocks (rows [0, A*B), sorted by
+  anchor, so block j's context width grows with j) and the clean context (rows A*B + p).
+
+  none: everything on one rank. cp_*: each stream zigzagged by rows, everything travels.
+  bp: draft blocks owned by ranks (dual-end pairs, as BD3-LM's blocks), the whole context
+  replicated (a block's anchor, hence its prefix, is only known with the data). csbp_*: the
+  same draft blocks, the context zigzagged; only the context travels.
+  """
+  n = A * B
+  plan = lambda rows, n_noisy, travel: LayoutPlan(strategy, L, B, np.asarray(rows, np.int32),
+                                                  n_noisy, travel, draft_blocks=A)
+  if strategy == "none":
+    if P != 1:
+      raise ConfigError("strategy 'none' runs on one seq rank; set parallel.seq=1")
+    return plan(np.arange(n + L)[None], n, "none")
+  if strategy in ("cp_ring", "cp_allgather", "cp_ring_balanced"):
+    if n % (2 * P):
+      raise ConfigError(f"{strategy} zigzags the objective.max_anchors*objective.block_size="
+                        f"{n} draft rows over 2*parallel.seq={2 * P} chunks: they must divide")
+    return plan(np.concatenate([zigzag(n, P), zigzag(L, P, offset=n)], axis=1), n // P, "all")
+  if strategy not in ("bp", "csbp_ring", "csbp_allgather"):
+    raise ConfigError(f"unknown parallel.strategy {strategy!r}")
+  if A < P:
+    raise ConfigError(f"objective.max_anchors={A} draft blocks cannot be split over "
+                      f"parallel.seq={P} ranks: every rank needs one")
+  noisy = _pad_rows([_block_rows(blocks, B) for blocks in assign_blocks(A, P)])
+  clean = (np.tile(n + np.arange(L), (P, 1)) if strategy == "bp"
+           else zigzag(L, P, offset=n))
+  return plan(np.concatenate([noisy, clean], axis=1), noisy.shape[1],
+              "none" if strategy == "bp" else "clean")
 
 
 def apply_layout(plan: LayoutPlan, logical: dict[str, np.ndarray],

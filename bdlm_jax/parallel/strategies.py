@@ -32,8 +32,8 @@ TRANSPORTS = {"none": "local", "bp": "local", "cp_ring": "ring", "cp_ring_balanc
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_plan(strategy, seq_len, block_size, num_ranks, noisy_stream):
-  return make_plan(strategy, seq_len, block_size, num_ranks, noisy_stream)
+def _cached_plan(strategy, seq_len, block_size, num_ranks, noisy_stream, draft_blocks):
+  return make_plan(strategy, seq_len, block_size, num_ranks, noisy_stream, draft_blocks)
 
 
 def plan_for(cfg: Config) -> LayoutPlan:
@@ -41,18 +41,21 @@ def plan_for(cfg: Config) -> LayoutPlan:
   if cfg.parallel.strategy not in TRANSPORTS:
     raise ConfigError(f"unknown parallel.strategy {cfg.parallel.strategy!r}; "
                       f"valid: {sorted(TRANSPORTS)}")
-  noisy = get_objective(cfg.objective.name).NOISY_STREAM
+  objective = get_objective(cfg.objective.name)
+  noisy = objective.NOISY_STREAM
   block = cfg.objective.block_size if noisy else 1
-  return _cached_plan(cfg.parallel.strategy, cfg.data.seq_len, block, cfg.parallel.seq, noisy)
+  drafts = cfg.objective.max_anchors if objective.DRAFTER else 0
+  return _cached_plan(cfg.parallel.strategy, cfg.data.seq_len, block, cfg.parallel.seq, noisy,
+                      drafts)
 
 
-def _local_attend(plan: LayoutPlan, transport: str, kernel, chunk: int, num_ranks: int,
+def _local_attend(split: int, transport: str, kernel, chunk: int, num_ranks: int,
                   grad_dtype):
-  """Attention over one rank's rows; runs inside shard_map (or alone on one device)."""
+  """Attention over one rank's rows, whose K/V from row `split` on travel; runs inside
+  shard_map (or alone on one device)."""
   attend = functools.partial(kernel.attend, chunk=chunk)
   if transport == "local":
     return attend
-  split = plan.n_stay
   if transport == "ring":
     move = functools.partial(ring_attend, kernel, "seq", num_ranks, chunk, grad_dtype)
   else:
@@ -91,36 +94,69 @@ def _windowed_attend(plan: LayoutPlan, global_body, kernel, chunk: int, window: 
   return functools.partial(with_windows(global_body, plan.block_size), window=window)
 
 
-def make_attend(cfg: Config, mesh=None):
+def make_attend(cfg: Config, mesh=None, rows: str = "all"):
   """`attend(q, k, v, q_meta, k_meta, window=None) -> (out, lse)` over layout-ordered,
-  row-sharded arrays; `window` W makes it a local layer's sliding-window attention."""
+  row-sharded arrays; `window` W makes it a local layer's sliding-window attention.
+
+  `rows` names the rows of each rank that take part: "all" of them, or a drafter's (dflash)
+  "clean" slot, where its frozen target runs causally over the context (the context travels
+  where the strategy moves anything), or "draft", see `_draft_attend`.
+  """
   plan = plan_for(cfg)
   kernel = get_kernel(cfg.model.attention_impl)
   transport = TRANSPORTS[cfg.parallel.strategy]
+  if rows == "clean" and plan.travel == "none":
+    transport = "local"  # bp replicates the context on every rank
+  split = 0 if rows == "clean" else plan.n_stay
   chunk = cfg.model.attention_chunk
-  global_body = _local_attend(plan, transport, kernel, chunk, plan.num_ranks,
+  global_body = _local_attend(split, transport, kernel, chunk, plan.num_ranks,
                               jnp.dtype(cfg.parallel.kv_grad_dtype))
   if mesh is None and plan.num_ranks != 1:
     raise ConfigError(f"strategy {cfg.parallel.strategy!r} with parallel.seq="
                       f"{cfg.parallel.seq} needs a mesh: pass mesh=make_mesh(cfg)")
-
-  def wrap(body):
-    if mesh is None:
-      return body
-    rows = P(BATCH_AXES, "seq")
-    heads = P(BATCH_AXES, "seq", None, None)
-    meta = RowMeta(*[rows] * len(RowMeta._fields))
-    # pallas_call outputs carry no varying-axes type, so shard_map cannot check them.
-    return jax.shard_map(body, mesh=mesh, in_specs=(heads, heads, heads, meta, meta),
-                         out_specs=(heads, P(BATCH_AXES, "seq", None)),
-                         check_vma=cfg.model.attention_impl != "pallas")
-
-  bodies = {None: wrap(global_body)}
+  if rows == "draft":
+    return _draft_attend(cfg, mesh, global_body)
+  bodies = {None: _sharded(cfg, mesh, global_body, n_kv=1)}
 
   def attend(q, k, v, q_meta, k_meta, window=None):
     if window not in bodies:
-      bodies[window] = wrap(_windowed_attend(plan, global_body, kernel, chunk, window))
+      bodies[window] = _sharded(cfg, mesh, _windowed_attend(plan, global_body, kernel, chunk,
+                                                            window), n_kv=1)
     with jax.named_scope(ATTENTION_SCOPE):
       return bodies[window](q, k, v, q_meta, k_meta)
+
+  return attend
+
+
+def _sharded(cfg: Config, mesh, body, n_kv: int):
+  """`body` run per device over `mesh`'s row shards: queries, then `n_kv` groups of
+  (k, v, meta) rows after the queries' (q, k, v, q_meta, k_meta)."""
+  if mesh is None:
+    return body
+  rows = P(BATCH_AXES, "seq")
+  heads = P(BATCH_AXES, "seq", None, None)
+  meta = RowMeta(*[rows] * len(RowMeta._fields))
+  extra = (heads, heads, meta) * (n_kv - 1)
+  # pallas_call outputs carry no varying-axes type, so shard_map cannot check them.
+  return jax.shard_map(body, mesh=mesh, in_specs=(heads, heads, heads, meta, meta, *extra),
+                       out_specs=(heads, P(BATCH_AXES, "seq", None)),
+                       check_vma=cfg.model.attention_impl != "pallas")
+
+
+def _draft_attend(cfg: Config, mesh, global_body):
+  """`attend(q, k, v, q_meta, k_meta, k_ctx, v_ctx, ctx_meta) -> (out, lse)` of a drafter's
+  layer: queries are each rank's draft rows (its noisy slot), keys its draft rows and the
+  context rows (its clean slot) given apart, as the drafter computes them. Each rank joins
+  them into its layout's rows, so the strategy's transport moves what it always moves:
+  nothing (none, bp), the context (csbp), or both (cp)."""
+  def body(q, k, v, q_meta, k_meta, k_ctx, v_ctx, ctx_meta):
+    join = lambda a, b: jnp.concatenate([a, b], axis=1)
+    return global_body(q, join(k, k_ctx), join(v, v_ctx), q_meta, k_meta.concat(ctx_meta))
+
+  sharded = _sharded(cfg, mesh, body, n_kv=2)
+
+  def attend(*args):
+    with jax.named_scope(ATTENTION_SCOPE):
+      return sharded(*args)
 
   return attend

@@ -9,7 +9,7 @@ import pytest
 from bdlm_jax.config import OBJECTIVES, ObjectiveConfig
 from bdlm_jax.objectives import get_objective
 
-PROTOCOL = ("LOSS_SLOT", "NOISY_STREAM", "COPIES", "TOKEN_SHIFT", "logical_rows", "corrupt",
+PROTOCOL = ("LOSS_SLOT", "NOISY_STREAM", "COPIES", "TOKEN_SHIFT", "DRAFTER", "logical_rows", "corrupt",
             "score", "evaluated")
 
 

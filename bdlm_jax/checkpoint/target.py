@@ -1,0 +1,44 @@
+"""A drafter's frozen target (objective=dflash): the weights `drafter.target` names, a Hugging
+Face folder or a workdir of ours, checked against `model.*` before anything compiles."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from bdlm_jax.checkpoint.hf_import import params_from_hf
+from bdlm_jax.checkpoint.hf_names import shape_fields
+from bdlm_jax.checkpoint.manager import Checkpointer, restore_state
+from bdlm_jax.config import Config, ConfigError, replace
+
+
+def load_target(cfg: Config, mesh) -> dict:
+  """Params of the target (a `Transformer` of `cfg.model`), placed on `mesh`."""
+  path = cfg.drafter.target
+  if not path:
+    raise ConfigError("objective=dflash trains a drafter for a frozen target: set "
+                      "drafter.target to a Hugging Face folder or a workdir of ours")
+  if not os.path.isdir(path):
+    raise ConfigError(f"drafter.target={path!r} does not exist")
+  if any(f.endswith(".safetensors") for f in os.listdir(path)):
+    return params_from_hf(replace(cfg, init_from=path), mesh)
+  return _from_workdir(cfg, path, mesh)
+
+
+def _from_workdir(cfg: Config, workdir: str, mesh) -> dict:
+  """The params of the latest checkpoint of one of our runs, restored with the config it was
+  saved with (only the mesh is ours)."""
+  with Checkpointer(workdir, cfg, save_every=1, max_to_keep=1, async_save=False) as ckpt:
+    step = ckpt.latest_step()
+    if step is None:
+      raise ConfigError(f"drafter.target={workdir!r} holds neither *.safetensors (a Hugging "
+                        f"Face folder) nor a checkpoint of ours")
+    saved = ckpt.saved_config(step)
+  # Not validated: only the params' shapes and shardings matter here, and the target's own
+  # objective may not run under the drafter's strategy.
+  target = Config.from_dict(dict(saved, parallel=dataclasses.asdict(cfg.parallel)))
+  was, now = shape_fields(target.model), shape_fields(cfg.model)
+  wrong = [f"{k} (target {was[k]!r}, config {now.get(k)!r})" for k in was if was[k] != now.get(k)]
+  if wrong:
+    raise ConfigError(f"drafter.target={workdir} does not fit model.*: {'; '.join(wrong)}")
+  return restore_state(target, workdir, mesh)[1].params

@@ -1,0 +1,64 @@
+"""A DFlash drafter (DESIGN.md section 10) beside its frozen target, with no parallelism inside.
+
+The drafter is a few Qwen3-style layers over *draft rows* (blocks `[x_a, MASK ...]`). Its
+context is the target's hidden states at a few layers, concatenated per position, projected
+by `fc` and normed once; every drafter layer projects that same context with its own k/v
+projections, so context rows are keys only and never pass through a layer. The target's
+embedding and LM head are the drafter's too, and stay frozen with the rest of the target.
+
+Attention is the caller's, `attend(q, k, v, q_meta, k_meta, k_ctx, v_ctx, ctx_meta)`: the
+draft rows' queries against their own keys and the context's, given apart.
+"""
+
+import jax
+from flax import nnx
+
+from bdlm_jax.config import ModelConfig
+from bdlm_jax.kernels.mask import RowMeta
+from bdlm_jax.models.transformer import AttendFn, LayerStack, RMSNorm, Transformer, _linear
+
+FROZEN = "target"  # the params subtree that gets no gradient and no optimiser state
+
+
+class Drafter(LayerStack):
+  def __init__(self, cfg: ModelConfig, n_features: int, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.fc = _linear(n_features * cfg.d_model, cfg.d_model, cfg, rngs)
+    self.hidden_norm = RMSNorm(cfg.d_model, cfg.norm_eps, jax.numpy.dtype(cfg.param_dtype))
+    self.build_layers(cfg, rngs)
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, jax.numpy.dtype(cfg.param_dtype))
+
+  def __call__(self, x_BQD, pos_BQ, meta: RowMeta, feats_BCKD, ctx_pos_BC, ctx_meta: RowMeta,
+               attend: AttendFn, layer_weights=None) -> jax.Array:
+    """Final hidden states [B, Q, D] of the draft rows, from their embedded inputs `x_BQD`
+    and the target's features [B, C, K, D] at the context rows."""
+    b, c = feats_BCKD.shape[:2]
+    ctx_BCD = self.hidden_norm(self.fc(feats_BCKD.reshape(b, c, -1)))
+
+    def layer(block, carry, kind):
+      # The context and the metadata ride in the carry, unchanged (see Transformer.forward).
+      x_BQD, ctx_BCD, pos_BQ, ctx_pos_BC, meta, ctx_meta = carry
+      q, k, v = block.project(x_BQD, pos_BQ, kind)
+      k_ctx, v_ctx = block.attn.kv(ctx_BCD, ctx_pos_BC, kind)
+      out_BQHD, _ = attend(q, k, v, meta, meta, k_ctx, v_ctx, ctx_meta)
+      x_BQD, _ = block.finish(x_BQD, out_BQHD)
+      return (x_BQD, ctx_BCD, pos_BQ, ctx_pos_BC, meta, ctx_meta), None
+
+    carry = (x_BQD, ctx_BCD, pos_BQ, ctx_pos_BC, meta, ctx_meta)
+    (x_BQD, *_), _ = self.scan_layers(layer, carry, remat=self.cfg.remat,
+                                      layer_weights=layer_weights)
+    return self.final_norm(x_BQD)
+
+
+class DFlash(nnx.Module):
+  """The frozen target (a `Transformer`, params `target`) and its drafter (`drafter`)."""
+
+  def __init__(self, target: ModelConfig, drafter: ModelConfig, n_features: int,
+               rngs: nnx.Rngs):
+    self.target = Transformer(target, rngs)
+    self.drafter = Drafter(drafter, n_features, rngs)
+
+  @property
+  def head(self) -> nnx.Module:
+    """The drafter's logits are the target's LM head's."""
+    return self.target.head

@@ -1,0 +1,119 @@
+"""DFlash drafter training (DESIGN.md section 10): anchors, `[x_a, MASK ...]` draft blocks,
+position-decayed cross-entropy.
+
+The logical rows are `[draft ; context]`: `max_anchors` A draft blocks of B rows, then the L
+clean context rows, whose tokens feed the frozen target (its hidden states become the
+drafter's context). The section-2 mask expresses the drafter's with row metadata alone:
+* context row p: CLEAN, block p (blocks of one position, as `ar`): keys only;
+* draft row k of anchor a: NOISY, block a, position a + k. A noisy query sees noisy keys of
+  its own block (its draft block, bidirectionally) and clean keys of strictly earlier
+  blocks, i.e. the context positions before a, within its document (segment ids).
+Anchors are positions a where a and a + 1 are supervised tokens (not padding, not protected)
+of one document; slot k >= 1 predicts x_{a+k} (when it is a supervised token of a's
+document) with weight exp(-(k-1)/gamma); slot 0 is not scored.
+
+Anchors are drawn on the host, in logical coordinates, sorted by position, from a generator
+seeded by the batch's own tokens: every layout and every process draws the same ones, and a
+batch always gets the same anchors. Sorted anchors make draft block j's context grow with
+j, which is what the layouts balance (dual-end pairs, as BD3-LM's blocks).
+"""
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bdlm_jax.config import ObjectiveConfig
+from bdlm_jax.kernels.mask import CLEAN, NOISY
+from bdlm_jax.objectives.bd3lm import token_nll
+
+LOSS_SLOT = "noisy"  # the draft rows
+NOISY_STREAM = True
+COPIES = 1
+TOKEN_SHIFT = False
+DRAFTER = True  # a drafter over a frozen target (models/drafter.py)
+
+
+def evaluated(cfg: ObjectiveConfig, t_min: float) -> dict:
+  del cfg, t_min
+  return {}
+
+
+def anchor_candidates(seg_SL, protected_SL) -> np.ndarray:
+  """bool [S, L]: a and a+1 are supervised tokens of one document."""
+  sup = (seg_SL > 0) & ~protected_SL
+  ok = np.zeros(seg_SL.shape, bool)
+  ok[:, :-1] = sup[:, :-1] & sup[:, 1:] & (seg_SL[:, :-1] == seg_SL[:, 1:])
+  return ok
+
+
+def pick_anchors(ok_SL, max_anchors: int, sampling: str, seed: int) -> list[np.ndarray]:
+  """Sorted anchor positions per sequence: up to `max_anchors` of the candidates, drawn
+  uniformly without replacement or strided (evenly spread over the candidates)."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for ok in ok_SL:
+    cand = np.flatnonzero(ok)
+    n = min(max_anchors, len(cand))
+    if sampling == "uniform":
+      idx = np.sort(rng.choice(len(cand), n, replace=False))
+    else:
+      idx = ((np.arange(n) + 0.5) * len(cand) / max(n, 1)).astype(np.int64)
+    out.append(cand[idx])
+  return out
+
+
+def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
+  s, l = tokens_SL.shape
+  a_count, b = cfg.max_anchors, cfg.block_size
+  seed = zlib.crc32(np.ascontiguousarray(tokens_SL).tobytes()
+                    + np.ascontiguousarray(seg_SL).tobytes())
+  anchors = pick_anchors(anchor_candidates(seg_SL, protected_SL), a_count, cfg.anchors, seed)
+  valid_SA = np.zeros((s, a_count), bool)
+  anchor_SA = np.zeros((s, a_count), np.int64)
+  for i, a in enumerate(anchors):
+    valid_SA[i, :len(a)], anchor_SA[i, :len(a)] = True, a
+  k_B = np.arange(b)
+  pos_SAB = anchor_SA[..., None] + k_B  # may run past L - 1 (RoPE only); never read there
+  inside = (pos_SAB < l) & valid_SA[..., None]
+  at = np.minimum(pos_SAB, l - 1)
+  take = lambda x: np.take_along_axis(x, at.reshape(s, -1), 1).reshape(at.shape)
+  seg_a = np.take_along_axis(seg_SL, anchor_SA, 1)[..., None]
+  same_doc = inside & (take(seg_SL) == seg_a)
+  scored = same_doc & (k_B >= 1) & ~take(protected_SL)
+  draft = dict(
+      tokens=np.where(same_doc, take(tokens_SL), 0), labels=np.where(scored, take(tokens_SL), -1),
+      maskable=valid_SA[..., None] & (k_B >= 1), pos=pos_SAB,
+      block=anchor_SA[..., None],
+      seg=np.where(valid_SA[..., None], seg_a, 0), stream=np.full(pos_SAB.shape, NOISY))
+  pos_SL = np.broadcast_to(np.arange(l), (s, l))
+  context = dict(tokens=tokens_SL, labels=np.full((s, l), -1), maskable=np.zeros((s, l), bool),
+                 pos=pos_SL, block=pos_SL, seg=seg_SL, stream=np.full((s, l), CLEAN))
+  dtypes = dict(maskable=bool)
+  flat = lambda x: np.broadcast_to(x, pos_SAB.shape).reshape(s, -1)
+  return {name: np.concatenate([flat(draft[name]), context[name]], 1).astype(
+      dtypes.get(name, np.int32)) for name in draft}
+
+
+def corrupt(key, batch, seq_len: int, cfg: ObjectiveConfig):
+  """Nothing random: every draft slot but the anchor is [MASK]; slot k = pos - block of a
+  scored row has weight exp(-(k-1)/gamma)."""
+  del key, seq_len
+  inputs = jnp.where(batch.maskable, cfg.mask_token_id, batch.tokens)
+  slot = (batch.pos - batch.block).astype(jnp.float32)
+  return batch, inputs, batch.labels >= 0, jnp.exp(-(slot - 1.0) / cfg.gamma)
+
+
+def score(logits_SNV, labels_SN, scored_SN, weight_SN, teacher_SNV=None, *, cfg=None):
+  """Summed weighted loss of the scored draft slots: cross-entropy to the data's tokens, or,
+  given the target's logits at the same slots (`objective.draft_loss=kl`), the KL divergence
+  KL(target || drafter) of the two next-token distributions."""
+  del cfg
+  if teacher_SNV is None:
+    per_row = token_nll(logits_SNV, labels_SN)
+  else:
+    target = jax.nn.log_softmax(teacher_SNV, axis=-1)
+    drafter = jax.nn.log_softmax(logits_SNV, axis=-1)
+    per_row = jnp.sum(jnp.exp(target) * (target - drafter), axis=-1)
+  return jnp.sum(jnp.where(scored_SN, weight_SN * per_row, 0.0))

@@ -1,0 +1,100 @@
+"""Acceptance length tau of a DFlash drafter on held-out text (DESIGN.md section 10), trained
+vs untrained, for the same frozen target.
+
+  python experiments/dflash_tau.py --config configs/dflash_tiny.py [--workdir runs/dflash_tiny]
+
+For each held-out sequence, the anchors training would draw; at anchor a the drafter proposes
+slots 1..B-1 of its block `[x_a, MASK ...]` in one forward (greedy), and the target decodes
+B-1 tokens greedily from the document's prefix x_{<=a}. tau = 1 + the leading proposals equal
+to the target's tokens (what speculative decoding with greedy verification accepts, plus the
+target's own token), averaged over anchors; its ceiling is B. The untrained drafter is the
+run's initialisation (same seed), next to the same target.
+"""
+
+import argparse
+import os
+import sys
+
+import jax
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bdlm_jax import ar_logits, draft_logits, init_params, load_config, make_mesh  # noqa: E402
+from bdlm_jax.checkpoint import restore_state  # noqa: E402
+from bdlm_jax.checkpoint.target import load_target  # noqa: E402
+from bdlm_jax.data import make_dataset  # noqa: E402
+from bdlm_jax.loop import default_workdir  # noqa: E402
+from bdlm_jax.models.drafter import FROZEN  # noqa: E402
+from bdlm_jax.parallel.mesh import to_host  # noqa: E402
+
+
+def target_continuations(target, cfg, tokens_SL, seg_SL, anchors, steps: int) -> np.ndarray:
+  """int [n, steps]: the target's greedy tokens after each (sequence, anchor a) of
+  `anchors`, from its document's prefix x_{<=a} (placed at position 0: RoPE is relative)."""
+  prefixes = []
+  for s, a in anchors:
+    doc = np.flatnonzero(seg_SL[s, :a + 1] == seg_SL[s, a])
+    prefixes.append(tokens_SL[s, doc[0]:a + 1])
+  lengths = np.asarray([len(p) for p in prefixes])
+  width = -(-(lengths.max() + steps) // 16) * 16  # a few shapes, few compiles
+  buf = np.zeros((len(prefixes), width), np.int32)
+  for i, p in enumerate(prefixes):
+    buf[i, :len(p)] = p
+  out = np.zeros((len(prefixes), steps), np.int64)
+  rows = np.arange(len(prefixes))
+  for k in range(steps):
+    logits = np.asarray(ar_logits(target, cfg, buf))
+    out[:, k] = logits[rows, lengths + k - 1].argmax(-1)
+    buf[rows, lengths + k] = out[:, k]
+  return out
+
+
+def acceptance(params, cfg, batches) -> tuple[float, int]:
+  """(mean tau, anchors scored) of `params` (a drafter and its target) over `batches`."""
+  taus = []
+  b = cfg.objective.block_size
+  for raw in batches:
+    tokens, seg = raw["tokens"], raw["segment_ids"]
+    logits, rows = draft_logits(params, cfg, tokens, seg, raw.get("protected"))
+    a_count = cfg.objective.max_anchors
+    block = np.asarray(rows.block)[:, :a_count * b].reshape(len(tokens), a_count, b)[..., 0]
+    valid = np.asarray(rows.seg)[:, :a_count * b].reshape(len(tokens), a_count, b)[..., 0] > 0
+    anchors = [(s, int(block[s, j])) for s, j in zip(*np.nonzero(valid))]
+    proposed = np.asarray(logits).argmax(-1)[valid][:, 1:]  # slots 1..B-1
+    wanted = target_continuations(params[FROZEN], cfg, tokens, seg, anchors, b - 1)
+    leading = np.cumprod(proposed == wanted, axis=1).sum(axis=1)
+    taus.extend(1 + leading)
+  return float(np.mean(taus)), len(taus)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--config", required=True)
+  parser.add_argument("--workdir", default=None, help="the drafter's run (default runs/<config>)")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+  parser.add_argument("--batches", type=int, default=2, help="held-out batches")
+  args = parser.parse_args(argv)
+  cfg = load_config(args.config, args.set + ["parallel.strategy=none", "parallel.seq=1",
+                                             "parallel.data=1", "parallel.fsdp=1"])
+  workdir = args.workdir or default_workdir(args.config)
+  mesh = make_mesh(cfg)
+  step, state = restore_state(cfg, workdir, mesh)
+  trained = jax.tree.map(to_host, state.params)
+  untrained = dict(jax.tree.map(to_host, init_params(cfg, jax.random.split(
+      jax.random.key(cfg.seed))[0])), **{FROZEN: jax.tree.map(to_host, load_target(cfg, mesh))})
+  data = make_dataset(cfg.data, batch_size=cfg.train.batch_size, seed=cfg.seed,
+                      vocab_size=cfg.model.vocab_size, block_size=cfg.objective.block_size,
+                      mask_token_id=cfg.objective.reserved_mask_id, split="eval")
+  batches = [next(data) for _ in range(args.batches)]
+  print(f"target {cfg.drafter.target}; drafter {workdir} step {step}; B = "
+        f"{cfg.objective.block_size} (tau <= {cfg.objective.block_size})")
+  print("| drafter | tau | anchors |\n|---|---|---|")
+  for name, params in (("untrained (init)", untrained), (f"trained (step {step})", trained)):
+    tau, n = acceptance(params, cfg, batches)
+    print(f"| {name} | {tau:.3f} | {n} |")
+
+
+if __name__ == "__main__":
+  main()
