@@ -15,5 +15,6 @@ from bdlm_jax.sample import sample
 from bdlm_jax.train import TrainState, abstract_state, init_state, make_train_step
 
 __all__ = ["Batch", "Config", "ConfigError", "TrainState", "abstract_batch", "abstract_state",
-           "ar_logits", "draft_logits", "export_hf", "import_hf", "init_params", "init_state", "load_config",
-           "loss_fn", "make_batch", "make_mesh", "make_train_step", "override", "sample"]
+           "ar_logits", "draft_logits", "export_hf", "import_hf", "init_params", "init_state",
+           "load_config", "loss_fn", "make_batch", "make_mesh", "make_train_step", "override",
+           "sample"]

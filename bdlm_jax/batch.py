@@ -9,8 +9,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from bdlm_jax.config import Config, ConfigError
-from bdlm_jax.kernels.mask import RowMeta, row_meta
+from bdlm_jax.config import Config, ConfigError, target_layer_ids
+from bdlm_jax.kernels.mask import CLEAN, RowMeta, row_meta
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.objectives.streams import PAD_VALUES
 from bdlm_jax.parallel.layout import apply_layout
@@ -19,7 +19,7 @@ from bdlm_jax.parallel.strategies import plan_for
 
 
 class Batch(NamedTuple):
-  """Each field [S, R], R = seq ranks * rows per rank, in layout order."""
+  """Each field [S, R, ...], R = seq ranks * rows per rank, in layout order."""
 
   tokens: np.ndarray  # int32 clean token x_0 of the row's position
   labels: np.ndarray  # int32 target of the row's logit, -1 if none
@@ -28,6 +28,9 @@ class Batch(NamedTuple):
   block: np.ndarray  # int32
   seg: np.ndarray  # int32 document id, 0 = padding
   stream: np.ndarray  # int32 NOISY / CLEAN
+  # [S, R, K, D] precomputed target features (drafter.features), in model.compute_dtype:
+  # a context row holds its position's, other rows zeros. None: the target runs in the step.
+  context: np.ndarray | None = None
 
   @property
   def meta(self) -> RowMeta:
@@ -56,9 +59,10 @@ def check_token_ids(cfg: Config, tokens: np.ndarray, where: str) -> None:
                       f"reserved for [MASK], and appears in {where}")
 
 
-def make_batch(cfg: Config, tokens, segment_ids=None, protected=None) -> Batch:
-  """Logical `tokens` int [S, L] (+ document ids, + True where a token must stay clean)
-  -> a `Batch` in the layout of `cfg.parallel.strategy`."""
+def make_batch(cfg: Config, tokens, segment_ids=None, protected=None, context=None) -> Batch:
+  """Logical `tokens` int [S, L] (+ document ids, + True where a token must stay clean,
+  + a drafter's precomputed target features [S, L, K, D]) -> a `Batch` in the layout of
+  `cfg.parallel.strategy`."""
   tokens = np.asarray(tokens)
   _check_tokens(cfg, tokens)
   seg = np.ones_like(tokens, np.int32) if segment_ids is None else np.asarray(segment_ids)
@@ -70,13 +74,47 @@ def make_batch(cfg: Config, tokens, segment_ids=None, protected=None) -> Batch:
   plan = plan_for(cfg)
   rows = apply_layout(plan, rows, PAD_VALUES)
   rows["labels"] = np.where(plan.first_copies[None], rows["labels"], -1)
-  return Batch(**{f: rows[f] for f in Batch._fields})
+  if context is not None or reads_features(cfg):
+    rows["context"] = _layout_context(cfg, rows, context)
+  return Batch(**{f: rows[f] for f in Batch._fields if f in rows})
+
+
+def reads_features(cfg: Config) -> bool:
+  """Whether the batches carry a drafter's precomputed target features (`drafter.features`)."""
+  return bool(cfg.drafter.features) and get_objective(cfg.objective.name).DRAFTER
+
+
+def _layout_context(cfg: Config, rows: dict, context) -> np.ndarray:
+  """Features [S, L, K, D] -> [S, R, K, D] in layout order: each context (clean) row reads
+  its position's, wherever the layout put it (replicated too, under bp); draft and padding
+  rows get zeros."""
+  want = (*rows["tokens"].shape[:1], cfg.data.seq_len, len(target_layer_ids(cfg)),
+          cfg.model.d_model)
+  if not reads_features(cfg):
+    raise ConfigError(f"make_batch got a context (target features), which only a drafter "
+                      f"objective with drafter.features set reads (objective="
+                      f"{cfg.objective.name!r}, drafter.features={cfg.drafter.features!r})")
+  if context is None or np.shape(context) != want:
+    got = "none" if context is None else np.shape(context)
+    raise ConfigError(f"drafter.features={cfg.drafter.features!r}: make_batch needs the "
+                      f"target's features [S, data.seq_len, target layers, model.d_model] = "
+                      f"{want}, got {got}")
+  is_context = rows["stream"] == CLEAN
+  at = np.where(is_context, rows["pos"], 0)
+  feats = np.take_along_axis(np.asarray(context), at[..., None, None], axis=1)
+  dtype = jax.numpy.dtype(cfg.model.compute_dtype)
+  return np.where(is_context[..., None, None], feats, 0).astype(dtype)
 
 
 def abstract_batch(cfg: Config, mesh) -> Batch:
   """Shapes, dtypes and shardings of the `Batch` that `make_batch` gives for `cfg`'s global
   batch (`train.batch_size` sequences), without data: for compile-only probes."""
   rows = plan_for(cfg).rows.size
-  spec = lambda dtype: jax.ShapeDtypeStruct((cfg.train.batch_size, rows), dtype,
-                                            sharding=row_sharding(mesh))
-  return Batch(*(spec(np.bool_ if f == "maskable" else np.int32) for f in Batch._fields))
+  spec = lambda dtype, *rest: jax.ShapeDtypeStruct((cfg.train.batch_size, rows, *rest), dtype,
+                                                   sharding=row_sharding(mesh))
+  fields = {f: spec(np.bool_ if f == "maskable" else np.int32) for f in Batch._fields
+            if f != "context"}
+  if reads_features(cfg):
+    fields["context"] = spec(jax.numpy.dtype(cfg.model.compute_dtype),
+                             len(target_layer_ids(cfg)), cfg.model.d_model)
+  return Batch(**fields)

@@ -153,6 +153,11 @@ class DrafterConfig:
   # Target layers (0-based) whose output hidden states, concatenated per position, are the
   # drafter's context; empty: `n_layers` of them spread over the target's depth.
   target_layers: str = ""
+  # A folder of precomputed target features (experiments/dflash_features.py), for targets too
+  # large to co-host: the step reads them from the batch and the target's layers are not
+  # loaded (only the embedding, final norm and LM head the drafter shares). Empty: the
+  # target runs inside the step.
+  features: str = ""
 
 
 @dataclasses.dataclass
@@ -602,6 +607,16 @@ def target_layer_ids(cfg: Config) -> tuple[int, ...]:
   return tuple(int(i) for i in np.unique(np.round(np.linspace(lo, hi, cfg.drafter.n_layers))))
 
 
+def target_depth(cfg: Config) -> int:
+  """Target layers a drafter's step runs: up to its last chosen layer, all of them for a KL
+  loss (which reads the target's output), none with precomputed features."""
+  if cfg.drafter.features:
+    return 0
+  if cfg.objective.draft_loss == "kl":
+    return cfg.model.n_layers
+  return max(target_layer_ids(cfg)) + 1
+
+
 def drafter_model(cfg: Config) -> ModelConfig:
   """The drafter's layers as a ModelConfig: Qwen3-style (q/k norm, SwiGLU, global attention),
   the target's width, dtypes and attention settings, `drafter.*` for the rest."""
@@ -633,6 +648,13 @@ def _check_drafter(cfg: Config) -> None:
   if set(layer_types(m)) != {"global"} or m.moe_experts:
     raise ConfigError("objective=dflash takes a dense, all-global target for now "
                       "(model.layer_pattern='global', model.moe_experts=0)")
+  if d.features and o.draft_loss == "kl":
+    raise ConfigError(f"objective.draft_loss='kl' needs the target's final hidden states, "
+                      f"which drafter.features={d.features!r} does not hold; use "
+                      f"draft_loss='ce' or co-host the target (drafter.features='')")
+  if d.features and cfg.train.eval_every:
+    raise ConfigError(f"drafter.features={d.features!r} holds training sequences only: "
+                      f"held-out evaluation needs the target, so set train.eval_every=0")
   dm = drafter_model(cfg)
   if dm.n_heads % dm.n_kv_heads or dm.head_dim % 2:
     raise ConfigError(f"the drafter's heads ({dm.n_heads} query, {dm.n_kv_heads} key/value, "

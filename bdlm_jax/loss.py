@@ -14,7 +14,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from bdlm_jax.batch import make_batch
-from bdlm_jax.config import Config, ConfigError, expert_axes, replace, target_layer_ids
+from bdlm_jax.config import (Config, ConfigError, expert_axes, replace, target_depth,
+                             target_layer_ids)
 from bdlm_jax.models.drafter import FROZEN
 from bdlm_jax.models.moe import router_losses
 from bdlm_jax.models.transformer import STACKS, head_logits
@@ -113,16 +114,23 @@ def _drafter_hidden(cfg: Config, model, plan, batch, inputs, mesh, layer_weights
   loss (`objective.draft_loss=kl`) the target's final hidden states that score them.
 
   The frozen target runs causally over the context rows (each rank's clean slot, where
-  they already are) and hands the drafter its hidden states at the chosen layers. Draft
-  slot k of anchor a is scored against the target's prediction at position a + k - 1,
+  they already are) and hands the drafter its hidden states at the chosen layers; or the
+  batch brings those states, precomputed (`drafter.features`), and the target does not run.
+  Draft slot k of anchor a is scored against the target's prediction at position a + k - 1,
   which is fetched from whichever rank holds it (one gather of the rows, not per layer)."""
   draft = functools.partial(_slot_rows, plan=plan, slot="noisy")
   ctx = functools.partial(_slot_rows, plan=plan, slot="clean")
   draft_meta, ctx_meta = jax.tree.map(draft, batch.meta), jax.tree.map(ctx, batch.meta)
   target = model.target
-  feats, final = target.features(ctx(inputs), ctx(batch.pos), ctx_meta,
-                                 make_attend(cfg, mesh, rows="clean"), target_layer_ids(cfg),
-                                 layer_weights)
+  if batch.context is not None:
+    feats = ctx(batch.context)
+  elif cfg.drafter.features:
+    raise ConfigError(f"drafter.features={cfg.drafter.features!r}: the target has no layers "
+                      f"here, so the batch must bring its features (make_batch(..., context=))")
+  else:
+    feats, final = target.features(ctx(inputs), ctx(batch.pos), ctx_meta,
+                                   make_attend(cfg, mesh, rows="clean"), target_layer_ids(cfg),
+                                   target_depth(cfg), layer_weights)
   hidden = model.drafter(target.embed_tokens(draft(inputs)), draft(batch.pos), draft_meta,
                          feats, ctx(batch.pos), ctx_meta, make_attend(cfg, mesh, rows="draft"),
                          layer_weights)
@@ -147,10 +155,14 @@ def loss_fn(params, batch, key, cfg: Config, mesh=None):
   if objective.DRAFTER:
     params = {**params, FROZEN: jax.lax.stop_gradient(params[FROZEN])}
   # The embedding and head are gathered in param_dtype: the chunked loss accumulates the
-  # head's gradient over many row chunks. Layers are cast to compute_dtype, then gathered.
-  model = merge(cfg, _gathered_once(params, gathered_weights(mesh)))
+  # head's gradient over many row chunks. Layers are cast to compute_dtype, then gathered,
+  # and so is a frozen target's every weight (no gradient to accumulate).
   layer_weights = gathered_weights(mesh, jnp.dtype(cfg.model.compute_dtype),
                                    expert_axes(cfg.parallel))
+  gathered = _gathered_once(params, gathered_weights(mesh))
+  if objective.DRAFTER:
+    gathered[FROZEN] = _gathered_once(params[FROZEN], layer_weights)
+  model = merge(cfg, gathered)
   if mesh is not None:
     batch = jax.lax.with_sharding_constraint(batch, row_sharding(mesh))
   n_valid = jnp.sum(batch.labels >= 0)  # before an objective adds copies of the batch

@@ -1,5 +1,6 @@
 """Per-step metrics: throughput, model-FLOPs utilisation, memory; JSONL + TensorBoard + tqdm."""
 
+import dataclasses
 import json
 import math
 
@@ -8,7 +9,7 @@ import numpy as np
 from etils import epath
 
 from bdlm_jax.config import (Config, ModelConfig, drafter_model, layer_types, mlp_types,
-                             target_layer_ids)
+                             target_depth, target_layer_ids)
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel.layout import make_plan
 
@@ -52,13 +53,16 @@ def model_flops_per_step(cfg: Config) -> float:
 
 
 def _drafter_flops_per_step(cfg: Config) -> float:
-  """The target's causal forward over L rows, then the drafter's forward + backward: its
+  """The target's causal forward over L rows (the layers `target_depth` runs: none with
+  precomputed features), then the drafter's forward + backward: its
   layers over the A*B draft rows, its fc and k/v projections over the L context rows, the
   logits of the draft rows, and the allowed draft-query pairs (anchors at their expected
   places, `LayoutPlan.block_starts`)."""
   m, d, L = cfg.model, drafter_model(cfg), cfg.data.seq_len
   n_feat = len(target_layer_ids(cfg))
-  target = L * _layer_flops_per_row(m) + 4.0 * L * (L + 1) / 2 * m.n_heads * m.head_dim * m.n_layers
+  run = dataclasses.replace(m, n_layers=target_depth(cfg))  # the target layers that run
+  target = (L * _layer_flops_per_row(run)
+            + 4.0 * L * (L + 1) / 2 * m.n_heads * m.head_dim * run.n_layers)
   plan = make_plan("none", L, cfg.objective.block_size, 1, draft_blocks=cfg.objective.max_anchors)
   draft_rows = plan.noisy_len
   ctx_kv = 2 * d.d_model * 2 * d.n_kv_heads * d.head_dim * d.n_layers

@@ -9,17 +9,19 @@ from flax import nnx
 
 from bdlm_jax.config import Config, ModelConfig, drafter_model, expert_axes, target_layer_ids
 from bdlm_jax.models.drafter import FROZEN, DFlash
-from bdlm_jax.models.transformer import Transformer
+from bdlm_jax.models.transformer import STACKS, Transformer
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel.zero3 import zero3_shardings
 
 
 def _model_args(cfg: Config) -> tuple:
   """Hashable, JSON-able arguments of `_build`: the model configs and a drafter's context
-  width (in target layers), or no drafter."""
+  width (in target layers), or no drafter. With precomputed features (`drafter.features`)
+  the target has no layers: only the embedding, final norm and head the drafter shares."""
   if not get_objective(cfg.objective.name).DRAFTER:
     return _json(cfg.model), "", 0
-  return _json(cfg.model), _json(drafter_model(cfg)), len(target_layer_ids(cfg))
+  target = dataclasses.replace(cfg.model, n_layers=0) if cfg.drafter.features else cfg.model
+  return _json(target), _json(drafter_model(cfg)), len(target_layer_ids(cfg))
 
 
 def _json(model: ModelConfig) -> str:
@@ -61,9 +63,24 @@ def transformer_params(model: ModelConfig):
   return nnx.to_pure_dict(_graph(_json(model), "", 0)[1])
 
 
+def shared_weights(target_params: dict) -> dict:
+  """A target's weights that its drafter reads (embedding, final norm, LM head): all but the
+  layer stacks, which precomputed features (`drafter.features`) stand in for."""
+  return {k: v for k, v in target_params.items() if k not in STACKS}
+
+
+def merge_transformer(model: ModelConfig, params) -> Transformer:
+  """The plain `Transformer` of `model` holding `params` (a drafter's target on its own)."""
+  return _merge(_graph(_json(model), "", 0), params)
+
+
 def merge(cfg: Config, params) -> Transformer:
   """The model module holding `params` (a pure dict pytree); cheap, usable under jit."""
-  graphdef, state = _graph_of(cfg)
+  return _merge(_graph_of(cfg), params)
+
+
+def _merge(graph, params) -> nnx.Module:
+  graphdef, state = graph
   state = jax.tree.map(lambda x: x, state)  # a fresh copy: replace_by_pure_dict mutates
   nnx.replace_by_pure_dict(state, params)
   return nnx.merge(graphdef, state)

@@ -28,7 +28,7 @@ def get_config() -> Config:
       data=DataConfig(seq_len=64),
       objective=ObjectiveConfig(name="dflash", block_size=4, max_anchors=8, gamma=4.0,
                                 mask_token_id=259),
-      train=TrainConfig(steps=600, batch_size=32, lr=3e-3, warmup_steps=30, log_every=50,
-                        ckpt_every=300, eval_every=300),
+      train=TrainConfig(steps=1500, batch_size=32, lr=3e-3, warmup_steps=30, log_every=50,
+                        ckpt_every=500, eval_every=500),
       eval=EvalConfig(batches=4, prompts=64),
   )

@@ -1,6 +1,6 @@
 """Analytical step time and peak memory per sequence strategy, projected to the paper's
 settings (16 H200 = 2 nodes x 8, 8B- and 27B-class dense models and a 30B-A3B-class
-mixture of experts, 128K-1M tokens).
+mixture of experts, 128K-1M tokens), and DFlash drafter training on 8 H100 (one node).
 
   python experiments/cost_model.py
   python experiments/cost_model.py --kernel-csv experiments/results/kernel_bench.csv
@@ -38,6 +38,14 @@ A plain model, not a simulator. Per rank and per step:
   (`load_probe`): a measured figure of the same model, kept in preference to the assumption,
   which reads about half the compiled peak for every model scale_probe compiled.
 
+* DFlash drafter training (`dflash_project`, DESIGN.md section 10): a Qwen3-8B target,
+  frozen, runs a causal forward over the L context rows; a 5-layer drafter trains over A
+  draft blocks. The drafter's work comes from its real plans (`make_plan(...,
+  draft_blocks=A)`, `draft_work`), the target's from the context zigzag its rows sit on
+  (`context_work`: context parallel under cp_* and csbp_*, the whole context on every GPU
+  under bp); useful FLOPs equal `model_flops_per_step` of the dflash config. Its own
+  constants (the target, A, 80 GB) are printed in its section.
+
 Every constant is in `Hardware` / `Assumptions` and is printed with the results.
 """
 
@@ -54,7 +62,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
 sys.path.insert(0, ROOT)
 
-from bdlm_jax.config import ModelConfig, layer_types, mlp_types  # noqa: E402
+from bdlm_jax.config import (Config, ModelConfig, drafter_model, layer_types,  # noqa: E402
+                             mlp_types, replace, target_depth, target_layer_ids)
 from bdlm_jax.models.moe import capacity  # noqa: E402
 from bdlm_jax.parallel.hlo_stats import COLLECTIVE_KINDS, wire_bytes  # noqa: E402
 from bdlm_jax.parallel.layout import PAD, LayoutPlan, make_plan  # noqa: E402
@@ -63,7 +72,7 @@ from bdlm_jax.parallel.strategies import TRANSPORTS, exchange_for, window_transp
 
 STRATEGIES = ("cp_allgather", "cp_ring", "cp_ring_balanced", "bp", "csbp_allgather", "csbp_ring")
 BASELINES = ("cp_allgather", "cp_ring", "cp_ring_balanced", "bp")
-TRANSPORT = {s: TRANSPORTS[s] for s in STRATEGIES}
+TRANSPORT = dict(TRANSPORTS)  # every strategy's, `none` too (the dflash projection's)
 GB = 1e9
 
 
@@ -233,7 +242,12 @@ class PlanWork:
 
 
 def plan_work(strategy: str, seq_len: int, block_size: int, num_ranks: int) -> PlanWork:
-  plan = make_plan(strategy, seq_len, block_size, num_ranks)
+  return _work_of(make_plan(strategy, seq_len, block_size, num_ranks))
+
+
+def _work_of(plan: LayoutPlan) -> PlanWork:
+  """`PlanWork` of a [x_t ; x_0] plan, or of an autoregressive one (clean stream only)."""
+  seq_len, block_size = plan.seq_len, plan.block_size
   split = {"all": 0, "clean": plan.n_noisy, "none": plan.rows_per_rank}[plan.travel]
   q = _histograms(plan.rows, seq_len, block_size)
   stay = _histograms(plan.rows[:, :split], seq_len, block_size)
@@ -572,6 +586,263 @@ def calibrate(hw: Hardware, kernel_csv: str | None) -> tuple[Hardware, str]:
           f"fwd+bwd rows on BDLM masks in {kernel_csv}")
 
 
+# ----------------------------------------------------------------------------- dflash
+
+# DFlash drafter training (DESIGN.md section 10) on one node of 8 H100: Qwen3-8B as the frozen
+# target, DFlash's Qwen3-8B drafter (5 layers of the target's width and heads, d_ff 12288,
+# blocks of 16; its context: 5 target layers' outputs -> fc -> RMSNorm).
+DFLASH_TARGET = ModelConfig(vocab_size=151936, d_model=4096, n_layers=36, n_heads=32,
+                            n_kv_heads=8, head_dim=128, d_ff=12288, rope_theta=1e6,
+                            qk_norm=True, tie_embeddings=False, compute_dtype="bfloat16")
+DFLASH_DRAFT_LAYERS = 5
+DFLASH_BLOCK = 16
+DFLASH_SEQ_LENS = (512 * 1024, 1024 * 1024)
+# Anchors per sequence: SpecForge's DFlash recipe for Qwen3-8B draws 512 (at 3K tokens); the
+# same 512 at 512K-1M is one anchor per 1-2K tokens. A = L/64 (a quarter of the rows drafted)
+# is the sensitivity row: the drafter's own share of the step grows with A.
+DFLASH_ANCHORS = (("512 (SpecForge recipe)", lambda seq_len: 512),
+                  ("L/64 (sensitivity)", lambda seq_len: seq_len // 64))
+# `none` here is data parallel: each GPU trains its own sequence (not a sequence strategy, so
+# not a baseline of DESIGN.md section 10; shown for reference).
+DFLASH_STRATEGIES = ("none", "cp_allgather", "cp_ring", "bp", "csbp_allgather", "csbp_ring")
+DFLASH_BASELINES = ("cp_allgather", "cp_ring", "bp")
+DFLASH_CSBP = ("csbp_allgather", "csbp_ring")
+
+
+def h100(hw: Hardware) -> Hardware:
+  """One node of 8 H100 SXM: the H200's compute die (same peak, same achieved GEMM and
+  attention rates, a kernel calibration included) and NVLink 4, 80 GB of HBM, no InfiniBand."""
+  return dataclasses.replace(
+      hw, name="8x H100 SXM 80 GB (one node, NVLink 4: 900 GB/s bidirectional per GPU)",
+      nodes=1, gpus_per_node=8, hbm_gb=80.0)
+
+
+def dflash_config(seq_len: int, anchors: int, target: ModelConfig = DFLASH_TARGET,
+                  draft_layers: int = DFLASH_DRAFT_LAYERS, block_size: int = DFLASH_BLOCK):
+  """The bdlm_jax config of a dflash run: `model` the target, `drafter` its widths' defaults."""
+  return replace(Config(), model=dataclasses.asdict(target), data=dict(seq_len=seq_len),
+                 objective=dict(name="dflash", block_size=block_size, max_anchors=anchors),
+                 drafter=dict(n_layers=draft_layers), train=dict(batch_size=1))
+
+
+def drafter_params(cfg) -> int:
+  """Trainable parameters: the drafter's layers, fc and its two norms (the embedding and LM
+  head are the frozen target's)."""
+  d = drafter_model(cfg)
+  n_feat = len(target_layer_ids(cfg))
+  return param_count(dataclasses.replace(d, vocab_size=0)) + n_feat * d.d_model ** 2 + d.d_model
+
+
+def dflash_useful_flops(cfg) -> float:
+  """Useful FLOPs of one sequence's step, as `model_flops_per_step` counts a dflash config:
+  the target's causal forward over the L context rows (1x), and 3x the drafter's forward: its
+  layers and logits over the A*B draft rows, fc and each layer's context k/v over the L
+  context rows, the draft queries' allowed pairs (anchors at `LayoutPlan.block_starts`)."""
+  m, d, seq_len = cfg.model, drafter_model(cfg), cfg.data.seq_len
+  n_feat = len(target_layer_ids(cfg))
+  plan = make_plan("none", seq_len, cfg.objective.block_size, 1,
+                   draft_blocks=cfg.objective.max_anchors)
+  depth = target_depth(cfg)  # the target layers a step runs
+  target = (seq_len * depth * layer_flops_per_row(m)
+            + 4.0 * seq_len * (seq_len + 1) / 2 * m.n_heads * m.head_dim * depth)
+  ctx_kv = 2 * d.d_model * 2 * d.n_kv_heads * d.head_dim
+  drafter = (plan.noisy_len * (d.n_layers * layer_flops_per_row(d) + 2 * d.d_model * m.vocab_size)
+             + seq_len * (d.n_layers * ctx_kv + 2 * n_feat * m.d_model * d.d_model)
+             + 4.0 * float(plan.attention_work().sum()) * d.n_heads * d.head_dim * d.n_layers)
+  return target + 3 * drafter
+
+
+def draft_work(strategy: str, seq_len: int, block_size: int, num_ranks: int,
+               anchors: int) -> PlanWork:
+  """The drafter's attention per rank: its draft queries (each rank's noisy slot) x the keys
+  their mask allows (own block's draft rows, context before the anchor), split by whose K/V
+  they read, stay or travelling (`plan.travel`). Sums to `attention_work()` per rank."""
+  plan = make_plan(strategy, seq_len, block_size, num_ranks, draft_blocks=anchors)
+  split = {"all": 0, "clean": plan.n_noisy, "none": plan.rows_per_rank}[plan.travel]
+  n, starts = plan.noisy_len, plan.block_starts()
+
+  def keys_A(rows):  # [A]: keys among `rows` that each draft block's queries may read
+    rows = rows[rows != PAD]
+    context = np.sort(rows[rows >= n] - n)
+    return (np.bincount(rows[rows < n] // block_size, minlength=anchors)
+            + np.searchsorted(context, starts))
+
+  queries_PA = np.stack([np.bincount(q[q != PAD] // block_size, minlength=anchors)
+                         for q in plan.rows[:, :plan.n_noisy]]).astype(np.int64)
+  stay_PA = np.stack([keys_A(r[:split]) for r in plan.rows]).astype(np.int64)
+  travel_PA = np.stack([keys_A(r[split:]) for r in plan.rows]).astype(np.int64)
+  return PlanWork(plan, np.einsum("ra,ra->r", queries_PA, stay_PA), queries_PA @ travel_PA.T,
+                  split, plan.rows_per_rank - split)
+
+
+def context_work(strategy: str, seq_len: int, num_ranks: int) -> PlanWork:
+  """The frozen target's causal forward over the context: context parallel on the very zigzag
+  shards the drafter's context rows sit on, with the strategy's transport (every context
+  row's K/V travels) under cp_* and csbp_*; over the whole context on every rank under bp
+  (replicated) and on the one GPU of `none`."""
+  transport = TRANSPORT[strategy]
+  if transport == "local":
+    return _work_of(make_plan("none", seq_len, 1, 1, noisy_stream=False))
+  return _work_of(make_plan(f"cp_{transport}", seq_len, 1, num_ranks, noisy_stream=False))
+
+
+def dflash_works(strategy: str, cfg, num_gpus: int) -> tuple[PlanWork, PlanWork]:
+  """(drafter, target) work of one sequence: over every GPU, or one GPU under `none`."""
+  p = 1 if strategy == "none" else num_gpus
+  o = cfg.objective
+  return (draft_work(strategy, cfg.data.seq_len, o.block_size, p, o.max_anchors),
+          context_work(strategy, cfg.data.seq_len, p))
+
+
+def dflash_step_time(cfg, drafter: PlanWork, target: PlanWork, hw: Hardware,
+                     a: Assumptions) -> dict:
+  """Seconds of one sequence's step on its GPUs, and where they go. The target runs forward
+  only (no remat, no backward, its ring moves K/V one way); the drafter forward + backward
+  under full remat, its context k/v projections inside each (rematerialised) layer, fc once.
+  Every rank runs its context rows (L/P, or L under bp and none) through the target, fc and
+  the drafter's context k/v; its draft rows through the drafter's layers and the LM head."""
+  m, d = cfg.model, drafter_model(cfg)
+  n_feat = len(target_layer_ids(cfg))
+  matmul = hw.matmul_tflops * 1e12
+  ctx_rows = drafter.plan.rows_per_rank - drafter.plan.n_noisy
+  draft_rows = drafter.plan.n_noisy
+  t_attn, _, t_busy = _attention_s(m, target, target.stay_pairs, target.travel_pairs, hw, a)
+  depth = target_depth(cfg)  # the target layers a step runs
+  t_linear = target.plan.rows_per_rank * depth * layer_flops_per_row(m) / matmul
+  fwd, bwd, busy = _attention_s(d, drafter, drafter.stay_pairs, drafter.travel_pairs, hw, a)
+  ctx_kv = 2 * d.d_model * 2 * d.n_kv_heads * d.head_dim
+  d_linear = ((draft_rows * layer_flops_per_row(d) + ctx_rows * ctx_kv) * d.n_layers
+              * (3 + a.remat_forward)
+              + 3 * 2 * (ctx_rows * n_feat * m.d_model * d.d_model
+                         + draft_rows * d.d_model * m.vocab_size)) / matmul
+  parts = dict(target_linear_s=t_linear, target_attention_s=depth * t_attn,
+               target_attention_busy_s=depth * t_busy, drafter_linear_s=d_linear,
+               drafter_attention_s=d.n_layers * (fwd + bwd),
+               drafter_attention_busy_s=d.n_layers * (1 + a.attention_bwd_factor) * busy)
+  total = t_linear + parts["target_attention_s"] + d_linear + parts["drafter_attention_s"]
+  return dict(total_s=total, **parts, comm_bytes_per_step=dflash_comm_bytes(cfg, drafter,
+                                                                            target, a))
+
+
+def dflash_comm_bytes(cfg, drafter: PlanWork, target: PlanWork, a: Assumptions) -> float:
+  """Bytes a GPU sends for attention in one step: the target's context K/V + metadata, P-1
+  times, forward only (ring shifts or the all-gather); the drafter's travelling K/V as its
+  transport moves them forward and backward (`attention_traffic`: draft and context rows
+  under cp_*, context rows under csbp_*, nothing under bp)."""
+  m, d = cfg.model, drafter_model(cfg)
+  p = target.plan.num_ranks
+  target_kv = target.n_travel * (2 * m.n_kv_heads * m.head_dim * a.compute_bytes
+                                 + a.meta_bytes_per_row)
+  kv_row = 2 * d.n_kv_heads * d.head_dim
+  traffic = attention_traffic(drafter.plan, kv_row * a.compute_bytes, kv_row * a.kv_grad_bytes,
+                              a.meta_bytes_per_row, d.n_layers)
+  return (target_depth(cfg) * (p - 1) * target_kv
+          + wire_bytes(traffic, drafter.plan.num_ranks))
+
+
+def dflash_memory(cfg, drafter: PlanWork, target: PlanWork, hw: Hardware,
+                  a: Assumptions) -> dict:
+  """Bytes per GPU, assumed. States: the frozen target's bf16 weights and the drafter's
+  params, grads and Adam moments, ZeRO-3 over every GPU (`none` too: 8 data-parallel GPUs).
+  Held through the step: the target's features at the chosen layers ([ctx rows, n + 1, D]:
+  `Transformer.features` keeps a spare slot), the fc + norm output and its f32 gradient, the
+  drafter's saved layer inputs and attention outputs (full remat). The largest transient:
+  one target layer's forward (two gathered layers' weights, its projections and MLP over the
+  context rows, the K/V its transport holds), one drafter layer's backward (its context K/V
+  recomputed with f32 grads, the travelling K/V buffers, the draft rows' linear layers), or
+  one loss chunk."""
+  m, d, e = cfg.model, drafter_model(cfg), a.compute_bytes
+  n_feat = len(target_layer_ids(cfg))
+  g = hw.num_gpus
+  ctx, q = drafter.plan.rows_per_rank - drafter.plan.n_noisy, drafter.plan.n_noisy
+  states = param_count(m) * e / g + drafter_params(cfg) * a.state_bytes_per_param / g
+  target_layer = (param_count(m) - m.vocab_size * m.d_model * 2 - m.d_model) / m.n_layers
+  held = (ctx * (n_feat + 1) * m.d_model * e + ctx * d.d_model * (e + 4)
+          + d.n_layers * q * ((d.d_model + d.n_heads * d.head_dim) * e + 4 * d.n_heads))
+  kv_t, kv_d = 2 * m.n_kv_heads * m.head_dim, 2 * d.n_kv_heads * d.head_dim
+  t_transport = TRANSPORT[target.plan.strategy]
+  t_kv = {"local": 0, "ring": 2 * target.n_travel * kv_t * e,
+          "allgather": target.plan.num_ranks * target.n_travel * kv_t * e}[t_transport]
+  target_tmp = (2 * target_layer * e + t_kv + ctx * (3 * m.d_model + m.n_heads * m.head_dim
+                                                     + kv_t + 3 * m.d_ff) * e)
+  d_transport = TRANSPORT[drafter.plan.strategy]
+  d_kv = {"local": 0, "ring": 2 * drafter.n_travel * kv_d * (e + a.kv_grad_bytes),
+          "allgather": (drafter.n_stay + drafter.plan.num_ranks * drafter.n_travel) * kv_d
+          * (e + 4)}[d_transport]
+  q_row = d.n_heads * d.head_dim
+  d_linear = 2 * (q * 3 * d.d_ff + q * (d.d_model + q_row + kv_d // 2)) * e + q * q_row * 4
+  drafter_tmp = ctx * kv_d * (e + 4) + d_kv + d_linear
+  logits_tmp = 2 * min(m.logits_chunk or q, q) * m.vocab_size * 4
+  transient = max(target_tmp, drafter_tmp, logits_tmp)
+  return dict(total_bytes=states + held + transient, states_bytes=states, held_bytes=held,
+              transient_bytes=transient, target_tmp_bytes=target_tmp,
+              drafter_tmp_bytes=drafter_tmp)
+
+
+def dflash_project(hw: Hardware, a: Assumptions, seq_lens=DFLASH_SEQ_LENS,
+                   anchors=DFLASH_ANCHORS, strategies=DFLASH_STRATEGIES,
+                   target: ModelConfig = DFLASH_TARGET,
+                   draft_layers: int = DFLASH_DRAFT_LAYERS) -> list[dict]:
+  """One row per (L, anchor rule, strategy) on `hw` (8 GPUs). `seq_s` is the time per
+  sequence: the step time of one sequence over all GPUs, or under `none` (one sequence per
+  GPU, data parallel) a GPU's step time / the GPU count."""
+  rows = []
+  for seq_len in seq_lens:
+    for anchor_rule, count in anchors:
+      cfg = dflash_config(seq_len, count(seq_len), target, draft_layers)
+      useful = dflash_useful_flops(cfg)
+      for s in strategies:
+        drafter, target_work = dflash_works(s, cfg, hw.num_gpus)
+        row = dict(seq_len=seq_len, anchors=count(seq_len), anchor_rule=anchor_rule,
+                   strategy=s, **dflash_step_time(cfg, drafter, target_work, hw, a),
+                   **dflash_memory(cfg, drafter, target_work, hw, a))
+        row["seq_s"] = row["total_s"] / (hw.num_gpus if s == "none" else 1)
+        row["fits"] = row["total_bytes"] <= hw.hbm_gb * GB * hw.usable_fraction
+        row["mfu"] = useful / (row["seq_s"] * hw.num_gpus * hw.peak_tflops * 1e12)
+        row["dominant"] = _dominant(row)
+        rows.append(row)
+  return rows
+
+
+def _dominant(row: dict) -> str:
+  """The largest part of a dflash step (waiting for the ring or exposed transfers apart)."""
+  parts = {"target linear": row["target_linear_s"],
+           "target attention": row["target_attention_busy_s"],
+           "target K/V transfer/wait": row["target_attention_s"] - row["target_attention_busy_s"],
+           "drafter linear": row["drafter_linear_s"],
+           "drafter attention": row["drafter_attention_busy_s"],
+           "drafter K/V transfer/wait": (row["drafter_attention_s"]
+                                         - row["drafter_attention_busy_s"])}
+  name = max(parts, key=parts.get)
+  return f"{name} {parts[name] / row['total_s']:.0%}"
+
+
+def dflash_speedups(rows: list[dict]) -> list[dict]:
+  """Per (L, anchor rule): best fitting CSBP over the best fitting baseline (cp_*, bp), and
+  over every baseline with memory ignored."""
+  out = []
+  for key in dict.fromkeys((r["seq_len"], r["anchor_rule"]) for r in rows):
+    group = {r["strategy"]: r for r in rows if (r["seq_len"], r["anchor_rule"]) == key}
+    best = lambda names, fit=True: min((group[s] for s in names if s in group
+                                        and (group[s]["fits"] or not fit)),
+                                       key=lambda r: r["seq_s"], default=None)
+    base, csbp, csbp_any = best(DFLASH_BASELINES), best(DFLASH_CSBP), best(DFLASH_CSBP, False)
+    out.append(dict(seq_len=key[0], anchor_rule=key[1], anchors=csbp_any["anchors"],
+                    baseline=base and base["strategy"], csbp=csbp and csbp["strategy"],
+                    speedup=base["seq_s"] / csbp["seq_s"] if base and csbp else None,
+                    over_any={s: group[s]["seq_s"] / csbp_any["seq_s"]
+                              for s in DFLASH_BASELINES + ("none",) if s in group},
+                    drafter_only={s: _drafter_s(group[s]) / _drafter_s(csbp_any)
+                                  for s in DFLASH_BASELINES if s in group},
+                    target_share=1 - _drafter_s(csbp_any) / csbp_any["total_s"]))
+  return out
+
+
+def _drafter_s(row: dict) -> float:
+  """The drafter's part of a step: what it would take were the target's features given."""
+  return row["drafter_linear_s"] + row["drafter_attention_s"]
+
+
 # ----------------------------------------------------------------------------- report
 
 def _k(seq_len: int) -> str:
@@ -688,7 +959,7 @@ def _driver(by_scenario: dict, low: float, high: float, default: list[dict]) -> 
   return f"{direction}: {idle}; '{name}' {verdict}"
 
 
-def _paper_table(results: dict) -> list[str]:
+def _paper_table(results: dict, dflash_spd: list[dict] | None = None) -> list[str]:
   lines = ["| claim | hardware | L | model | paper | " + " | ".join(results)
            + " | what drives it |", "|" + "---|" * (6 + len(results))]
   for claim in PAPER:
@@ -696,9 +967,18 @@ def _paper_table(results: dict) -> list[str]:
              else f"{claim['low']:.2f}-{claim['high']:.2f}x")
     head = f"| {claim['claim']} | {claim['hardware']} | {_k(claim['seq_len'])} |"
     if claim["hardware"] != "16x H200":
-      lines.append(f"{head} — | {paper} | " + " | ".join(["not modelled"] * len(results))
-                   + " | the drafter objective (anchor + MASK blocks reading target-model "
-                   "context) has no layout plan here yet |")
+      at = [s for s in dflash_spd or () if s["seq_len"] == claim["seq_len"]]
+      if not at:
+        lines.append(f"{head} — | {paper} | " + " | ".join(["not modelled"] * len(results))
+                     + " | |")
+        continue
+      s = at[0]  # the first anchor rule: A = 512
+      cells = [f"{_x(s['speedup'])} (vs {s['baseline']}, A = {s['anchors']})"]
+      lines.append(f"{head} Qwen3-8B target | {paper} | " + " | ".join(
+          cells + ["not run"] * (len(results) - 1))
+          + f" | below: the target's forward, {s['target_share']:.0%} of the step, runs "
+          f"context-parallel under CP too; CSBP over bp {_x(s['over_any']['bp'])} (memory "
+          f"ignored); see the DFlash section |")
       continue
     for model in MODELS:
       pick = lambda spd: [s for s in spd if s["seq_len"] == claim["seq_len"]
@@ -756,8 +1036,157 @@ def _memory_table(rows: list[dict], hw: Hardware, probe: str) -> list[str]:
   return lines + [""]
 
 
-def report(hw: Hardware, calibration: str, compiled=None,
-           probe: str = "scale_probe.csv") -> tuple[str, list[dict]]:
+def _dflash_paper(spd: list[dict]) -> dict:
+  """{L: (paper's figure, this model's rows at that L)} for the DFlash claims."""
+  return {c["seq_len"]: (c["low"], [s for s in spd if s["seq_len"] == c["seq_len"]])
+          for c in PAPER if c["hardware"] == "8x H100"}
+
+
+def _x(value) -> str:
+  return "—" if value is None else f"{value:.2f}x"
+
+
+def _dflash_section(hw: Hardware, a: Assumptions, rows: list[dict], spd: list[dict]) -> list[str]:
+  """The drafter-training projection: its assumptions, a row per strategy, the paper's claims."""
+  cfg = dflash_config(DFLASH_SEQ_LENS[0], 512)
+  m, d = cfg.model, drafter_model(cfg)
+  g, e = hw.num_gpus, a.compute_bytes
+  ids = target_layer_ids(cfg)
+  n_draft = drafter_params(cfg)
+  zero3 = (param_count(m) * e + n_draft * (2 * e + 4)) * (g - 1) / g / (hw.nvlink_gb_s * GB)
+  lines = [
+      f"### DFlash drafter training ({hw.num_gpus}x H100, one node)", "",
+      "One sequence of L tokens per step over the 8 GPUs (DESIGN.md section 10): the frozen "
+      "target runs a causal forward over the L context rows (no backward) and hands 5 of its "
+      "layers' outputs to the drafter, which trains forward + backward over A draft blocks of "
+      "B rows. Work per GPU from the real drafter plans (`make_plan(..., draft_blocks=A)`), "
+      "the target's from the context zigzag its rows already sit on; time and transports as "
+      "above (ring hops hidden under each step's compute, all-gathers exposed). Assumptions:",
+      "",
+      f"* hardware: {hw.name}; peak {hw.peak_tflops} TFLOP/s bf16, GEMMs at "
+      f"{hw.matmul_tflops}, attention at {hw.attention_tflops:.1f} (the H200's rates: same "
+      f"GH100 compute), NVLink {hw.nvlink_gb_s} GB/s one way per GPU + {hw.nvlink_alpha_us} us "
+      f"per hop, {hw.hbm_gb:.0f} GB HBM of which {hw.usable_fraction:.0%} usable "
+      f"({hw.hbm_gb * hw.usable_fraction:.0f} GB)",
+      f"* target (frozen): Qwen3-8B, {param_count(m) / 1e9:.2f}B params, {m.n_layers} layers, "
+      f"d_model {m.d_model}, {m.n_heads} q / {m.n_kv_heads} kv heads x {m.head_dim}, d_ff "
+      f"{m.d_ff}, vocab {m.vocab_size}; bf16 weights ZeRO-3 over the {g} GPUs "
+      f"({param_count(m) * e / g / GB:.1f} GB each, two layers gathered at a time), no grads, "
+      f"no optimiser state; forward only over its first {target_depth(cfg)} layers (up to the "
+      f"last chosen one), nothing saved but the outputs of layers {ids} "
+      f"([context rows, {len(ids) + 1}, {m.d_model}] bf16: `Transformer.features` keeps a spare "
+      f"slot); a layer's projections and MLP run over all of a GPU's context rows at once "
+      f"(no row chunking); its causal attention is timed at the fwd+bwd attention rate (a "
+      f"forward alone runs faster: this overstates the target's seconds, alike for every "
+      f"strategy)",
+      f"* drafter (trained): {d.n_layers} layers of the target's width and heads, d_ff {d.d_ff}, "
+      f"B = {DFLASH_BLOCK}; fc {len(ids) * m.d_model} -> {d.d_model} + RMSNorm over the context "
+      f"rows, then each layer's own k/v projections of them; {n_draft / 1e9:.2f}B params with "
+      f"f32 grads and Adam moments ({a.state_bytes_per_param} B/param), ZeRO-3 over the {g} "
+      f"GPUs ({n_draft * a.state_bytes_per_param / g / GB:.1f} GB each); full remat (each "
+      f"layer's linear forward, context k/v included, runs again in the backward); logits of "
+      f"the draft rows only, through the target's frozen LM head in chunks of "
+      f"{m.logits_chunk} rows",
+      "* anchors A per sequence: 512, as SpecForge's DFlash recipe for Qwen3-8B draws per "
+      "(3K-token) sequence; at 512K-1M that is one anchor per 1-2K tokens, and the drafter's "
+      "share of the step is small. A = L/64 (a quarter of the rows drafted) shows how the "
+      "projection moves with A. Anchor j sits at its expected place (j+1)L/(A+1) "
+      "(`LayoutPlan.block_starts`), blocks balanced as the plans place them",
+      "* what moves per GPU: cp_* the target's context K/V (forward only) and, per drafter "
+      "layer, the draft + context K/V forward and their f32 dK/dV back; csbp_* the same "
+      "target traffic and only the context K/V (and grads) of the drafter; bp nothing (every "
+      "GPU runs the target over the whole context: P-fold compute, O(L) memory); ring "
+      "overlap, tile skipping, K/V metadata as in the default scenario",
+      f"* ZeRO-3 weight traffic per step (target gathered once in bf16, drafter gathered "
+      f"twice, its grads reduce-scattered in f32): {zero3:.2f} s on NVLink, assumed hidden",
+      f"* `none` = data parallel, one whole sequence per GPU: its time per sequence is one "
+      f"GPU's step / {g}; a reference, not one of the baselines (cp_*, bp)",
+      "",
+      f"Time per sequence in s ({g} GPUs), its speedup over the best fitting baseline, assumed "
+      "peak memory per GPU (**OOM** over the usable HBM, excluded from *best*), the target's "
+      "and the drafter's seconds of one step (under `none`, a GPU's step over its own "
+      "sequence), attention bytes each GPU sends per step, the largest part of the step "
+      "(*transfer/wait*: exposed transfers and waiting for ring neighbours), MFU.",
+      "",
+      "| L | A | strategy | s / sequence | vs best baseline | GB / GPU | target s | drafter s | "
+      "sent GB | dominant cost | MFU |", "|" + "---|" * 11]
+  best = {(s["seq_len"], s["anchor_rule"]): s for s in spd}
+  for r in rows:
+    s = best[(r["seq_len"], r["anchor_rule"])]
+    base = next((x for x in rows if (x["seq_len"], x["anchor_rule"], x["strategy"])
+                 == (r["seq_len"], r["anchor_rule"], s["baseline"])), None)
+    vs = _x(base["seq_s"] / r["seq_s"]) if base and r["fits"] else "—"
+    oom = "" if r["fits"] else " **OOM**"
+    target_s = r["target_linear_s"] + r["target_attention_s"]
+    lines.append(f"| {_k(r['seq_len'])} | {r['anchors']} | {r['strategy']} | {r['seq_s']:.2f} | "
+                 f"{vs} | {r['total_bytes'] / GB:.0f}{oom} | {target_s:.2f} | "
+                 f"{_drafter_s(r):.2f} | {r['comm_bytes_per_step'] / GB:.0f} | {r['dominant']} | "
+                 f"{r['mfu']:.0%} |")
+  lines += ["", "CSBP over each baseline, also where it does not fit (memory ignored), and over "
+            "the drafter's part alone (were the target's features given, e.g. precomputed):", "",
+            "| L | A | best fitting baseline | CSBP speedup | over " + " / ".join(DFLASH_BASELINES)
+            + " / none, memory ignored | drafter part only, over " + " / ".join(DFLASH_BASELINES)
+            + " | target share of CSBP's step |", "|---|---|---|---|---|---|---|"]
+  for s in spd:
+    lines.append(f"| {_k(s['seq_len'])} | {s['anchors']} | {s['baseline'] or '—'} | "
+                 f"{_x(s['speedup'])} ({s['csbp'] or '—'}) | "
+                 + " / ".join(_x(v) for v in s["over_any"].values()) + " | "
+                 + " / ".join(_x(v) for v in s["drafter_only"].values())
+                 + f" | {s['target_share']:.0%} |")
+  lines += ["", "Next to the paper (DFlash training, CSBP over the best baseline on 8 H100):", "",
+            "| L | paper | ours, A = 512 | ours, A = L/64 | CSBP over bp, memory ignored | "
+            "drafter part only, over bp |", "|---|---|---|---|---|---|"]
+  for seq_len, (paper, at) in _dflash_paper(spd).items():
+    ours = [_x(s["speedup"]) + f" (vs {s['baseline']})" for s in at]
+    lines.append(f"| {_k(seq_len)} | {paper:.2f}x | " + " | ".join(ours) + " | "
+                 + ", ".join(_x(s["over_any"]["bp"]) for s in at) + " | "
+                 + ", ".join(_x(s["drafter_only"]["bp"]) for s in at) + " |")
+  lines += ["", _dflash_reading(spd, rows, hw), ""]
+  return lines
+
+
+def _dflash_reading(spd: list[dict], rows: list[dict], hw: Hardware) -> str:
+  """What the projection says next to the paper's figures, and what would have to change."""
+  paper = _dflash_paper(spd)
+  lo, hi = min(paper), max(paper)
+  by_a = lambda key, seq_len: ", ".join(f"{_x(s[key]['bp'])} at A = {s['anchors']}"
+                                        for s in spd if s["seq_len"] == seq_len)
+  fitting = [s["speedup"] for s in spd if s["speedup"] is not None]
+  reached = any(abs(s["speedup"] - p) <= 0.1 * p for p, at in paper.values() for s in at
+                if s["speedup"] is not None)
+  fits = lambda name: any(r["fits"] for r in rows if r["strategy"] == name)
+  bp_gb = [r["total_bytes"] / GB for r in rows if r["strategy"] == "bp"]
+  return (
+      f"**Reading.** Our projection {'reaches' if reached else 'does not reach'} the paper's "
+      f"figures: CSBP over the best fitting baseline is {_range(fitting)}, over cp_ring "
+      f"{_range([s['over_any']['cp_ring'] for s in spd])}. The frozen target's causal "
+      f"forward is {min(s['target_share'] for s in spd):.0%} or more of CSBP's step, and CP "
+      f"runs it context-parallel on the same zigzag shards (its K/V hops hide under each ring "
+      f"step's compute); the two differ only in the drafter, where CP also moves the A*B/P "
+      f"draft rows' K/V beside the L/P context rows'. bp repeats the target's O(L^2) forward "
+      f"on all {hw.num_gpus} GPUs: CSBP is {_range([s['over_any']['bp'] for s in spd])} "
+      f"faster, but bp needs {min(bp_gb):.0f}-{max(bp_gb):.0f} GB per GPU "
+      f"({'fits' if fits('bp') else 'OOM'} on {hw.hbm_gb:.0f} GB). For the paper's figures "
+      f"the best baseline would have to be bp-like (a CP baseline that does not run the "
+      f"target context-parallel, and fits): the {_k(hi)} figure, {paper[hi][0]:.2f}x, is "
+      f"near our CSBP over bp, memory ignored ({by_a('over_any', hi)}); the {_k(lo)} one, "
+      f"{paper[lo][0]:.2f}x, is near only the drafter's part over bp ({by_a('drafter_only', lo)};"
+      f" a step whose target features are given), which stays there at {_k(hi)} "
+      f"({by_a('drafter_only', hi)}). No single changed assumption gives both. Data "
+      f"parallelism (`none`, one sequence per GPU) would take "
+      f"{_range([s['over_any']['none'] for s in spd])} CSBP's time per sequence were a whole "
+      f"sequence to fit one GPU; "
+      + ("it does at some of these lengths." if fits("none")
+         else "it does not at these lengths."))
+
+
+def report(hw: Hardware, calibration: str, compiled=None, probe: str = "scale_probe.csv",
+           dflash: list[dict] | None = None) -> tuple[str, list[dict]]:
+  """(markdown, the default scenario's rows). `dflash`: `dflash_project` rows on `h100(hw)`
+  (projected here when not given)."""
+  if dflash is None:
+    dflash = dflash_project(h100(hw), SCENARIOS["default"])
+  dflash_spd = dflash_speedups(dflash)
   rows_by = project(hw, SCENARIOS, compiled=compiled)
   results = {name: speedups(rows) for name, rows in rows_by.items()}
   default = SCENARIOS["default"]
@@ -786,7 +1215,8 @@ def report(hw: Hardware, calibration: str, compiled=None,
             "allowed pairs are L(L+B) and every plan balances at these B; where B matters "
             "on a GPU is tile waste around B x B diagonal blocks, which this model ignores.",
             ""]
-  lines += _paper_table(results)
+  lines += _paper_table(results, dflash_spd)
+  lines += _dflash_section(h100(hw), default, dflash, dflash_spd)
   return "\n".join(lines), rows_by["default"]
 
 
@@ -801,7 +1231,8 @@ def write_results_readme(results_dir: str) -> str:
            "(and `python experiments/window_traffic.py`, `python experiments/block_size_sweep.py` "
            "for the last sections).", ""]
   for name in ("parallel_bench.md", "scale_probe.md", "scale_probe_ablation.md",
-               "cost_model.md", "window_traffic.md", "block_size_sweep.md"):
+               "cost_model.md", "parallel_bench_dflash.md", "scale_probe_dflash.md",
+               "window_traffic.md", "block_size_sweep.md"):
     path = os.path.join(results_dir, name)
     if os.path.exists(path):
       with open(path) as f:
@@ -844,9 +1275,14 @@ def main(argv=None):
   args = parser.parse_args(argv)
   hw, calibration = calibrate(Hardware(), args.kernel_csv)
   compiled = load_probe(args.probe_csv, hw) if os.path.exists(args.probe_csv) else {}
-  text, rows = report(hw, calibration, compiled, os.path.relpath(args.probe_csv, ROOT))
+  dflash = dflash_project(h100(hw), SCENARIOS["default"])
+  text, rows = report(hw, calibration, compiled, os.path.relpath(args.probe_csv, ROOT), dflash)
   print(text)
   os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "cost_model_dflash.csv"), "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(dflash[0]))
+    writer.writeheader()
+    writer.writerows(dflash)
   with open(os.path.join(args.out, "cost_model.md"), "w") as f:
     f.write(text)
   with open(os.path.join(args.out, "cost_model.csv"), "w", newline="") as f:

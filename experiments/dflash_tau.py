@@ -2,13 +2,17 @@
 vs untrained, for the same frozen target.
 
   python experiments/dflash_tau.py --config configs/dflash_tiny.py [--workdir runs/dflash_tiny]
+  # a drafter trained on precomputed features: the same --set as its run
+  python experiments/dflash_tau.py --config configs/dflash_tiny.py --workdir W \
+      --set drafter.features=F --set train.eval_every=0
 
 For each held-out sequence, the anchors training would draw; at anchor a the drafter proposes
 slots 1..B-1 of its block `[x_a, MASK ...]` in one forward (greedy), and the target decodes
 B-1 tokens greedily from the document's prefix x_{<=a}. tau = 1 + the leading proposals equal
 to the target's tokens (what speculative decoding with greedy verification accepts, plus the
 target's own token), averaged over anchors; its ceiling is B. The untrained drafter is the
-run's initialisation (same seed), next to the same target.
+run's initialisation (same seed), next to the same target, which is always co-hosted here
+(also for a drafter trained on precomputed features).
 """
 
 import argparse
@@ -24,9 +28,10 @@ sys.path.insert(0, ROOT)
 from bdlm_jax import ar_logits, draft_logits, init_params, load_config, make_mesh  # noqa: E402
 from bdlm_jax.checkpoint import restore_state  # noqa: E402
 from bdlm_jax.checkpoint.target import load_target  # noqa: E402
+from bdlm_jax.config import replace  # noqa: E402
 from bdlm_jax.data import make_dataset  # noqa: E402
 from bdlm_jax.loop import default_workdir  # noqa: E402
-from bdlm_jax.models.drafter import FROZEN  # noqa: E402
+from bdlm_jax.models.drafter import FROZEN, TRAINED  # noqa: E402
 from bdlm_jax.parallel.mesh import to_host  # noqa: E402
 
 
@@ -80,10 +85,13 @@ def main(argv=None):
                                              "parallel.data=1", "parallel.fsdp=1"])
   workdir = args.workdir or default_workdir(args.config)
   mesh = make_mesh(cfg)
-  step, state = restore_state(cfg, workdir, mesh)
-  trained = jax.tree.map(to_host, state.params)
-  untrained = dict(jax.tree.map(to_host, init_params(cfg, jax.random.split(
-      jax.random.key(cfg.seed))[0])), **{FROZEN: jax.tree.map(to_host, load_target(cfg, mesh))})
+  step, state = restore_state(cfg, workdir, mesh)  # with the config it trained with
+  # Evaluated with the whole target co-hosted, also for a drafter trained on features.
+  cfg = replace(cfg, drafter=dict(features=""))
+  target = jax.tree.map(to_host, load_target(cfg, mesh))
+  drafters = {"untrained (init)": init_params(cfg, jax.random.split(
+                  jax.random.key(cfg.seed))[0])[TRAINED],
+              f"trained (step {step})": state.params[TRAINED]}
   data = make_dataset(cfg.data, batch_size=cfg.train.batch_size, seed=cfg.seed,
                       vocab_size=cfg.model.vocab_size, block_size=cfg.objective.block_size,
                       mask_token_id=cfg.objective.reserved_mask_id, split="eval")
@@ -91,8 +99,8 @@ def main(argv=None):
   print(f"target {cfg.drafter.target}; drafter {workdir} step {step}; B = "
         f"{cfg.objective.block_size} (tau <= {cfg.objective.block_size})")
   print("| drafter | tau | anchors |\n|---|---|---|")
-  for name, params in (("untrained (init)", untrained), (f"trained (step {step})", trained)):
-    tau, n = acceptance(params, cfg, batches)
+  for name, drafter in drafters.items():
+    tau, n = acceptance({TRAINED: jax.tree.map(to_host, drafter), FROZEN: target}, cfg, batches)
     print(f"| {name} | {tau:.3f} | {n} |")
 
 

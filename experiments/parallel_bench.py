@@ -3,6 +3,7 @@
   python experiments/parallel_bench.py --quick   # a few minutes on 2 CPU cores
   python experiments/parallel_bench.py --tiny    # CI smoke run, < 60 s
   python experiments/parallel_bench.py           # the full grid
+  python experiments/parallel_bench.py --objective dflash   # a DFlash drafter's step, one (L, P)
 
 For each (strategy, seq ranks P, sequence length L) it compiles the real
 `make_train_step(cfg, mesh)` on a batch from `make_batch` and records, per device: collective
@@ -14,12 +15,21 @@ devices: bytes, memory and FLOPs are exact for that program, wall times are comp
 as ratios. Writes parallel_bench.{csv,md} and parallel_bench_*.png under --out and refreshes
 README_results.md there.
 
+`--objective dflash` (DESIGN.md section 10) benches a drafter's step instead, at one (L, P)
+(`--tiny`: the CI smoke size): the frozen target's causal forward over the context, then the
+drafter's forward + backward over the draft blocks, for every strategy but cp_ring_balanced
+(whose drafter layout is cp_ring's). It writes parallel_bench_dflash.{csv,md} and no plots,
+and leaves README_results.md alone.
+
 Traffic is split in two: the collectives issued inside the attention `shard_map` move K/V
 and their gradients; the rest (parameter all-gathers, gradient reductions) is weight traffic,
 the same program for every strategy. `attn_wire_bytes` converts the attention's HLO operand
 bytes to bytes each device sends with ring algorithms (`hlo_stats.wire_bytes`: all-gather
 shard x (P-1), reduce-scatter input x (P-1)/P, collective-permute as is), so all-gather and
-ring transports compare on one scale.
+ring transports compare on one scale. `attn_check` divides the compiled attention operand
+bytes by what the layout plan says its transport issues (`step_report.
+expected_attention_operand_bytes`): 1.00 when the core moves exactly that, a little below when
+XLA hoists or merges the layer-invariant row-metadata collectives.
 """
 
 import argparse
@@ -40,7 +50,10 @@ import numpy as np  # noqa: E402
 from bdlm_jax import init_state, make_batch, make_mesh, make_train_step  # noqa: E402
 from bdlm_jax.config import Config, replace  # noqa: E402
 from bdlm_jax.metrics import model_flops_per_step  # noqa: E402
+from bdlm_jax.objectives import get_objective  # noqa: E402
 from bdlm_jax.parallel import hlo_stats  # noqa: E402
+from bdlm_jax.parallel.step_report import (describe_objective,  # noqa: E402
+                                           expected_attention_operand_bytes)
 from bdlm_jax.parallel.mesh import row_sharding  # noqa: E402
 from bdlm_jax.parallel.strategies import ATTENTION_SCOPE, plan_for  # noqa: E402
 from bdlm_jax.train import state_shardings  # noqa: E402
@@ -48,6 +61,8 @@ from experiments.cost_model import RESULTS_DIR, write_results_readme  # noqa: E4
 
 STRATEGIES = ("none", "cp_allgather", "cp_ring", "cp_ring_balanced", "bp", "csbp_allgather",
               "csbp_ring")
+# A drafter's cp_ring already zigzags each stream on its own: cp_ring_balanced is the same plan.
+DFLASH_STRATEGIES = tuple(s for s in STRATEGIES if s != "cp_ring_balanced")
 BASELINE = "cp_ring"
 MiB = 2**20
 
@@ -60,6 +75,14 @@ class Grid:
   block_size: int
   warmup: int
   steps: int
+  objective: dict = dataclasses.field(default_factory=dict)  # name and its other fields
+  drafter: dict = dataclasses.field(default_factory=dict)  # objective dflash: its drafter
+
+  @property
+  def stem(self) -> str:
+    """The results' file name: parallel_bench, or parallel_bench_<objective>."""
+    name = self.objective.get("name")
+    return "parallel_bench" + (f"_{name}" if name else "")
 
 
 # Key chunks small enough that every K/V part spans several: a part that fits in one chunk
@@ -76,19 +99,34 @@ GRIDS = {
     "full": Grid(dict(d_model=128, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=16, d_ff=256,
                       attention_chunk=16), seq_lens=(256, 512, 1024, 2048), seqs=(2, 4, 8),
                  block_size=16, warmup=2, steps=5),
+    # DFlash: the quick grid's model as the frozen target, a 2-layer drafter with 2 K/V heads
+    # of 32 (not the target's 16: the two parts' K/V widths differ), 32 draft blocks of 16
+    # (512 draft rows, dual-end pairs on 8 ranks) over L = 1024 context rows.
+    "dflash": Grid(dict(d_model=128, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=16,
+                        d_ff=256, attention_chunk=16), seq_lens=(1024,), seqs=(8,),
+                   block_size=16, warmup=1, steps=3,
+                   objective=dict(name="dflash", max_anchors=32),
+                   drafter=dict(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32)),
+    "dflash_tiny": Grid(dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                             d_ff=64, attention_chunk=32), seq_lens=(64,), seqs=(8,),
+                        block_size=4, warmup=1, steps=2,
+                        objective=dict(name="dflash", max_anchors=8),
+                        drafter=dict(n_layers=1, n_kv_heads=1, head_dim=16)),
 }
 
 COLUMNS = ("strategy", "seq", "seq_len", "block_size", "rows_per_rank", "max_rank_pairs",
-           "attn_wire_bytes", "all_gather_bytes", "reduce_scatter_bytes",
+           "attn_wire_bytes", "attn_check", "all_gather_bytes", "reduce_scatter_bytes",
            "collective_permute_bytes", "all_to_all_bytes", "all_reduce_bytes", "temp_bytes",
            "argument_bytes", "xla_flops", "model_flops_per_device", "step_ms",
-           "time_vs_cp_ring", "compile_s", "backend", "dtype")
+           "time_vs_cp_ring", "compile_s", "backend", "dtype", "objective")
 
 
 def bench_config(grid: Grid, strategy: str, seq: int, seq_len: int, dtype: str) -> Config:
   return replace(Config(), model=dict(grid.model, compute_dtype=dtype),
-                 data=dict(seq_len=seq_len), objective=dict(block_size=grid.block_size),
-                 parallel=dict(strategy=strategy, seq=seq), train=dict(batch_size=1))
+                 data=dict(seq_len=seq_len),
+                 objective=dict(grid.objective, block_size=grid.block_size),
+                 drafter=grid.drafter, parallel=dict(strategy=strategy, seq=seq),
+                 train=dict(batch_size=1))
 
 
 @dataclasses.dataclass
@@ -112,19 +150,23 @@ def compile_config(cfg: Config, host_state, tokens: np.ndarray) -> _Compiled:
   compiled = make_train_step(cfg, mesh).lower(state, batch, jax.random.key(1)).compile()
   compile_s = time.perf_counter() - start
   by_kind = hlo_stats.collective_bytes(compiled)
+  attention = hlo_stats.collective_bytes(compiled, ATTENTION_SCOPE)
+  expected = expected_attention_operand_bytes(cfg)
   memory = hlo_stats.memory_stats(compiled)
   row = dict(
       strategy=cfg.parallel.strategy, seq=p, seq_len=cfg.data.seq_len,
       block_size=cfg.objective.block_size, rows_per_rank=plan.rows_per_rank,
       max_rank_pairs=int(plan.attention_work().max()),
-      attn_wire_bytes=hlo_stats.wire_bytes(hlo_stats.collective_bytes(compiled, ATTENTION_SCOPE), p),
+      attn_wire_bytes=hlo_stats.wire_bytes(attention, p),
+      attn_check=sum(attention.values()) / expected if expected else None,
       all_gather_bytes=by_kind["all-gather"], reduce_scatter_bytes=by_kind["reduce-scatter"],
       collective_permute_bytes=by_kind["collective-permute"],
       all_to_all_bytes=by_kind["all-to-all"], all_reduce_bytes=by_kind["all-reduce"],
       temp_bytes=memory["temp_size_in_bytes"], argument_bytes=memory["argument_size_in_bytes"],
       xla_flops=hlo_stats.flops(compiled), model_flops_per_device=model_flops_per_step(cfg) / p,
       step_ms=None, time_vs_cp_ring=None, compile_s=compile_s,
-      backend=jax.default_backend(), dtype=cfg.model.compute_dtype)
+      backend=jax.default_backend(), dtype=cfg.model.compute_dtype,
+      objective=cfg.objective.name)
   return _Compiled(row, compiled, state, batch)
 
 
@@ -144,7 +186,8 @@ def time_round_robin(runs: list[_Compiled], warmup: int, steps: int) -> None:
 
 
 def run(grid: Grid, out_dir: str, dtype: str, strategies=STRATEGIES, progress=print):
-  """Measures every configuration of `grid`; writes CSV, markdown and plots; returns rows."""
+  """Measures every configuration of `grid`; writes CSV and markdown (`grid.stem`), and for
+  the BD3-LM grids the plots and README_results.md; returns rows."""
   rows = []
   tokens_rng = np.random.default_rng(0)
   seqs = [s for s in grid.seqs if s <= jax.device_count()]
@@ -167,11 +210,12 @@ def run(grid: Grid, out_dir: str, dtype: str, strategies=STRATEGIES, progress=pr
                  f"(compile {r['compile_s']:.1f} s)")
   _add_time_ratios(rows)
   os.makedirs(out_dir, exist_ok=True)
-  write_csv(rows, os.path.join(out_dir, "parallel_bench.csv"))
-  with open(os.path.join(out_dir, "parallel_bench.md"), "w") as f:
+  write_csv(rows, os.path.join(out_dir, f"{grid.stem}.csv"))
+  with open(os.path.join(out_dir, f"{grid.stem}.md"), "w") as f:
     f.write(markdown(rows, grid, dtype))
-  plot(rows, out_dir)
-  write_results_readme(out_dir)
+  if grid.stem == "parallel_bench":  # the results README shows this one's tables and plots
+    plot(rows, out_dir)
+    write_results_readme(out_dir)
   return rows
 
 
@@ -198,26 +242,36 @@ def markdown(rows, grid: Grid, dtype: str) -> str:
   simulated = backend == "cpu"
   timing = "simulated devices: ratios only" if simulated else jax.devices()[0].device_kind
   m = grid.model
+  cfg = bench_config(grid, "none", 1, grid.seq_lens[0], dtype)
+  drafter = get_objective(cfg.objective.name).DRAFTER
   lines = [
+      "## DFlash drafter training, one full train step (measured)" if drafter else
       "## Parallel strategies, one full train step (measured)", "",
-      f"Model: {m['n_layers']} layers, d_model {m['d_model']}, {m['n_heads']} query / "
+      f"{'Frozen target' if drafter else 'Model'}: {m['n_layers']} layers, d_model "
+      f"{m['d_model']}, {m['n_heads']} query / "
       f"{m['n_kv_heads']} K/V heads of {m['head_dim']}, d_ff {m['d_ff']}, `xla` attention in "
-      f"chunks of {m['attention_chunk']} keys; block size "
+      f"chunks of {m['attention_chunk']} keys; "
+      + (f"objective {describe_objective(cfg)}; " if drafter else "") + "block size "
       f"{grid.block_size}; one sequence per step; {dtype}; backend `{backend}` "
-      f"({jax.device_count()} devices). Produced by `experiments/parallel_bench.py`.", "",
+      f"({jax.device_count()} devices). Produced by `experiments/parallel_bench.py"
+      + (f" --objective {cfg.objective.name}`." if drafter else "`."), "",
+      *([_DRAFTER_NOTE, ""] if drafter else []),
       "Per device and step. *attn MiB*: bytes each device sends for attention K/V and their "
       "gradients (HLO collectives inside the attention `shard_map`, converted to "
-      "ring-algorithm wire bytes); *all-reduce MiB*: the weight-gradient reduction (HLO "
+      "ring-algorithm wire bytes); *check*: compiled attention operand bytes ÷ what the "
+      "layout plan's transport issues (`step_report.expected_attention_operand_bytes`); "
+      "*all-reduce MiB*: the weight-gradient reduction (HLO "
       "operand bytes; XLA:CPU compiles ZeRO-3's reduce-scatter of the gradients as an "
-      "all-reduce and a slice). *max pairs*: allowed (query, key) "
-      "pairs on the busiest rank. *XLA GFLOP* counts each while-loop body once (scans over key "
+      "all-reduce and a slice). *max pairs*: allowed (query, key) pairs on the busiest "
+      + ("rank, of the drafter's draft queries. " if drafter else "rank. ") +
+      "*XLA GFLOP* counts each while-loop body once (scans over key "
       "chunks and ring steps are undercounted); *model GFLOP* is the useful work per device. "
       f"*step ms*: median of {grid.steps} steps after {grid.warmup} warm-up, the strategies of "
       f"one (P, L) stepped in turn ({timing}); *÷ cp_ring*: same P and L, same run.",
       "",
-      "| P | L | strategy | rows/rank | max pairs | attn MiB | attn ÷ cp | all-reduce MiB | "
-      "temp MiB | arg MiB | XLA GFLOP | model GFLOP | step ms | ÷ cp_ring |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "| P | L | strategy | rows/rank | max pairs | attn MiB | attn ÷ cp | check | "
+      "all-reduce MiB | temp MiB | arg MiB | XLA GFLOP | model GFLOP | step ms | ÷ cp_ring |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   cp_attn = {(r["seq"], r["seq_len"], r["strategy"].split("_")[1]): r["attn_wire_bytes"]
              for r in rows if r["strategy"] in ("cp_ring", "cp_allgather")}
@@ -228,15 +282,26 @@ def markdown(rows, grid: Grid, dtype: str) -> str:
         f"| {r['seq']} | {r['seq_len']} | {r['strategy']} | {r['rows_per_rank']} | "
         f"{r['max_rank_pairs']} | {r['attn_wire_bytes'] / MiB:.3f} | "
         f"{_fmt(r['attn_wire_bytes'] / ref if ref else None, '.2f')} | "
-        f"{r['all_reduce_bytes'] / MiB:.3f} | {r['temp_bytes'] / MiB:.2f} | "
-        f"{r['argument_bytes'] / MiB:.2f} | {r['xla_flops'] / 1e9:.2f} | "
-        f"{r['model_flops_per_device'] / 1e9:.3f} | {r['step_ms']:.0f} | "
+        f"{_fmt(r['attn_check'], '.2f')} | {r['all_reduce_bytes'] / MiB:.3f} | "
+        f"{r['temp_bytes'] / MiB:.2f} | {r['argument_bytes'] / MiB:.2f} | "
+        f"{r['xla_flops'] / 1e9:.2f} | {r['model_flops_per_device'] / 1e9:.3f} | "
+        f"{r['step_ms']:.0f} | "
         f"{_fmt(r['time_vs_cp_ring'], '.2f')} |")
-  lines += ["", "*attn ÷ cp*: csbp over cp with the same transport. Plots: "
-            "`parallel_bench_traffic.png`, `parallel_bench_memory.png`, "
-            "`parallel_bench_time.png`.", "", "What the table shows (computed from it):", ""]
+  lines += ["", "*attn ÷ cp*: csbp over cp with the same transport." + ("" if drafter else
+            " Plots: `parallel_bench_traffic.png`, `parallel_bench_memory.png`, "
+            "`parallel_bench_time.png`."), "", "What the table shows (computed from it):", ""]
   lines += summary(rows) + [""]
   return "\n".join(lines)
+
+
+_DRAFTER_NOTE = (
+    "A drafter's step: the frozen target runs a causal forward (no backward) over each rank's "
+    "context rows (its clean slot), and its attention moves every context row's K/V forward "
+    "under cp_* and csbp_* (nothing under bp, which replicates the whole context, so every "
+    "rank runs the target over all L rows); then the drafter's layers run forward + backward "
+    "over the draft rows, whose keys are the draft rows and the context: cp_* moves both "
+    "(and their gradients back), csbp_* the context only, bp nothing. *rows/rank*: draft + "
+    "context rows per rank.")
 
 
 def _span(values, spec=".2f") -> str:
@@ -320,11 +385,20 @@ def main(argv=None):
   parser.add_argument("--dtype", default=None,
                       help="compute dtype; default float32 on CPU (XLA:CPU runs bf16 "
                            "collectives in f32), bfloat16 on accelerators")
-  parser.add_argument("--strategies", default=",".join(STRATEGIES))
+  parser.add_argument("--strategies", default="",
+                      help="comma-separated; default every strategy of the objective")
+  parser.add_argument("--objective", default="bd3lm", choices=("bd3lm", "dflash"),
+                      help="dflash: a drafter's step at one (L, P) (--tiny: the CI size)")
   args = parser.parse_args(argv)
-  grid = GRIDS["tiny" if args.tiny else "quick" if args.quick else "full"]
+  if args.objective == "dflash":
+    grid = GRIDS["dflash_tiny" if args.tiny else "dflash"]
+    default = DFLASH_STRATEGIES
+  else:
+    grid = GRIDS["tiny" if args.tiny else "quick" if args.quick else "full"]
+    default = STRATEGIES
   dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-  run(grid, args.out, dtype, tuple(args.strategies.split(",")))
+  strategies = tuple(args.strategies.split(",")) if args.strategies else default
+  return run(grid, args.out, dtype, strategies)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@
   python experiments/scale_probe.py --quick         # a tiny model, for tests (~10 s)
   python experiments/scale_probe.py --ablate --models llama3-8b --lens 262144 \
       --strategies csbp_ring csbp_allgather          # what each memory feature buys
+  python experiments/scale_probe.py --objective dflash --models qwen3-8b --devices 8 \
+      --lens 1048576 --block-size 16 --anchors 512 --strategies csbp_ring cp_ring bp
+                                                     # a DFlash drafter's step over a frozen 8B
 
 For each (model, L, strategy) it compiles `make_train_step` on P simulated CPU devices (the seq
 axis; one sequence per step; bf16 compute, f32 parameters, `--remat`) from abstract inputs
@@ -37,6 +40,11 @@ each MoE setting is compiled twice: the real step with `parallel.moe_dispatch=al
 and the ragged dispatch with shape-faithful stand-ins (`_ragged_standins`: the same
 buffers, not the same FLOPs or collectives), the latter being the figure the cost model
 reads. The markdown puts both next to the cost model's analytic figure for the ragged path.
+
+`--objective dflash` (DESIGN.md section 10) compiles a drafter's step instead: the model is
+the frozen target (its causal forward over the L context rows, no backward), and a
+`--drafter-layers` drafter (the target's widths) trains on `--anchors` draft blocks of
+`--block-size` rows; only the drafter has optimiser state. It writes scale_probe_dflash.*.
 """
 
 import argparse
@@ -54,7 +62,8 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 
-from bdlm_jax.config import Config, ConfigError, ModelConfig, override, replace  # noqa: E402
+from bdlm_jax.config import (Config, ConfigError, ModelConfig, override, replace,  # noqa: E402
+                             target_layer_ids)
 from bdlm_jax.parallel import step_report  # noqa: E402
 from experiments import cost_model  # noqa: E402
 
@@ -72,9 +81,9 @@ MODELS = {
 STRATEGIES = ("cp_allgather", "cp_ring", "cp_ring_balanced", "bp", "csbp_allgather", "csbp_ring")
 # --quick: 32 tokens are 2 blocks, fewer than 4 ranks, so bp and csbp are rejected there.
 QUICK = dict(models=["tiny"], lens=[32, 64], devices=4, block_size=16, depth_check=1,
-             device_memory_gb=0.01)
+             device_memory_gb=0.01, anchors=4)
 KEYS = ("model", "seq_len", "strategy", "devices", "layers", "block_size", "remat", "overrides",
-        "standins")
+        "standins", "objective", "anchors", "drafter_layers")
 # An MoE's experts over the seq axis, its rows moved by a dispatch XLA:CPU compiles.
 EXPERT_PARALLEL = ("parallel.expert_axes=seq", "parallel.moe_dispatch=all_gather")
 # --ablate: (what changes, config overrides) against the defaults of `probe_config`. The
@@ -92,14 +101,20 @@ ABLATIONS = (
 
 
 def probe_config(model: str, seq_len: int, strategy: str, devices: int, layers: int,
-                 block_size: int, remat: str, overrides=(), standins: bool = False) -> Config:
+                 block_size: int, remat: str, overrides=(), standins: bool = False,
+                 objective: str = "bd3lm", anchors: int = 0, drafter_layers: int = 0) -> Config:
   """One sequence of `seq_len` tokens over a seq axis of `devices`; bf16 compute; an MoE's
   experts split over that axis (`EXPERT_PARALLEL`; with `standins` the ragged dispatch);
-  then `overrides` (`--set` syntax)."""
+  then `overrides` (`--set` syntax). `objective=dflash`: `model` is the frozen target of a
+  `drafter_layers`-layer drafter trained on `anchors` draft blocks."""
   m = dataclasses.replace(MODELS[model], n_layers=layers, remat=remat,
                           compute_dtype="bfloat16", param_dtype="float32")
+  drafter = objective == "dflash"
   cfg = replace(Config(), model=m, data=dict(seq_len=seq_len),
-                objective=dict(block_size=block_size, mask_token_id=m.vocab_size - 1),
+                objective=dict(name=objective, block_size=block_size,
+                               mask_token_id=m.vocab_size - 1,
+                               **(dict(max_anchors=anchors) if drafter else {})),
+                drafter=dict(n_layers=drafter_layers) if drafter else {},
                 parallel=dict(strategy=strategy, seq=devices), train=dict(batch_size=1))
   moe = (*EXPERT_PARALLEL, *(["parallel.moe_dispatch=ragged_all_to_all"] if standins else []))
   return override(cfg, (*(moe if m.moe_experts else ()), *overrides))
@@ -160,7 +175,9 @@ def jobs(args) -> list[dict]:
     job = lambda seq_len, strategy, layers, overrides=(), standins=False: dict(
         model=model, seq_len=seq_len, strategy=strategy, devices=args.devices, layers=layers,
         block_size=args.block_size, remat=args.remat, overrides=list(overrides),
-        standins=standins)
+        standins=standins, objective=args.objective,
+        anchors=args.anchors if args.objective == "dflash" else 0,
+        drafter_layers=args.drafter_layers if args.objective == "dflash" else 0)
     layers = args.layers or MODELS[model].n_layers
     if args.ablate:
       return [dict(job(args.lens[0], s, layers, overrides), variant=label)
@@ -209,7 +226,9 @@ def _produced(command: str) -> str:
 
 
 def markdown(rows: list[dict], args, device_bytes: float, command: str) -> str:
-  lines = ["## Compiled memory at scale (per device, compile only)", "",
+  drafter = args.objective == "dflash"
+  title = "A DFlash drafter's step" if drafter else "Compiled memory"
+  lines = [f"## {title} at scale (per device, compile only)", "",
            f"{_produced(command)} {args.devices} simulated CPU devices on the seq axis, one "
            f"sequence per step, block size {args.block_size}, bf16 compute, f32 parameters, remat "
            f"`{args.remat}`. Peak = arguments + temp + output - alias (XLA:CPU figures: the "
@@ -217,9 +236,21 @@ def markdown(rows: list[dict], args, device_bytes: float, command: str) -> str:
            "and row metadata each device sends per step, from the layout plan (ring-algorithm "
            "wire bytes, bf16 K/V, f32 dK/dV); *attention check*: compiled attention "
            "collectives ÷ the plan's (1.00: the core moves what its transport should).", ""]
+  if drafter:
+    lines += [_DRAFTER_NOTE, ""]
   for model in args.models:
     lines += model_section(rows, model, args, device_bytes)
   return "\n".join(lines)
+
+
+_DRAFTER_NOTE = (
+    "Objective dflash: each model below is the *frozen target*, run causally forward only over "
+    "the L context rows (its parameters are ZeRO-3-sharded arguments, with no gradient and no "
+    "optimiser state); the drafter (the target's widths, q/k norm) trains forward + backward on "
+    "the draft blocks, its keys the draft rows and the context. Attention bytes: the target's "
+    "context K/V forward (cp_* and csbp_* move every context row; bp replicates the context) "
+    "plus the drafter's K/V forward and dK/dV back (cp_*: draft + context rows; csbp_*: the "
+    "context only).")
 
 
 def _params(m: ModelConfig) -> str:
@@ -240,6 +271,8 @@ def model_section(rows: list[dict], model: str, args, device_bytes: float) -> li
            f"{_params(m)}: d_model {m.d_model}, {mine[0]['layers']} layers, {m.n_heads} q / "
            f"{m.n_kv_heads} kv heads of {m.head_dim}, d_ff {m.moe_d_ff or m.d_ff}, vocab "
            f"{m.vocab_size}, qk_norm {m.qk_norm}, tied embeddings {m.tie_embeddings}.", ""]
+  if args.objective == "dflash":
+    lines += [_drafter_line(model, mine[0]), ""]
   if m.moe_experts:
     lines += [f"Experts split over the {args.devices} seq devices "
               f"({m.moe_experts // args.devices} each, `parallel.expert_axes=seq`), capacity "
@@ -263,6 +296,21 @@ def model_section(rows: list[dict], model: str, args, device_bytes: float) -> li
   if m.moe_experts:
     lines += [""] + _dispatch_table(rows, model, args, device_bytes)
   return lines + [""]
+
+
+def _drafter_line(model: str, row: dict) -> str:
+  """What a dflash run trains over `model`, from one of its rows (as written or as read)."""
+  ints = {k: int(row[k]) for k in ("seq_len", "layers", "block_size", "anchors",
+                                   "drafter_layers")}
+  try:
+    cfg = probe_config(model, ints["seq_len"], "none", 1, ints["layers"], ints["block_size"],
+                       row["remat"], objective="dflash", anchors=ints["anchors"],
+                       drafter_layers=ints["drafter_layers"])
+  except ConfigError as e:
+    return f"Trained: a drafter this setting rejects ({e})."
+  return (f"Trained: {step_report.describe_objective(cfg)}, draft blocks of "
+          f"{cfg.objective.block_size}; its context: the target's outputs at layers "
+          f"{', '.join(map(str, target_layer_ids(cfg)))}.")
 
 
 def _dispatch_table(rows: list[dict], model: str, args, device_bytes: float) -> list[str]:
@@ -355,6 +403,8 @@ def read(path: str) -> list[dict]:
     rows = list(csv.DictReader(f))
   for r in rows:
     r.update(seq_len=int(r["seq_len"]), overrides=r["overrides"].split(),
+             objective=r.get("objective") or "bd3lm", anchors=int(r.get("anchors") or 0),
+             drafter_layers=int(r.get("drafter_layers") or 0),
              peak_bytes=int(r["peak_bytes"]) if r["peak_bytes"] else "")
   return rows
 
@@ -400,6 +450,11 @@ def main(argv=None):
                       help="one compile per ABLATIONS entry at the first model and L")
   parser.add_argument("--append", action="store_true",
                       help="keep the other models' rows and sections already in --out")
+  parser.add_argument("--objective", default="bd3lm", choices=("bd3lm", "dflash"),
+                      help="dflash: each model is the frozen target of a trained drafter")
+  parser.add_argument("--anchors", type=int, default=512,
+                      help="dflash: objective.max_anchors, draft blocks per sequence")
+  parser.add_argument("--drafter-layers", type=int, default=5, help="dflash: drafter.n_layers")
   parser.add_argument("--out", default=cost_model.RESULTS_DIR)
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -408,7 +463,9 @@ def main(argv=None):
   if args.quick:  # the tiny setting, keeping --lens if given
     vars(args).update({k: v for k, v in QUICK.items()
                        if k != "lens" or args.lens == parser.get_default("lens")})
-  name = "scale_probe" + ("_quick" if args.quick else "") + ("_ablation" if args.ablate else "")
+  name = "".join(["scale_probe", "_quick" if args.quick else "",
+                  "_dflash" if args.objective == "dflash" else "",
+                  "_ablation" if args.ablate else ""])
   command = "python experiments/scale_probe.py " + " ".join(sys.argv[1:] if argv is None
                                                              else argv)
   device_bytes = args.device_memory_gb * GB

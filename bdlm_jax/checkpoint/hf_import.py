@@ -8,6 +8,7 @@ checkpoint on one host. Reads safetensors only; torch and transformers are not n
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -66,8 +67,10 @@ def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dic
   return cfg, _read_params(path, cfg, mesh)
 
 
-def params_from_hf(cfg: Config, mesh=None) -> dict:
-  """Params of the HF folder `cfg.init_from`, which must have the shapes of `cfg.model`.
+def params_from_hf(cfg: Config, mesh=None, layers: bool = True) -> dict:
+  """Params of the HF folder `cfg.init_from`, which must have the shapes of `cfg.model`;
+  without `layers`, only the weights outside the layer stacks (embedding, final norm, head)
+  are read, for a drafter whose target's features are precomputed.
 
   Only shapes are enforced, and the vocabulary may be larger than the folder's (a [MASK] row
   `import_hf` added starts as the mean row); other architecture fields that differ from the
@@ -89,7 +92,7 @@ def params_from_hf(cfg: Config, mesh=None) -> dict:
             if hf_model[k] != ours[k]]
   if differ:
     warnings.warn(f"init_from={path}: training with {', '.join(differ)}")
-  return _read_params(path, cfg, mesh)
+  return _read_params(path, cfg, mesh, layers)
 
 
 def read_hf_config(path: str) -> dict:
@@ -104,13 +107,16 @@ def read_hf_config(path: str) -> dict:
     return json.load(f)
 
 
-def _read_params(path: str, cfg: Config, mesh) -> dict:
-  abstract = transformer_params(cfg.model)
+def _read_params(path: str, cfg: Config, mesh, layers: bool = True) -> dict:
+  """The params of `cfg.model` from the folder, or without `layers` those of the same model
+  with no layers (the rest of the folder's tensors are then expected, unread)."""
+  model = cfg.model if layers else dataclasses.replace(cfg.model, n_layers=0)
+  abstract = transformer_params(model)
   if mesh is None:
     shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
   else:
     shardings = zero3_shardings(mesh, abstract, expert_axes(cfg.parallel))
-  names = tensor_map(cfg.model)
+  names = tensor_map(model)
   by_path: dict[tuple, list] = {}
   for t in names:
     by_path.setdefault(t.path, []).append(t)  # a stacked weight: one HF tensor per slice
@@ -132,7 +138,7 @@ def _read_params(path: str, cfg: Config, mesh) -> dict:
                             f"{tuple(grid[t.index].get_shape())}, but config.json implies "
                             f"{hf_shape}")
       set_path(params, where, _place(grid, tensors[0], want, get_path(shardings, where)))
-    used = {t.name for t in names}
+    used = {t.name for t in tensor_map(cfg.model)}
     unused = sorted(n for n in files.names - used if not n.endswith(IGNORED_SUFFIXES)
                     and not (n == "lm_head.weight" and cfg.model.tie_embeddings))
     if unused:

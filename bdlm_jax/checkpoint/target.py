@@ -10,24 +10,30 @@ from bdlm_jax.checkpoint.hf_import import params_from_hf
 from bdlm_jax.checkpoint.hf_names import shape_fields
 from bdlm_jax.checkpoint.manager import Checkpointer, restore_state
 from bdlm_jax.config import Config, ConfigError, replace
+from bdlm_jax.params import shared_weights
 
 
 def load_target(cfg: Config, mesh) -> dict:
-  """Params of the target (a `Transformer` of `cfg.model`), placed on `mesh`."""
+  """Params of the target (a `Transformer` of `cfg.model`), placed on `mesh`; with
+  precomputed features (`drafter.features`) only the weights its drafter shares (embedding,
+  final norm, LM head): the folder is still checked against the whole of `model.*`."""
   path = cfg.drafter.target
   if not path:
     raise ConfigError("objective=dflash trains a drafter for a frozen target: set "
                       "drafter.target to a Hugging Face folder or a workdir of ours")
   if not os.path.isdir(path):
     raise ConfigError(f"drafter.target={path!r} does not exist")
+  layers = not cfg.drafter.features
   if any(f.endswith(".safetensors") for f in os.listdir(path)):
-    return params_from_hf(replace(cfg, init_from=path), mesh)
-  return _from_workdir(cfg, path, mesh)
+    return params_from_hf(replace(cfg, init_from=path), mesh, layers)
+  params = _from_workdir(cfg, path, mesh)
+  return params if layers else shared_weights(params)
 
 
 def _from_workdir(cfg: Config, workdir: str, mesh) -> dict:
   """The params of the latest checkpoint of one of our runs, restored with the config it was
-  saved with (only the mesh is ours)."""
+  saved with (only the mesh is ours). The whole target is restored, also when only its
+  shared weights are kept: this route loads it once, on the mesh."""
   with Checkpointer(workdir, cfg, save_every=1, max_to_keep=1, async_save=False) as ckpt:
     step = ckpt.latest_step()
     if step is None:

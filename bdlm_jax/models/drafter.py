@@ -18,6 +18,7 @@ from bdlm_jax.kernels.mask import RowMeta
 from bdlm_jax.models.transformer import AttendFn, LayerStack, RMSNorm, Transformer, _linear
 
 FROZEN = "target"  # the params subtree that gets no gradient and no optimiser state
+TRAINED = "drafter"  # the params subtree that trains
 
 
 class Drafter(LayerStack):
@@ -55,8 +56,8 @@ class DFlash(nnx.Module):
 
   def __init__(self, target: ModelConfig, drafter: ModelConfig, n_features: int,
                rngs: nnx.Rngs):
-    self.target = Transformer(target, rngs)
-    self.drafter = Drafter(drafter, n_features, rngs)
+    self.target = Transformer(target, rngs)  # params[FROZEN]
+    self.drafter = Drafter(drafter, n_features, rngs)  # params[TRAINED]
 
   @property
   def head(self) -> nnx.Module:

@@ -217,8 +217,10 @@ class LayerStack(nnx.Module):
     for name, count in collections.Counter(name for name, _ in layer_slots(cfg)).items():
       setattr(self, name, stacked_blocks(count, moe=has_experts and name == "layers"))
 
-  def scan_layers(self, fn, x, *xs, remat: str = "none", layer_weights=None):
-    """(x, ys) of `fn(block, x, *xs_l, kind) -> (x, y)` run over the layers.
+  def scan_layers(self, fn, x, *xs, remat: str = "none", layer_weights=None,
+                  depth: int | None = None):
+    """(x, ys) of `fn(block, x, *xs_l, kind) -> (x, y)` run over the layers (the first
+    `depth` of them if given).
 
     The layers run as one `lax.scan` over periods of `model.layer_pattern` (each step runs
     one period's layers, each with its static kind), then the remainder's runs of one kind,
@@ -226,7 +228,7 @@ class LayerStack(nnx.Module):
     leading layer axis, as are the returned `ys`. `layer_weights` maps one layer's weights
     before use (the caller's hook to cast and gather sharded weights per layer).
     """
-    kinds, slots = layer_types(self.cfg), layer_slots(self.cfg)
+    kinds, slots = layer_types(self.cfg)[:depth], layer_slots(self.cfg)[:depth]
     stacks = {name: nnx.split(getattr(self, name)) for name in dict.fromkeys(n for n, _ in slots)}
     period = math.lcm(len(layer_period(self.cfg)), len(mlp_period(self.cfg)))
     n_scanned = len(kinds) // period * period
@@ -309,13 +311,16 @@ class Transformer(LayerStack):
     return self.final_norm(x_BRD), stats
 
   def features(self, tokens_BR, pos_BR, meta: RowMeta, attend: AttendFn,
-               layer_ids: tuple[int, ...], layer_weights=None) -> tuple[jax.Array, jax.Array]:
+               layer_ids: tuple[int, ...], depth: int,
+               layer_weights=None) -> tuple[jax.Array, jax.Array]:
     """([B, R, len(layer_ids), D], [B, R, D]): the outputs of layers `layer_ids` (0-based;
-    Hugging Face's `hidden_states[i + 1]`), for a drafter's context, and the final hidden
-    states. Each layer writes its output into its slot of one buffer in the scan carry (the
-    unselected ones into a spare slot), so only the chosen layers' states are kept."""
+    Hugging Face's `hidden_states[i + 1]`), for a drafter's context, and the last layer's
+    output through the final norm (the model's output when `depth` is every layer). Only
+    the first `depth` layers run. Each layer writes its output into its slot of one buffer
+    in the scan carry (the unselected ones into a spare slot), so only the chosen layers'
+    states are kept."""
     n = len(layer_ids)
-    slot = [n] * self.cfg.n_layers
+    slot = [n] * depth
     for i, layer_id in enumerate(layer_ids):
       slot[layer_id] = i
 
@@ -329,7 +334,7 @@ class Transformer(LayerStack):
     feats = jnp.zeros((*x_BRD.shape[:2], n + 1, x_BRD.shape[-1]), x_BRD.dtype)
     (x_BRD, *_, feats), _ = self.scan_layers(
         layer, (x_BRD, pos_BR, meta, feats), jnp.asarray(slot), remat=self.cfg.remat,
-        layer_weights=layer_weights)
+        layer_weights=layer_weights, depth=depth)
     return feats[:, :, :n], self.final_norm(x_BRD)
 
   def embed_tokens(self, tokens_BR) -> jax.Array:

@@ -67,8 +67,8 @@ def pick_anchors(ok_SL, max_anchors: int, sampling: str, seed: int) -> list[np.n
 def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
   s, l = tokens_SL.shape
   a_count, b = cfg.max_anchors, cfg.block_size
-  seed = zlib.crc32(np.ascontiguousarray(tokens_SL).tobytes()
-                    + np.ascontiguousarray(seg_SL).tobytes())
+  seed = zlib.crc32(np.ascontiguousarray(tokens_SL, np.int32).tobytes()
+                    + np.ascontiguousarray(seg_SL, np.int32).tobytes())
   anchors = pick_anchors(anchor_candidates(seg_SL, protected_SL), a_count, cfg.anchors, seed)
   valid_SA = np.zeros((s, a_count), bool)
   anchor_SA = np.zeros((s, a_count), np.int64)

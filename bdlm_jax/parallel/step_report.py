@@ -18,6 +18,10 @@ counts what ring.py / allgather.py issue per layer, for every sequence a device 
   exchange   a local layer's windowed exchange (window.py): its rows + metadata forward,
              their dK/dV back by the reverse permutes (in the compute dtype)
 
+A drafter objective (dflash) adds its frozen target's layers (`context_traffic`): forward
+only, over every row of each rank's clean slot (the context), with the target's K/V widths;
+its drafter's layers are counted as above, with the drafter's.
+
 For one layer this equals the compiled attention probe exactly (tests/parallel/
 test_step_report.py). The compiled step's own split is reported too: collectives issued
 inside the attention `shard_map` (its name scope, `strategies.ATTENTION_SCOPE`) vs the rest, which is weight
@@ -36,7 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from bdlm_jax.batch import abstract_batch
-from bdlm_jax.config import STRATEGIES, Config, ConfigError, layer_types, override
+from bdlm_jax.config import (STRATEGIES, Config, ConfigError, ModelConfig, drafter_model,
+                             layer_types, override, target_depth)
 from bdlm_jax.kernels.mask import RowMeta
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel import hlo_stats
@@ -84,18 +89,55 @@ def _collective_itemsize(dtype) -> int:
   return 4 if dtype == jnp.bfloat16 and jax.default_backend() == "cpu" else dtype.itemsize
 
 
+def context_traffic(plan: LayoutPlan, kv_row_bytes: float, meta_row_bytes: float,
+                    n_layers: int) -> dict[str, float]:
+  """What a drafter's frozen target issues on `n_layers` layers (`make_attend(rows="clean")`
+  with no gradient): every row of each rank's clean slot travels forward only, P-1 ring hops
+  or one all-gather of K/V + metadata; nothing when the plan moves nothing (`bp` replicates
+  the context, one rank)."""
+  out = dict.fromkeys(hlo_stats.COLLECTIVE_KINDS, 0.0)
+  p = plan.num_ranks
+  if p == 1 or plan.travel == "none":
+    return out
+  kv = n_layers * (plan.rows_per_rank - plan.n_noisy) * (kv_row_bytes + meta_row_bytes)
+  if TRANSPORTS[plan.strategy] == "ring":
+    out["collective-permute"] = (p - 1) * kv
+  else:
+    out["all-gather"] = kv
+  return out
+
+
 def config_attention_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype).itemsize):
-  """`attention_traffic` of `cfg` (K/V in compute_dtype, dK/dV in kv_grad_dtype)."""
+  """`attention_traffic` of `cfg` (K/V in compute_dtype, dK/dV in kv_grad_dtype); for a
+  drafter objective, its drafter's layers plus its frozen target's `context_traffic` over the
+  layers it runs (`target_depth`: none with precomputed features)."""
   m, p = cfg.model, cfg.parallel
-  copies = get_objective(cfg.objective.name).COPIES  # sequences it runs per batch sequence
-  sequences = cfg.train.batch_size // (p.data * p.fsdp) * copies
-  kv_elems = sequences * 2 * m.n_kv_heads * m.head_dim
-  rows = (kv_elems * itemsize(m.compute_dtype), kv_elems * itemsize(p.kv_grad_dtype),
-          sequences * META_ROW_BYTES)
-  kinds = layer_types(m)
-  by_window = [(None, kinds.count("global")), (m.sliding_window, kinds.count("local"))]
-  totals = [attention_traffic(plan_for(cfg), *rows, n, window) for window, n in by_window if n]
+  objective = get_objective(cfg.objective.name)
+  sequences = cfg.train.batch_size // (p.data * p.fsdp) * objective.COPIES  # per device
+
+  def row_bytes(model: ModelConfig):  # K/V, dK/dV and metadata of one row, all sequences
+    kv_elems = sequences * 2 * model.n_kv_heads * model.head_dim
+    return (kv_elems * itemsize(model.compute_dtype), kv_elems * itemsize(p.kv_grad_dtype),
+            sequences * META_ROW_BYTES)
+
+  plan = plan_for(cfg)
+  if objective.DRAFTER:
+    kv, _, meta = row_bytes(m)
+    drafter = drafter_model(cfg)
+    totals = [attention_traffic(plan, *row_bytes(drafter), drafter.n_layers)]
+    totals.append(context_traffic(plan, kv, meta, target_depth(cfg)))
+  else:
+    kinds = layer_types(m)
+    by_window = [(None, kinds.count("global")), (m.sliding_window, kinds.count("local"))]
+    totals = [attention_traffic(plan, *row_bytes(m), n, window) for window, n in by_window
+              if n]
   return {kind: sum(t[kind] for t in totals) for kind in hlo_stats.COLLECTIVE_KINDS}
+
+
+def expected_attention_operand_bytes(cfg: Config) -> float:
+  """`config_attention_traffic` in the element sizes this backend's collectives compile to:
+  what the compiled attention collectives should add up to (`StepReport.attention_check`)."""
+  return sum(config_attention_traffic(cfg, _collective_itemsize).values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +206,7 @@ def step_report(cfg: Config, mesh=None) -> StepReport:
       compile_s=seconds, collective_bytes=hlo_stats.collective_bytes(compiled),
       attention_collective_bytes=hlo_stats.collective_bytes(compiled, ATTENTION_SCOPE),
       attention_bytes=hlo_stats.wire_bytes(config_attention_traffic(cfg), cfg.parallel.seq),
-      expected_attention_operand_bytes=sum(
-          config_attention_traffic(cfg, _collective_itemsize).values()))
+      expected_attention_operand_bytes=expected_attention_operand_bytes(cfg))
 
 
 def compare_strategies(cfg: Config, strategies=STRATEGIES, mesh=None,
@@ -226,6 +267,16 @@ def choose(rows: list[dict], device_bytes: float) -> dict | None:
   return min(fit, key=lambda r: (r["attention_bytes"], r["peak_bytes"]), default=None)
 
 
+def describe_objective(cfg: Config) -> str:
+  """The objective's name; a drafter's with its anchors and its own layers."""
+  o = cfg.objective
+  if not get_objective(o.name).DRAFTER:
+    return o.name
+  d = drafter_model(cfg)
+  return (f"{o.name} ({o.max_anchors} anchors; a {d.n_layers}-layer drafter, {d.n_heads} q / "
+          f"{d.n_kv_heads} kv heads of {d.head_dim}, over the frozen target)")
+
+
 def plan_report(cfg: Config, progress=lambda _: None) -> str:
   """mode=plan: `cfg`'s step compiled under every strategy, side by side, and the pick."""
   mesh = make_mesh(cfg)  # too few devices is the config's error, not a strategy's
@@ -239,7 +290,7 @@ def plan_report(cfg: Config, progress=lambda _: None) -> str:
       f"Compiled train step per device ({jax.device_count()} {jax.default_backend()} devices; "
       f"mesh data={p.data} fsdp={p.fsdp} seq={p.seq}; L={cfg.data.seq_len}, "
       f"B={cfg.objective.block_size}, {cfg.train.batch_size} sequences/step, "
-      f"{cfg.objective.name}; {m.n_layers} layers, d_model {m.d_model}, remat {m.remat}, "
+      f"{describe_objective(cfg)}; {m.n_layers} layers, d_model {m.d_model}, remat {m.remat}, "
       f"{m.compute_dtype} compute). Peak = arguments + temp + output - alias; attention = "
       "K/V, dK/dV and row metadata each device sends per step (from the layout plan); "
       "check = compiled attention collectives / the plan's.", "",

@@ -102,6 +102,8 @@ def make_attend(cfg: Config, mesh=None, rows: str = "all"):
   "clean" slot, where its frozen target runs causally over the context (the context travels
   where the strategy moves anything), or "draft", see `_draft_attend`.
   """
+  if rows not in ("all", "clean", "draft"):
+    raise ValueError(f"rows={rows!r} is not 'all', 'clean' or 'draft'")
   plan = plan_for(cfg)
   kernel = get_kernel(cfg.model.attention_impl)
   transport = TRANSPORTS[cfg.parallel.strategy]
@@ -119,6 +121,8 @@ def make_attend(cfg: Config, mesh=None, rows: str = "all"):
   bodies = {None: _sharded(cfg, mesh, global_body, n_kv=1)}
 
   def attend(q, k, v, q_meta, k_meta, window=None):
+    if window is not None and rows != "all":  # the windowed exchange plans whole layouts
+      raise ValueError(f"local layers over {rows!r} rows are not supported")
     if window not in bodies:
       bodies[window] = _sharded(cfg, mesh, _windowed_attend(plan, global_body, kernel, chunk,
                                                             window), n_kv=1)

@@ -269,3 +269,78 @@ def test_probe_rows_of_a_model_with_local_layers_are_its_memory(tmp_path):
                   "llama3-8b,16384,csbp_ring,16,32,64,full,,,5e10,\n")
   assert cm.load_probe(str(path), cm.Hardware()) == {
       (model, 16384, 64, "csbp_ring"): 5e10 for model in ("gemma3-27b", "llama3-8b")}
+
+
+# DFlash drafter training: a small target and drafter, L = 128, B = 4, A = 8, on 4 GPUs.
+DFLASH_P = 4
+DFLASH_HW = cm.Hardware(nodes=1, gpus_per_node=DFLASH_P, hbm_gb=80.0)
+
+
+def _dflash_cfg(anchors=8):
+  target = _model(n_layers=4, qk_norm=True, tie_embeddings=False)
+  return cm.dflash_config(128, anchors, target=target, draft_layers=2, block_size=4)
+
+
+@pytest.mark.parametrize("anchors", [8, 12])
+def test_dflash_useful_flops_equal_model_flops_per_step(anchors):
+  """The target's causal forward once, the drafter's training three times."""
+  cfg = _dflash_cfg(anchors)
+  assert math.isclose(cm.dflash_useful_flops(cfg), model_flops_per_step(cfg), rel_tol=1e-12)
+
+
+def test_dflash_param_counts_equal_the_flax_target_and_drafter():
+  cfg = _dflash_cfg()
+  params = abstract_params(cfg)
+  count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
+  assert cm.drafter_params(cfg) == count(params["drafter"])
+  assert cm.param_count(cfg.model) == count(params["target"])
+
+
+@pytest.mark.parametrize("strategy", cm.DFLASH_STRATEGIES)
+def test_draft_pairs_split_by_kv_owner_sum_to_attention_work(strategy):
+  p = 1 if strategy == "none" else DFLASH_P
+  work = cm.draft_work(strategy, 128, 4, p, 8)
+  per_rank = work.stay_pairs + work.travel_pairs.sum(axis=1)
+  np.testing.assert_array_equal(per_rank, work.plan.attention_work())
+  assert (work.travel_pairs == 0).all() == (strategy in ("none", "bp"))
+
+
+def test_csbp_drafter_moves_context_kv_cp_also_draft_kv_bp_nothing():
+  """Per GPU: the target's context K/V one way (P-1 ring hops, on the layers it runs) under
+  cp and csbp alike; per
+  drafter layer, the ring's P-1 hops each way and P dK/dV hops, of L/P context rows under
+  csbp and of those plus A*B/P draft rows under cp."""
+  cfg, a = _dflash_cfg(), cm.Assumptions()
+  m, d = cfg.model, cm.drafter_model(cfg)
+  sent = {s: cm.dflash_comm_bytes(cfg, *cm.dflash_works(s, cfg, DFLASH_P), a)
+          for s in ("cp_ring", "csbp_ring", "bp")}
+  kv_row = lambda model: 2 * model.n_kv_heads * model.head_dim
+  ring = lambda rows: d.n_layers * rows * (
+      2 * (DFLASH_P - 1) * (kv_row(d) * a.compute_bytes + a.meta_bytes_per_row)
+      + DFLASH_P * kv_row(d) * a.kv_grad_bytes)
+  ctx_rows, draft_rows = 128 // DFLASH_P, 8 * 4 // DFLASH_P
+  target = cm.target_depth(cfg) * (DFLASH_P - 1) * ctx_rows * (
+      kv_row(m) * a.compute_bytes + a.meta_bytes_per_row)  # the layers up to the last chosen
+  assert sent["csbp_ring"] == target + ring(ctx_rows)
+  assert sent["cp_ring"] == target + ring(ctx_rows + draft_rows)
+  assert sent["bp"] == 0
+
+
+def test_bp_repeats_the_targets_forward_on_every_gpu_csbp_splits_it():
+  cfg, a = _dflash_cfg(), cm.Assumptions()
+  rows = cm.dflash_project(DFLASH_HW, a, seq_lens=(128,), anchors=(("8", lambda _: 8),),
+                           target=cfg.model, draft_layers=2)
+  at = {r["strategy"]: r for r in rows}
+  for part in ("target_linear_s", "target_attention_busy_s"):
+    assert at["bp"][part] == pytest.approx(DFLASH_P * at["csbp_ring"][part], rel=1e-12)
+    assert at["none"][part] == pytest.approx(at["bp"][part], rel=1e-12)
+  assert at["none"]["seq_s"] == pytest.approx(at["none"]["total_s"] / DFLASH_P)
+  assert at["bp"]["held_bytes"] > at["csbp_ring"]["held_bytes"]
+  spd = cm.dflash_speedups(rows)
+  assert len(spd) == 1 and spd[0]["csbp"] in cm.DFLASH_CSBP
+  fitting = [r for r in rows if r["strategy"] in cm.DFLASH_BASELINES and r["fits"]]
+  base = min(fitting, key=lambda r: r["seq_s"])
+  assert spd[0]["baseline"] == base["strategy"]
+  assert spd[0]["speedup"] == pytest.approx(base["seq_s"] / at[spd[0]["csbp"]]["seq_s"])
+  text = "\n".join(cm._dflash_section(DFLASH_HW, a, rows, spd))
+  assert "2.48x" in text and "7.59x" in text and "| csbp_ring |" in text

@@ -84,3 +84,18 @@ def test_cost_model_predicts_the_measured_attention_bytes(bench):
         work, model, cm.Assumptions(compute_bytes=4, meta_bytes_per_row=meta))
     measured = _f(rows[strategy], "attn_wire_bytes")
     assert sent(0) <= measured <= sent(cm.Assumptions().meta_bytes_per_row), strategy
+
+
+def test_dflash_bench_writes_its_own_results_and_matches_the_plan(tmp_path):
+  """A drafter's step (frozen target forward + drafter forward/backward) compiles, runs and
+  sends what its plan says; bd3lm's results stay as they are (no parallel_bench.csv, no
+  README_results.md). One strategy: tests/parallel/test_step_report.py checks the others."""
+  (row,) = pb.main(["--objective", "dflash", "--tiny", "--strategies", "csbp_ring",
+                    "--out", str(tmp_path)])
+  assert sorted(os.listdir(tmp_path)) == ["parallel_bench_dflash.csv",
+                                          "parallel_bench_dflash.md"]
+  assert row["objective"] == "dflash" and 0.97 <= row["attn_check"] <= 1.0
+  for column in ("attn_wire_bytes", "temp_bytes", "model_flops_per_device", "step_ms"):
+    assert row[column] > 0, column
+  text = (tmp_path / "parallel_bench_dflash.md").read_text()
+  assert "frozen target" in text and "| 8 | 64 | csbp_ring |" in text

@@ -71,3 +71,33 @@ def test_ragged_standins_keep_the_ragged_ops_shapes(monkeypatch):
     out = jax.lax.ragged_all_to_all(jnp.ones((12, 4)), jnp.zeros((rows, 4)), offsets, offsets,
                                     offsets, offsets, axis_name="seq")
     assert out.shape == (rows, 4)
+
+
+def test_dflash_probe_jobs_are_a_drafter_over_the_frozen_target(tmp_path, monkeypatch):
+  """--objective dflash: each job is a drafter step's config (its rows written apart, in
+  scale_probe_quick_dflash.*); no compile here, each job's plan traffic stands in for it."""
+  from bdlm_jax.config import drafter_model
+  from bdlm_jax.parallel import step_report
+  jobs = []
+
+  def measure(job, timeout_s):
+    jobs.append(job)
+    cfg = scale_probe.probe_config(**job)
+    return dict(argument_bytes=1, temp_bytes=1, output_bytes=0, alias_bytes=0, peak_bytes=2,
+                compile_s=1.0, attention_check=1.0,
+                attention_bytes=sum(step_report.config_attention_traffic(cfg).values()))
+
+  monkeypatch.setattr(scale_probe, "measure", measure)
+  scale_probe.main(["--quick", "--objective", "dflash", "--lens", "64", "--drafter-layers", "2",
+                    "--strategies", "csbp_ring", "cp_ring", "--depth-check", "0",
+                    "--out", str(tmp_path)])
+  cfg = scale_probe.probe_config(**jobs[0])
+  assert (cfg.objective.name, cfg.objective.max_anchors, cfg.objective.block_size) == (
+      "dflash", 4, 16)
+  assert drafter_model(cfg).n_layers == 2 and cfg.model.n_layers == 2
+  with open(tmp_path / "scale_probe_quick_dflash.csv") as f:
+    rows = {r["strategy"]: r for r in csv.DictReader(f)}
+  assert {r["objective"] for r in rows.values()} == {"dflash"}
+  assert 0 < float(rows["csbp_ring"]["attention_bytes"]) < float(rows["cp_ring"]["attention_bytes"])
+  text = (tmp_path / "scale_probe_quick_dflash.md").read_text()
+  assert "frozen target" in text and "4 anchors; a 2-layer drafter" in text

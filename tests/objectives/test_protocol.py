@@ -9,8 +9,8 @@ import pytest
 from bdlm_jax.config import OBJECTIVES, ObjectiveConfig
 from bdlm_jax.objectives import get_objective
 
-PROTOCOL = ("LOSS_SLOT", "NOISY_STREAM", "COPIES", "TOKEN_SHIFT", "DRAFTER", "logical_rows", "corrupt",
-            "score", "evaluated")
+PROTOCOL = ("LOSS_SLOT", "NOISY_STREAM", "COPIES", "TOKEN_SHIFT", "DRAFTER", "logical_rows",
+            "corrupt", "score", "evaluated")
 
 
 @pytest.mark.parametrize("name", OBJECTIVES)

@@ -41,6 +41,9 @@ def test_abstract_batch_has_make_batchs_shapes_dtypes_and_row_sharding(objective
   mesh = make_mesh(cfg)
   real = make_batch(cfg, np.ones((2, L), np.int32))
   for name, spec, x in zip(real._fields, abstract_batch(cfg, mesh), real):
+    if x is None:  # an optional field (a drafter's precomputed features)
+      assert spec is None, name
+      continue
     assert (spec.shape, spec.dtype) == (x.shape, x.dtype), name
     assert spec.sharding == row_sharding(mesh)
 
@@ -112,3 +115,47 @@ def test_device_memory_is_the_configured_value_else_141_gb_on_cpu():
   assert sr.device_memory_bytes(80) == 80e9
   if jax.devices()[0].memory_stats() is None:
     assert sr.device_memory_bytes() == 141e9
+
+
+# A drafter (dflash) over the tiny target: its K/V (1 head of 16) are not the target's (2 of
+# 16), so a count with the wrong widths, a backward through the frozen target, or the wrong
+# travelling rows all show. 8 draft blocks of 4 over L = 64 context rows.
+DFLASH = dict(data=dict(seq_len=64), objective=dict(name="dflash", block_size=4, max_anchors=8),
+              drafter=dict(n_layers=1, n_kv_heads=1))
+
+
+@pytest.mark.parametrize("strategy", ["csbp_ring", "csbp_allgather", "cp_ring"])
+def test_dflash_plan_traffic_matches_the_compiled_step(strategy, monkeypatch):
+  """The frozen target's layers send every context row's K/V forward only (no dK/dV, no
+  backward hops); the drafter's layer sends its plan's travelling rows forward and back.
+  Exact by kind, but for all-gathered row metadata: XLA gathers the context's once for every
+  layer that shares it, so an all-gather lies between its K/V alone and K/V + metadata."""
+  cfg = config(strategy, **DFLASH)
+  compiled = sr.step_report(cfg).attention_collective_bytes
+  plan = sr.config_attention_traffic(cfg)
+  monkeypatch.setattr(sr, "META_ROW_BYTES", 0)
+  kv_only = sr.config_attention_traffic(cfg)
+  for kind, sent in compiled.items():
+    if kind == "all-gather":
+      assert kv_only[kind] <= sent <= plan[kind] and (sent > 0) == (plan[kind] > 0)
+    else:
+      assert sent == plan[kind], kind
+
+
+def test_dflash_traffic_is_the_targets_forward_plus_the_drafters_layers():
+  """By hand, per device (P = 8, f32): 8 context rows and 4 draft rows per rank; K+V per row
+  2*2*16*4 = 256 B for the target, 2*1*16*4 = 128 B for the drafter; 16 B of metadata.
+  (With precomputed features the compiled step sends exactly the drafter's part too.)"""
+  ctx, draft, meta, p = 8, 4, 16, 8
+  target = 2 * (p - 1) * ctx * (256 + meta)  # 2 layers, forward only
+  ring = lambda rows: 2 * (p - 1) * rows * (128 + meta) + p * rows * 128  # 1 drafter layer
+  traffic = lambda s: sr.config_attention_traffic(config(s, **DFLASH))
+  assert traffic("csbp_ring")["collective-permute"] == target + ring(ctx)
+  assert traffic("cp_ring")["collective-permute"] == target + ring(ctx + draft)
+  gather = traffic("csbp_allgather")
+  assert gather["all-gather"] == 2 * ctx * (256 + meta) + 2 * ctx * (128 + meta)
+  assert gather["reduce-scatter"] == p * ctx * 128
+  assert sum(traffic("bp").values()) == 0
+  # Precomputed target features (drafter.features): no target runs, the drafter's alone.
+  features = config("csbp_ring", **{**DFLASH, "drafter": dict(DFLASH["drafter"], features="f")})
+  assert sr.config_attention_traffic(features)["collective-permute"] == ring(ctx)
