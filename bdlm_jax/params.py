@@ -74,8 +74,9 @@ def merge_transformer(model: ModelConfig, params) -> Transformer:
   return _merge(_graph(_json(model), "", 0), params)
 
 
-def merge(cfg: Config, params) -> Transformer:
-  """The model module holding `params` (a pure dict pytree); cheap, usable under jit."""
+def merge(cfg: Config, params) -> nnx.Module:
+  """The model module holding `params` (a pure dict pytree): a `Transformer`, or a drafter
+  objective's `DFlash`; cheap, usable under jit."""
   return _merge(_graph_of(cfg), params)
 
 
