@@ -316,26 +316,27 @@ class Transformer(LayerStack):
     """([B, R, len(layer_ids), D], [B, R, D]): the outputs of layers `layer_ids` (0-based;
     Hugging Face's `hidden_states[i + 1]`), for a drafter's context, and the last layer's
     output through the final norm (the model's output when `depth` is every layer). Only
-    the first `depth` layers run. Each layer writes its output into its slot of one buffer
-    in the scan carry (the unselected ones into a spare slot), so only the chosen layers'
-    states are kept."""
-    n = len(layer_ids)
-    slot = [n] * depth
+    the first `depth` layers run. A chosen layer writes its output into its slot of one
+    buffer in the scan carry, updated in place (another layer rewrites a slot with what it
+    holds), so only the chosen layers' states are kept, in the layout `fc` reads."""
+    slot, chosen = [0] * depth, [False] * depth
     for i, layer_id in enumerate(layer_ids):
-      slot[layer_id] = i
+      slot[layer_id], chosen[layer_id] = i, True
 
-    def layer(block, carry, slot, kind):
+    def layer(block, carry, slot, chosen, kind):
       x_BRD, pos_BR, meta, feats = carry
       x_BRD, _ = block(x_BRD, pos_BR, meta, attend, kind)
-      feats = jax.lax.dynamic_update_index_in_dim(feats, x_BRD, slot, axis=2)
+      kept = jax.lax.dynamic_index_in_dim(feats, slot, axis=2, keepdims=False)
+      feats = jax.lax.dynamic_update_index_in_dim(feats, jnp.where(chosen, x_BRD, kept), slot,
+                                                  axis=2)
       return (x_BRD, pos_BR, meta, feats), None
 
     x_BRD = self.embed_tokens(tokens_BR)
-    feats = jnp.zeros((*x_BRD.shape[:2], n + 1, x_BRD.shape[-1]), x_BRD.dtype)
+    feats = jnp.zeros((*x_BRD.shape[:2], len(layer_ids), x_BRD.shape[-1]), x_BRD.dtype)
     (x_BRD, *_, feats), _ = self.scan_layers(
-        layer, (x_BRD, pos_BR, meta, feats), jnp.asarray(slot), remat=self.cfg.remat,
-        layer_weights=layer_weights, depth=depth)
-    return feats[:, :, :n], self.final_norm(x_BRD)
+        layer, (x_BRD, pos_BR, meta, feats), jnp.asarray(slot), jnp.asarray(chosen),
+        remat=self.cfg.remat, layer_weights=layer_weights, depth=depth)
+    return feats, self.final_norm(x_BRD)
 
   def embed_tokens(self, tokens_BR) -> jax.Array:
     """The first layer's input [B, R, D]: embeddings, times sqrt(d_model) for Gemma (as
