@@ -621,8 +621,8 @@ def drafter_model(cfg: Config) -> ModelConfig:
   """The drafter's layers as a ModelConfig: Qwen3-style (q/k norm, SwiGLU, global attention),
   the target's width, dtypes and attention settings, `drafter.*` for the rest."""
   m, d = cfg.model, cfg.drafter
-  return dataclasses.replace(
-      ModelConfig(), vocab_size=m.vocab_size, d_model=m.d_model, n_layers=d.n_layers,
+  return ModelConfig(
+      vocab_size=m.vocab_size, d_model=m.d_model, n_layers=d.n_layers,
       n_heads=d.n_heads or m.n_heads, n_kv_heads=d.n_kv_heads or m.n_kv_heads,
       head_dim=d.head_dim or m.head_dim, d_ff=d.d_ff or m.d_ff, rope_theta=m.rope_theta,
       qk_norm=True, norm_eps=m.norm_eps, param_dtype=m.param_dtype,

@@ -57,9 +57,10 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
       start, state, data_state = ckpt.restore(abstract_state(cfg, mesh))
       data.set_state(data_state)
     else:
-      params = params_from_hf(cfg, mesh) if cfg.init_from else None  # AR -> BDLM conversion
       if get_objective(cfg.objective.name).DRAFTER:  # a fresh drafter, its target's weights
         params = dict(init_params(cfg, init_key, mesh), **{FROZEN: load_target(cfg, mesh)})
+      else:
+        params = params_from_hf(cfg, mesh) if cfg.init_from else None  # AR -> BDLM conversion
       start, state = 0, init_state(cfg, init_key, mesh, params)
     train_step = make_train_step(cfg, mesh)
     held_out = HeldOut(cfg, mesh) if cfg.train.eval_every else None

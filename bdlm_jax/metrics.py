@@ -54,10 +54,10 @@ def model_flops_per_step(cfg: Config) -> float:
 
 def _drafter_flops_per_step(cfg: Config) -> float:
   """The target's causal forward over L rows (the layers `target_depth` runs: none with
-  precomputed features), then the drafter's forward + backward: its
-  layers over the A*B draft rows, its fc and k/v projections over the L context rows, the
-  logits of the draft rows, and the allowed draft-query pairs (anchors at their expected
-  places, `LayoutPlan.block_starts`)."""
+  precomputed features), then the drafter's forward + backward: its layers over the A*B
+  draft rows, its fc and k/v projections over the L context rows, the logits of the draft
+  rows, and the allowed draft-query pairs (anchors at their expected places,
+  `LayoutPlan.block_starts`)."""
   m, d, L = cfg.model, drafter_model(cfg), cfg.data.seq_len
   n_feat = len(target_layer_ids(cfg))
   run = dataclasses.replace(m, n_layers=target_depth(cfg))  # the target layers that run

@@ -88,8 +88,8 @@ class Attention(nnx.Module):
     return (q, *self.kv(x_BRD, pos_BR, kind))
 
   def kv(self, x_BRD, pos_BR, kind: str = "global"):
-    """Keys (normed, rotated) and values of rows that serve only as keys (a drafter's
-    context)."""
+    """Keys (normed, rotated) and values of `x`: `qkv`'s, and alone for rows that serve only
+    as keys (a drafter's context)."""
     cfg = self.cfg
     b, r, _ = x_BRD.shape
     k = self.k_proj(x_BRD).reshape(b, r, cfg.n_kv_heads, cfg.head_dim)

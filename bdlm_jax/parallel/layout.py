@@ -187,14 +187,14 @@ def make_plan(strategy: str, seq_len: int, block_size: int, num_ranks: int,
   `noisy_stream=False` is the autoregressive case: only the clean stream exists.
   `draft_blocks` A > 0 is a drafter's: A draft blocks ahead of the clean context.
   """
+  if strategy == "none" and num_ranks != 1:
+    raise ConfigError("strategy 'none' runs on one seq rank; set parallel.seq=1")
   if draft_blocks:
     return _draft_plan(strategy, seq_len, block_size, num_ranks, draft_blocks)
   L, B, P = seq_len, block_size, num_ranks
   plan = lambda rows, n_noisy, travel: LayoutPlan(strategy, L, B, np.asarray(rows, np.int32),
                                                   n_noisy, travel)
   if strategy == "none":
-    if P != 1:
-      raise ConfigError("strategy 'none' runs on one seq rank; set parallel.seq=1")
     rows = np.arange(2 * L) if noisy_stream else np.arange(L, 2 * L)
     return plan(rows[None], L if noisy_stream else 0, "none")
   if strategy in ("cp_ring", "cp_allgather", "cp_ring_balanced"):
@@ -240,8 +240,6 @@ def _draft_plan(strategy: str, L: int, B: int, P: int, A: int) -> LayoutPlan:
   plan = lambda rows, n_noisy, travel: LayoutPlan(strategy, L, B, np.asarray(rows, np.int32),
                                                   n_noisy, travel, draft_blocks=A)
   if strategy == "none":
-    if P != 1:
-      raise ConfigError("strategy 'none' runs on one seq rank; set parallel.seq=1")
     return plan(np.arange(n + L)[None], n, "none")
   if strategy in ("cp_ring", "cp_allgather", "cp_ring_balanced"):
     if n % (2 * P):
