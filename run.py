@@ -1,4 +1,5 @@
-"""Command line: python run.py --config configs/quickstart.py [--set a.b=c ...] [--resume]."""
+"""Command line: python run.py --config configs/quickstart.py [--set a.b=c ...]
+[--resume | --resume-if-present] [--allow-changes]."""
 
 import argparse
 import json
@@ -13,16 +14,28 @@ def main(argv=None) -> int:
                       help="override a config value, e.g. --set parallel.strategy=csbp_ring")
   parser.add_argument("--workdir", default=None,
                       help="checkpoints and metrics (default runs/<config>)")
-  parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+  resume_flags = parser.add_mutually_exclusive_group()
+  resume_flags.add_argument("--resume", action="store_true",
+                            help="continue from the latest checkpoint of --workdir, which must "
+                                 "hold one")
+  resume_flags.add_argument("--resume-if-present", action="store_true",
+                            help="continue if --workdir holds a checkpoint, else start a new run "
+                                 "there (for preemptible jobs that rerun one command)")
+  parser.add_argument("--allow-changes", action="store_true",
+                      help="resume with settings that change the run (train.steps, batch, lr, "
+                           "data, seed...); the changes are logged")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   args = parser.parse_args(argv)
 
-  from bdlm_jax.config import ConfigError, load_config
+  from bdlm_jax.configure import load_config
+  from bdlm_jax.errors import ConfigError
   try:
     cfg = load_config(args.config, args.set)
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
+  if cfg.mode == "prepare":  # CPU work: no devices are set up
+    return prepare(cfg, progress=not args.no_progress)
   needed = cfg.parallel.data * cfg.parallel.fsdp * cfg.parallel.seq
   if needed > 1 and not cfg.parallel.distributed:
     # Simulated devices on a CPU-only host; ignored where real accelerators are present.
@@ -44,10 +57,10 @@ def main(argv=None) -> int:
       step, out_dir = export_checkpoint(cfg, workdir)
       print(f"exported step {step} of {workdir} to {out_dir} (Hugging Face format)")
       return 0
-    if cfg.mode in ("plan", "eval"):  # train checks in loop.train
+    if cfg.mode == "eval":  # train checks in loop.train, plan per strategy for its target
       check_dispatch_runs_here(cfg)
     if cfg.mode == "plan":
-      from bdlm_jax.parallel.step_report import plan_report
+      from bdlm_jax.analysis.plan_mode import plan_report
       print(plan_report(cfg, progress=lambda line: print(line, file=sys.stderr)))
       return 0
     if cfg.mode == "eval":
@@ -63,7 +76,9 @@ def main(argv=None) -> int:
       print(f"step {step} of {workdir}; prompt {prompt!r}; completion:", file=sys.stderr)
       print(completion)
       return 0
-    history = train(cfg, workdir, resume=args.resume, progress=not args.no_progress)
+    resume = "if_present" if args.resume_if_present else args.resume
+    history = train(cfg, workdir, resume=resume, progress=not args.no_progress,
+                    allow_changes=args.allow_changes)
     shown = None
     if history and "eval_loss" in history[-1]:
       from bdlm_jax.evaluate import show_sample
@@ -86,6 +101,29 @@ def main(argv=None) -> int:
       from bdlm_jax.evaluate import describe
       print(describe(last, cfg.objective.name))
       print(shown)
+  return 0
+
+
+def prepare(cfg, progress: bool) -> int:
+  """mode=prepare: tokenize the corpus once (bdlm_jax/data/prepare.py)."""
+  from bdlm_jax.data import DataError
+  from bdlm_jax.data.prepare import prepare as prepare_corpus
+  from bdlm_jax.errors import ConfigError
+  try:
+    folders = prepare_corpus(cfg, progress=progress)
+  except (ConfigError, DataError, OSError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("interrupted; the shards written are kept: rerun the same command to continue",
+          file=sys.stderr)
+    return 130
+  for folder, meta in folders.items():
+    print(f"{folder}: {meta['documents']:,} documents, {meta['tokens']:,} tokens of "
+          f"{meta['path']} ({meta['tokenizer']} tokenizer)")
+  train, *held_out = folders
+  print(f"read it with --set data.source=tokens --set data.path={train}" +
+        "".join(f" --set data.eval_path={f}" for f in held_out))
   return 0
 
 

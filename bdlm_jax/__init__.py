@@ -1,13 +1,15 @@
 """bdlm_jax: block diffusion language models with block parallelism, in JAX.
 
-The public functional API (DESIGN.md section 8); everything is a pure function of a params
-pytree, so it composes with jax.jit and jax.grad.
+The public functional API (README.md, "Use it from Python"); everything is a pure function
+of a params pytree, so it composes with jax.jit and jax.grad.
 """
 
 from bdlm_jax.batch import Batch, abstract_batch, make_batch
 from bdlm_jax.checkpoint.hf_export import export_hf
 from bdlm_jax.checkpoint.hf_import import import_hf
-from bdlm_jax.config import Config, ConfigError, load_config, override
+from bdlm_jax.config import Config
+from bdlm_jax.configure import load_config, override
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.loss import ar_logits, draft_logits, loss_fn
 from bdlm_jax.params import init_params
 from bdlm_jax.parallel.mesh import make_mesh

@@ -1,7 +1,7 @@
 """`Batch`: the rows of one training step, already in the strategy's layout order.
 
 The layout permutation happens here, on the host: permuting inside the jitted step would
-make XLA all-gather whole activations (DESIGN.md section 3).
+make XLA all-gather whole activations (docs/strategies.md).
 """
 
 from typing import NamedTuple
@@ -9,13 +9,15 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from bdlm_jax.config import Config, ConfigError, target_layer_ids
+from bdlm_jax.config import Config
+from bdlm_jax.errors import ConfigError
+from bdlm_jax.models.drafter import target_layer_ids
 from bdlm_jax.kernels.mask import CLEAN, RowMeta, row_meta
-from bdlm_jax.objectives import get_objective
+from bdlm_jax.objectives import get_objective, reserved_mask_id
 from bdlm_jax.objectives.streams import PAD_VALUES
 from bdlm_jax.parallel.layout import apply_layout
 from bdlm_jax.parallel.mesh import row_sharding
-from bdlm_jax.parallel.strategies import plan_for
+from bdlm_jax.parallel.registry import plan_for
 
 
 class Batch(NamedTuple):
@@ -53,7 +55,7 @@ def check_token_ids(cfg: Config, tokens: np.ndarray, where: str) -> None:
   if lo < 0 or hi >= cfg.model.vocab_size:
     raise ConfigError(f"token ids must lie in [0, model.vocab_size={cfg.model.vocab_size}); "
                       f"got min {lo}, max {hi} in {where}")
-  mask_id = cfg.objective.reserved_mask_id
+  mask_id = reserved_mask_id(cfg)
   if mask_id is not None and np.any(tokens == mask_id):
     raise ConfigError(f"token id {cfg.objective.mask_token_id} is objective.mask_token_id, "
                       f"reserved for [MASK], and appears in {where}")

@@ -2,33 +2,24 @@
 
 A config file exposes `get_config() -> Config`. Overrides use dotted names
 (`objective.block_size=32`) and are parsed with the type of the field they set, so a
-typo or a wrong type fails at load time with a message that lists what is valid.
+typo or a wrong type fails at load time with a message that lists what is valid. Each
+section checks its own fields (`validate`); rules that join sections live with the part
+that owns them and run when a config is loaded (`bdlm_jax.configure`).
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
 import dataclasses
-import functools
-import importlib.util
+import difflib
 import json
 import math
-import os
-import traceback
 import typing
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable
 
-import numpy as np
-
-
-class ConfigError(ValueError):
-  """A config key, value or combination that cannot run."""
+from bdlm_jax.errors import ConfigError
 
 
-STRATEGIES = ("none", "cp_allgather", "cp_ring", "cp_ring_balanced", "bp", "csbp_allgather",
-              "csbp_ring")
-OBJECTIVES = ("bd3lm", "fast_dllm_v2", "ar", "dflash")
 ANCHOR_SAMPLING = ("uniform", "strided")  # objective.anchors (dflash)
 ATTENTION_IMPLS = ("xla", "pallas")
 LAYER_TYPES = ("global", "local")
@@ -37,14 +28,66 @@ MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama, Qwen3), GeGLU (Gemma 3
 MOE_DISPATCHES = ("ragged_all_to_all", "all_gather")  # parallel.moe_dispatch
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full")
-MODES = ("train", "eval", "sample", "export", "plan")
-DATA_SOURCES = ("arithmetic", "text", "jsonl", "array_record")
+MODES = ("train", "eval", "sample", "export", "plan", "prepare")
+# "tokens": a folder of token ids written by mode=prepare (bdlm_jax/data/prepare.py).
+DATA_SOURCES = ("arithmetic", "text", "jsonl", "array_record", "tokens")
 DATA_FORMATS = ("text", "chat")
 CHAT_TEMPLATES = ("plain", "chatml")  # defined in bdlm_jax/data/chat.py
 
 
+class OneOf(tuple):
+  """A rule: the value is one of these names."""
+
+  def check(self, key: str, value) -> None:
+    if value not in self:
+      raise ConfigError(f"{key}={value!r} is not one of {list(self)}")
+
+
+class Holds(typing.NamedTuple):
+  """A rule: `test(value)` holds, described as `text` in the error."""
+  text: str
+  test: typing.Callable[[Any], bool]
+
+  def check(self, key: str, value) -> None:
+    if not self.test(value):
+      raise ConfigError(f"{key} must be {self.text}, got {value}")
+
+
+AT_LEAST_1 = Holds(">= 1", lambda x: x >= 1)
+AT_LEAST_0 = Holds(">= 0", lambda x: x >= 0)
+ABOVE_0 = Holds("> 0", lambda x: x > 0)
+STEP = Holds(">= -1 (-1: the latest)", lambda x: x >= -1)
+
+
+class Section:
+  """A config section: checks its own fields against its `RULES` (field -> rule), then the
+  rules that join several of its fields (`check`). Every float must be finite."""
+  RULES: ClassVar[dict] = {}
+
+  def validate(self, prefix: str = "") -> None:
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      if isinstance(value, Section):
+        value.validate(f"{prefix}{f.name}.")
+        continue
+      if isinstance(value, float) and not math.isfinite(value):  # NaN passes any comparison
+        raise ConfigError(f"{prefix}{f.name} must be a finite number, got {value}")
+      if f.name in self.RULES:
+        self.RULES[f.name].check(prefix + f.name, value)
+    self.check()
+
+  def check(self) -> None:
+    """Rules over several fields of this section."""
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+  """'a, b,c' -> ('a', 'b', 'c'); empty entries dropped."""
+  return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+
 @dataclasses.dataclass
-class ModelConfig:
+class ModelConfig(Section):
   vocab_size: int = 260  # 256 bytes + BOS, EOS, PAD, MASK for the byte tokenizer
   d_model: int = 128
   n_layers: int = 2
@@ -56,7 +99,7 @@ class ModelConfig:
   qk_norm: bool = False  # Qwen3-style RMSNorm on q and k per head
   # Attention type of each layer as a repeating period, comma-separated "global" / "local"
   # (Gemma 3: "local,local,local,local,local,global"); the layers scan over one period.
-  # Local layers see a sliding window of `sliding_window` positions (DESIGN.md section 11).
+  # Local layers see a sliding window of `sliding_window` positions (docs/local_and_moe.md).
   layer_pattern: str = "global"
   sliding_window: int = 0  # W, needed (>= 1) when the pattern has a local layer
   rope_local_theta: float = 0.0  # RoPE base of local layers; 0: rope_theta
@@ -95,11 +138,65 @@ class ModelConfig:
   # [local sequences, chunk, vocab] (recomputed in the backward); 0: all rows at once.
   logits_chunk: int = 1024
 
+  RULES = dict(
+      vocab_size=AT_LEAST_1, d_model=AT_LEAST_1, n_layers=AT_LEAST_1, n_heads=AT_LEAST_1,
+      n_kv_heads=AT_LEAST_1, head_dim=AT_LEAST_1, d_ff=AT_LEAST_1, attention_chunk=AT_LEAST_1,
+      rope_theta=ABOVE_0,
+      rope_local_theta=Holds(">= 0 (0: model.rope_theta)", lambda x: x >= 0),
+      sliding_window=Holds(">= 0 (0: no local layers)", lambda x: x >= 0),
+      moe_experts=Holds(">= 0 (0: dense MLPs)", lambda x: x >= 0),
+      moe_d_ff=Holds(">= 0 (0: model.d_ff)", lambda x: x >= 0),
+      moe_aux_weight=AT_LEAST_0, moe_z_weight=AT_LEAST_0, moe_capacity_factor=ABOVE_0,
+      norm_eps=Holds("in (0, 1)", lambda x: 0 < x < 1),
+      query_pre_attn_scalar=Holds(">= 0 (0: head_dim)", lambda x: x >= 0),
+      logit_softcap=Holds(">= 0 (0: no soft cap)", lambda x: x >= 0),
+      logits_chunk=Holds(">= 0 (0: no chunking)", lambda x: x >= 0),
+      attention_impl=OneOf(ATTENTION_IMPLS), param_dtype=OneOf(DTYPES),
+      compute_dtype=OneOf(DTYPES), remat=OneOf(REMAT), mlp_activation=OneOf(MLP_ACTIVATIONS))
+
+  @property
+  def layer_period(self) -> tuple[str, ...]:
+    """The attention types of one period of `layer_pattern`."""
+    return comma_list(self.layer_pattern)
+
+  @property
+  def mlp_period(self) -> tuple[str, ...]:
+    """The MLP kinds of one period of `mlp_pattern` (default: all MoE with experts)."""
+    return comma_list(self.mlp_pattern) or (("moe",) if self.moe_experts else ("dense",))
+
+  def check(self) -> None:
+    for t in self.layer_period:
+      if t not in LAYER_TYPES:
+        raise ConfigError(f"model.layer_pattern={self.layer_pattern!r} has the layer type "
+                          f"{t!r}; valid types: {list(LAYER_TYPES)}, comma-separated")
+    if "local" in self.layer_period and self.sliding_window < 1:
+      raise ConfigError(f"model.layer_pattern={self.layer_pattern!r} has local layers, whose "
+                        f"model.sliding_window must be >= 1 position; got {self.sliding_window}")
+    for t in self.mlp_period:
+      if t not in MLP_TYPES:
+        raise ConfigError(f"model.mlp_pattern={self.mlp_pattern!r} has the MLP type {t!r}; "
+                          f"valid types: {list(MLP_TYPES)}, comma-separated")
+    has_moe = "moe" in self.mlp_period[:self.n_layers]
+    if "moe" in self.mlp_period and not self.moe_experts:
+      raise ConfigError(f"model.mlp_pattern={self.mlp_pattern!r} has MoE layers, but "
+                        f"model.moe_experts=0")
+    if self.moe_experts and not has_moe:
+      raise ConfigError(f"model.moe_experts={self.moe_experts}, but model.mlp_pattern="
+                        f"{self.mlp_pattern!r} gives none of the {self.n_layers} layers an MoE")
+    if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+      raise ConfigError(f"model.moe_top_k={self.moe_top_k} must lie in [1, model.moe_experts="
+                        f"{self.moe_experts}]: each token picks k of the E experts")
+    if self.n_heads % self.n_kv_heads:
+      raise ConfigError(f"model.n_heads={self.n_heads} must be a multiple of "
+                        f"model.n_kv_heads={self.n_kv_heads}")
+    if self.head_dim % 2:
+      raise ConfigError(f"model.head_dim={self.head_dim} must be even for RoPE")
+
 
 @dataclasses.dataclass
-class DataConfig:
+class DataConfig(Section):
   source: str = "arithmetic"  # embedded default: needs no download
-  path: str = ""  # file or glob for text / jsonl / array_record sources
+  path: str = ""  # file or glob for text / jsonl / array_record sources; tokens: a folder
   text_field: str = "text"  # key of the text in JSONL / ArrayRecord (JSON) records
   tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
   # "chat": JSONL records {"messages": [{"role", "content"}, ...]} for SFT; the last assistant
@@ -115,16 +212,27 @@ class DataConfig:
   eval_path: str = ""
   holdout: float = 0.01
 
+  RULES = dict(source=OneOf(DATA_SOURCES), format=OneOf(DATA_FORMATS),
+               chat_template=OneOf(CHAT_TEMPLATES), seq_len=AT_LEAST_1,
+               num_threads=AT_LEAST_0, holdout=Holds("in [0, 1)", lambda x: 0 <= x < 1))
+
+  def check(self) -> None:
+    if self.format == "chat" and self.source not in ("jsonl", "tokens"):
+      raise ConfigError(f"data.format='chat' reads JSONL records with 'messages'; set "
+                        f"data.source=jsonl (got {self.source!r})")
+    if self.source != "arithmetic" and not self.path:
+      raise ConfigError(f"data.source={self.source!r} needs data.path")
+
 
 @dataclasses.dataclass
-class ObjectiveConfig:
+class ObjectiveConfig(Section):
   name: str = "bd3lm"
   block_size: int = 16  # B
   eps_min: float = 1e-3
   eps_max: float = 1.0
   loss_weight: str = "inv_t"  # or "unit"
   mask_token_id: int = 259
-  # dflash (DESIGN.md section 10): up to `max_anchors` draft blocks [x_a, MASK x (B-1)] per
+  # dflash (docs/dflash.md): up to `max_anchors` draft blocks [x_a, MASK x (B-1)] per
   # sequence, anchors drawn uniformly or strided over the supervised positions; draft slot
   # k >= 1 predicts x_{a+k} with weight exp(-(k-1)/gamma), by cross-entropy to the data
   # ("ce") or by KL divergence from the target's own next-token distribution ("kl").
@@ -133,16 +241,20 @@ class ObjectiveConfig:
   gamma: float = 7.0
   draft_loss: str = "ce"
 
-  @property
-  def reserved_mask_id(self) -> int | None:
-    """The id no data may hold: [MASK], for objectives that corrupt (None for `ar`)."""
-    return None if self.name == "ar" else self.mask_token_id
+  RULES = dict(block_size=AT_LEAST_1, max_anchors=AT_LEAST_1, gamma=ABOVE_0,
+               loss_weight=OneOf(("inv_t", "unit")), anchors=OneOf(ANCHOR_SAMPLING),
+               draft_loss=OneOf(("ce", "kl")))
+
+  def check(self) -> None:
+    if not 0.0 < self.eps_min <= self.eps_max <= 1.0:
+      raise ConfigError(f"need 0 < objective.eps_min <= objective.eps_max <= 1, got "
+                        f"{self.eps_min}, {self.eps_max}")
 
 
 @dataclasses.dataclass
-class DrafterConfig:
+class DrafterConfig(Section):
   """objective=dflash: a small block-diffusion drafter over a frozen target, the model that
-  `model.*` describes (DESIGN.md section 10). The drafter shares the target's embedding and
+  `model.*` describes (docs/dflash.md). The drafter shares the target's embedding and
   LM head (so its width is the target's d_model); 0 widths take the target's."""
   target: str = ""  # the frozen target: a Hugging Face folder or a workdir of ours
   n_layers: int = 1
@@ -159,9 +271,14 @@ class DrafterConfig:
   # target runs inside the step.
   features: str = ""
 
+  RULES = dict(n_layers=AT_LEAST_1, n_heads=Holds(">= 0 (0: the target's)", lambda x: x >= 0),
+               n_kv_heads=Holds(">= 0 (0: the target's)", lambda x: x >= 0),
+               head_dim=Holds(">= 0 (0: the target's)", lambda x: x >= 0),
+               d_ff=Holds(">= 0 (0: the target's)", lambda x: x >= 0))
+
 
 @dataclasses.dataclass
-class ParallelConfig:
+class ParallelConfig(Section):
   strategy: str = "none"
   data: int = 1
   fsdp: int = 1
@@ -183,9 +300,27 @@ class ParallelConfig:
   process_id: int = -1
   distributed: bool = False
 
+  RULES = dict(data=AT_LEAST_1, fsdp=AT_LEAST_1, seq=AT_LEAST_1, tensor=AT_LEAST_1,
+               kv_grad_dtype=OneOf(DTYPES), moe_dispatch=OneOf(MOE_DISPATCHES),
+               num_processes=Holds(">= 0 (0: from the environment)", lambda x: x >= 0),
+               process_id=Holds(">= -1 (-1: from the environment)", lambda x: x >= -1))
+
+  @property
+  def expert_axis_names(self) -> tuple[str, ...]:
+    """`expert_axes` as a tuple of mesh axis names."""
+    return comma_list(self.expert_axes)
+
+  def check(self) -> None:
+    if self.tensor != 1:
+      raise ConfigError("parallel.tensor > 1 is not supported yet; set parallel.tensor=1")
+    for axis in self.expert_axis_names:
+      OneOf(("data", "fsdp", "seq")).check("parallel.expert_axes entry", axis)
+    if len(set(self.expert_axis_names)) != len(self.expert_axis_names):
+      raise ConfigError(f"parallel.expert_axes={self.expert_axes!r} names an axis twice")
+
 
 @dataclasses.dataclass
-class TrainConfig:
+class TrainConfig(Section):
   steps: int = 200
   batch_size: int = 8  # global sequences per optimiser step
   grad_accum: int = 1
@@ -205,9 +340,20 @@ class TrainConfig:
   max_bad_steps: int = 3
   eval_every: int = 0  # steps between held-out evaluations (and one at the end); 0: never
 
+  RULES = dict(
+      steps=AT_LEAST_1, batch_size=AT_LEAST_1, grad_accum=AT_LEAST_1, log_every=AT_LEAST_1,
+      ckpt_every=AT_LEAST_1, max_to_keep=AT_LEAST_1, max_bad_steps=AT_LEAST_1, lr=ABOVE_0,
+      warmup_steps=AT_LEAST_0, min_lr_ratio=Holds("in [0, 1]", lambda x: 0 <= x <= 1),
+      weight_decay=AT_LEAST_0, b1=Holds("in [0, 1)", lambda x: 0 <= x < 1),
+      b2=Holds("in [0, 1)", lambda x: 0 <= x < 1),
+      grad_clip=Holds("> 0 (the global-norm bound: 0 would zero every update)",
+                      lambda x: x > 0),
+      peak_tflops=Holds(">= 0 (0: guessed from the backend)", lambda x: x >= 0),
+      eval_every=Holds(">= 0 (0: never)", lambda x: x >= 0))
+
 
 @dataclasses.dataclass
-class SampleConfig:
+class SampleConfig(Section):
   """mode=sample: block-wise semi-autoregressive generation from a trained checkpoint."""
   prompt: str = ""
   prompt_file: str = ""
@@ -218,9 +364,13 @@ class SampleConfig:
   use_cache: bool = True  # KV cache of the clean blocks before the current one
   checkpoint_step: int = -1  # -1: latest
 
+  RULES = dict(strategy=OneOf(("confidence", "first_hitting")), max_new_tokens=AT_LEAST_1,
+               steps_per_block=Holds(">= 0 (0: one token per step)", lambda x: x >= 0),
+               temperature=Holds(">= 0 (0: greedy)", lambda x: x >= 0), checkpoint_step=STEP)
+
 
 @dataclasses.dataclass
-class EvalConfig:
+class EvalConfig(Section):
   """Held-out evaluation (mode=eval, train.eval_every): NELBO / NLL per token, arithmetic."""
   # Held-out batches, the same at every eval, of train.batch_size / train.grad_accum sequences.
   batches: int = 4
@@ -229,23 +379,52 @@ class EvalConfig:
   prompts: int = 64  # held-out arithmetic prompts (embedded data only; 0: skip)
   checkpoint_step: int = -1  # mode=eval: -1: latest
 
+  RULES = dict(batches=AT_LEAST_1, noise_draws=AT_LEAST_1,
+               t_min=Holds("in (0, 1)", lambda x: 0 < x < 1),
+               prompts=Holds(">= 0 (0: no arithmetic eval)", lambda x: x >= 0),
+               checkpoint_step=STEP)
+
 
 @dataclasses.dataclass
-class ExportConfig:
+class ExportConfig(Section):
   """mode=export: write a Hugging Face folder from a checkpoint."""
   out_dir: str = ""
   checkpoint_step: int = -1  # -1: latest
   dtype: str = "float32"
+  # Export into a folder that is not empty, replacing the files an export writes (others stay).
+  overwrite: bool = False
+
+  RULES = dict(checkpoint_step=STEP, dtype=OneOf(DTYPES))
 
 
 @dataclasses.dataclass
-class PlanConfig:
+class PlanConfig(Section):
   """mode=plan: compile (never run) the train step under every strategy and compare."""
-  device_memory_gb: float = 0.0  # per device; 0: what the device reports, else 141 (an H200)
+  # per device; 0: the target's (a TPU chip's HBM, what a GPU reports), else 141 (an H200)
+  device_memory_gb: float = 0.0
+  # the compiler and devices (bdlm_jax.analysis.targets): cpu (XLA:CPU on this host's
+  # devices), tpu:<topology> (XLA:TPU ahead of time, e.g. tpu:v5p:2x2x4), gpu (XLA:GPU)
+  target: str = "cpu"
+
+  RULES = dict(device_memory_gb=Holds(">= 0 (0: the target's)", lambda x: x >= 0),
+               target=Holds("cpu, gpu or tpu:<topology> (e.g. tpu:v5p:2x2x4)",
+                            lambda x: x in ("cpu", "gpu") or (x.startswith("tpu:") and
+                                                              len(x) > len("tpu:"))))
 
 
 @dataclasses.dataclass
-class Config:
+class PrepareConfig(Section):
+  """mode=prepare: tokenize the corpus once into ArrayRecord shards (data.source=tokens)."""
+  out_dir: str = ""  # a local folder; rerunning a killed prepare continues it
+  num_processes: int = 0  # tokenizing processes; 0: one per CPU core
+  shard_tokens: int = 1 << 26  # a shard closes past this many tokens (256 MiB of int32)
+
+  RULES = dict(num_processes=Holds(">= 0 (0: one per CPU core)", lambda x: x >= 0),
+               shard_tokens=AT_LEAST_1)
+
+
+@dataclasses.dataclass
+class Config(Section):
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   objective: ObjectiveConfig = dataclasses.field(default_factory=ObjectiveConfig)
@@ -256,9 +435,13 @@ class Config:
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
   export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
   plan: PlanConfig = dataclasses.field(default_factory=PlanConfig)
+  prepare: PrepareConfig = dataclasses.field(default_factory=PrepareConfig)
   seed: int = 0
-  mode: str = "train"  # train | eval | sample | export | plan
+  mode: str = "train"  # train | eval | sample | export | plan | prepare
   init_from: str = ""  # a Hugging Face folder whose weights initialise training (conversion)
+
+  RULES = dict(mode=OneOf(MODES),
+               seed=Holds("in [0, 2**32) (Grain's shuffle seed range)", lambda x: 0 <= x < 2**32))
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -280,7 +463,7 @@ def _from_dict(cls, d: dict, prefix: str):
   kwargs = {}
   for name, value in d.items():
     if name not in fields:
-      raise ConfigError(f"unknown config key '{prefix}{name}'; valid keys: {sorted(fields)}")
+      raise unknown_key(f"{prefix}{name}", [prefix + f for f in fields])
     if dataclasses.is_dataclass(hints[name]):
       kwargs[name] = _from_dict(hints[name], value, prefix=f"{prefix}{name}.")
     else:
@@ -338,8 +521,18 @@ def _coerce(value: Any, typ: type, key: str) -> Any:
   raise ConfigError(f"config key '{key}' expects {typ.__name__}, got {value!r}")
 
 
-def override(cfg: Config, overrides: Iterable[str] = ()) -> Config:
-  """Returns a copy of `cfg` with `a.b=c` overrides applied and validated."""
+
+
+def unknown_key(key: str, valid: Iterable[str]) -> ConfigError:
+  """The error for a key no section has, with the close spellings (as argparse does)."""
+  close = difflib.get_close_matches(key, list(valid), n=3, cutoff=0.6)
+  hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close
+          else "the sections of bdlm_jax/config.py list every key")
+  return ConfigError(f"unknown config key '{key}'; {hint}")
+
+
+def apply_overrides(cfg: Config, overrides: Iterable[str] = ()) -> Config:
+  """A copy of `cfg` with `a.b=c` overrides parsed into it (not yet validated)."""
   cfg = Config.from_dict(cfg.to_dict())
   valid = all_keys()
   for item in overrides:
@@ -348,344 +541,18 @@ def override(cfg: Config, overrides: Iterable[str] = ()) -> Config:
     key, raw = item.split("=", 1)
     key = key.strip()
     if key not in valid:
-      raise ConfigError(f"unknown config key '{key}'; valid keys: {', '.join(valid)}")
+      raise unknown_key(key, valid)
     *path, leaf = key.split(".")
     node = cfg
     for p in path:
       node = getattr(node, p)
     hint = typing.get_type_hints(type(node))[leaf]
     setattr(node, leaf, _coerce(raw, hint, key))
-  validate(cfg)
   return cfg
 
 
-def load_config(path: str, overrides: Iterable[str] = ()) -> Config:
-  """Loads `get_config()` from a Python file, then applies `overrides`."""
-  if not os.path.isfile(path):
-    raise ConfigError(f"config file not found: {path}")
-  spec = importlib.util.spec_from_file_location("_bdlm_config", path)
-  module = importlib.util.module_from_spec(spec)
-  with _config_file_errors(path):
-    spec.loader.exec_module(module)
-  if not hasattr(module, "get_config"):
-    raise ConfigError(f"config file {path} does not define get_config()")
-  with _config_file_errors(path):
-    cfg = module.get_config()
-  if isinstance(cfg, dict):
-    cfg = Config.from_dict(cfg)
-  if not isinstance(cfg, Config):
-    raise ConfigError(f"get_config() in {path} must return a bdlm_jax Config, got {type(cfg)}")
-  return override(cfg, overrides)
-
-
-@contextlib.contextmanager
-def _config_file_errors(path: str):
-  """A config file that fails to run (a typo, a bad import) is a ConfigError naming the file
-  and line, so the CLI reports it in one line instead of a traceback."""
-  try:
-    yield
-  except ConfigError:
-    raise
-  except Exception as e:  # pylint: disable=broad-except
-    if isinstance(e, SyntaxError):
-      line, text = e.lineno, e.msg
-    else:
-      frames = [f.lineno for f in traceback.extract_tb(e.__traceback__)
-                if os.path.abspath(f.filename) == os.path.abspath(path)]
-      line, text = (frames[-1] if frames else None), str(e)
-    where = f"{path}, line {line}" if line else path
-    raise ConfigError(f"config file {where} raised {type(e).__name__}: {text}") from e
-
-
-_ABOVE_0 = ("> 0", lambda x: x > 0)
-_AT_LEAST_0 = (">= 0", lambda x: x >= 0)
-_STEP = (">= -1 (-1: the latest)", lambda x: x >= -1)
-# Numeric keys with a range beyond the ">= 1" counts listed in `validate`: key -> (rule,
-# test). Every float must also be finite.
-_RANGES = {
-    "model.rope_theta": _ABOVE_0,
-    "model.rope_local_theta": (">= 0 (0: model.rope_theta)", lambda x: x >= 0),
-    "model.sliding_window": (">= 0 (0: no local layers)", lambda x: x >= 0),
-    "model.moe_experts": (">= 0 (0: dense MLPs)", lambda x: x >= 0),
-    "model.moe_d_ff": (">= 0 (0: model.d_ff)", lambda x: x >= 0),
-    "model.moe_aux_weight": _AT_LEAST_0,
-    "model.moe_z_weight": _AT_LEAST_0,
-    "model.moe_capacity_factor": _ABOVE_0,
-    "model.norm_eps": ("in (0, 1)", lambda x: 0 < x < 1),
-    "model.query_pre_attn_scalar": (">= 0 (0: head_dim)", lambda x: x >= 0),
-    "model.logit_softcap": (">= 0 (0: no soft cap)", lambda x: x >= 0),
-    "objective.gamma": _ABOVE_0,
-    "drafter.n_heads": (">= 0 (0: the target's)", lambda x: x >= 0),
-    "drafter.n_kv_heads": (">= 0 (0: the target's)", lambda x: x >= 0),
-    "drafter.head_dim": (">= 0 (0: the target's)", lambda x: x >= 0),
-    "drafter.d_ff": (">= 0 (0: the target's)", lambda x: x >= 0),
-    "data.num_threads": _AT_LEAST_0,
-    "train.lr": _ABOVE_0,
-    "train.warmup_steps": _AT_LEAST_0,
-    "train.min_lr_ratio": ("in [0, 1]", lambda x: 0 <= x <= 1),
-    "train.weight_decay": _AT_LEAST_0,
-    "train.b1": ("in [0, 1)", lambda x: 0 <= x < 1),
-    "train.b2": ("in [0, 1)", lambda x: 0 <= x < 1),
-    "train.grad_clip": ("> 0 (the global-norm bound: 0 would zero every update)",
-                        lambda x: x > 0),
-    "train.peak_tflops": (">= 0 (0: guessed from the backend)", lambda x: x >= 0),
-    "parallel.num_processes": (">= 0 (0: from the environment)", lambda x: x >= 0),
-    "parallel.process_id": (">= -1 (-1: from the environment)", lambda x: x >= -1),
-    "sample.steps_per_block": (">= 0 (0: one token per step)", lambda x: x >= 0),
-    "sample.temperature": (">= 0 (0: greedy)", lambda x: x >= 0),
-    "sample.checkpoint_step": _STEP,
-    "data.holdout": ("in [0, 1)", lambda x: 0 <= x < 1),
-    "train.eval_every": (">= 0 (0: never)", lambda x: x >= 0),
-    "eval.t_min": ("in (0, 1)", lambda x: 0 < x < 1),
-    "eval.prompts": (">= 0 (0: no arithmetic eval)", lambda x: x >= 0),
-    "eval.checkpoint_step": _STEP,
-    "seed": ("in [0, 2**32) (Grain's shuffle seed range)", lambda x: 0 <= x < 2**32),
-    "export.checkpoint_step": _STEP,
-}
-
-
-def _choice(key: str, value: str, allowed: Iterable[str]) -> None:
-  if value not in allowed:
-    raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
-
-
-def validate(cfg: Config) -> None:
-  """Checks every constraint that can be checked without devices or data."""
-  m, d, o, p, t = cfg.model, cfg.data, cfg.objective, cfg.parallel, cfg.train
-  _choice("parallel.strategy", p.strategy, STRATEGIES)
-  _choice("objective.name", o.name, OBJECTIVES)
-  _choice("model.attention_impl", m.attention_impl, ATTENTION_IMPLS)
-  _choice("model.param_dtype", m.param_dtype, DTYPES)
-  _choice("model.compute_dtype", m.compute_dtype, DTYPES)
-  _choice("model.remat", m.remat, REMAT)
-  _choice("model.mlp_activation", m.mlp_activation, MLP_ACTIVATIONS)
-  _choice("objective.loss_weight", o.loss_weight, ("inv_t", "unit"))
-  _choice("objective.anchors", o.anchors, ANCHOR_SAMPLING)
-  _choice("objective.draft_loss", o.draft_loss, ("ce", "kl"))
-  _choice("data.source", d.source, DATA_SOURCES)
-  _choice("data.format", d.format, DATA_FORMATS)
-  _choice("data.chat_template", d.chat_template, CHAT_TEMPLATES)
-  if d.format == "chat" and d.source != "jsonl":
-    raise ConfigError(f"data.format='chat' reads JSONL records with 'messages'; set "
-                      f"data.source=jsonl (got {d.source!r})")
-  _choice("mode", cfg.mode, MODES)
-  _choice("sample.strategy", cfg.sample.strategy, ("confidence", "first_hitting"))
-  _choice("export.dtype", cfg.export.dtype, DTYPES)
-  _choice("parallel.kv_grad_dtype", p.kv_grad_dtype, DTYPES)
-  positive = {
-      "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.n_layers": m.n_layers,
-      "model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads, "model.head_dim": m.head_dim,
-      "model.d_ff": m.d_ff, "model.attention_chunk": m.attention_chunk, "data.seq_len": d.seq_len,
-      "objective.block_size": o.block_size, "parallel.data": p.data, "parallel.fsdp": p.fsdp,
-      "parallel.seq": p.seq, "parallel.tensor": p.tensor, "train.steps": t.steps,
-      "train.batch_size": t.batch_size, "train.grad_accum": t.grad_accum,
-      "train.log_every": t.log_every, "train.ckpt_every": t.ckpt_every,
-      "train.max_to_keep": t.max_to_keep, "train.max_bad_steps": t.max_bad_steps,
-      "sample.max_new_tokens": cfg.sample.max_new_tokens, "eval.batches": cfg.eval.batches,
-      "eval.noise_draws": cfg.eval.noise_draws, "objective.max_anchors": o.max_anchors,
-      "drafter.n_layers": cfg.drafter.n_layers,
-  }
-  for key, value in positive.items():
-    if value < 1:
-      raise ConfigError(f"{key} must be >= 1, got {value}")
-  for key in all_keys(cfg):
-    value = functools.reduce(getattr, key.split("."), cfg)
-    if isinstance(value, float) and not math.isfinite(value):  # NaN passes any comparison
-      raise ConfigError(f"{key} must be a finite number, got {value}")
-  for key, (rule, holds) in _RANGES.items():
-    value = functools.reduce(getattr, key.split("."), cfg)
-    if not holds(value):
-      raise ConfigError(f"{key} must be {rule}, got {value}")
-  if cfg.plan.device_memory_gb < 0:
-    raise ConfigError(f"plan.device_memory_gb must be >= 0 (0: what the device reports), got "
-                      f"{cfg.plan.device_memory_gb}")
-  if m.logits_chunk < 0:
-    raise ConfigError(f"model.logits_chunk must be >= 0 (0: no chunking), got {m.logits_chunk}")
-  _check_layer_pattern(m)
-  if m.moe_experts and not 1 <= m.moe_top_k <= m.moe_experts:
-    raise ConfigError(f"model.moe_top_k={m.moe_top_k} must lie in [1, model.moe_experts="
-                      f"{m.moe_experts}]: each token picks k of the E experts")
-  _check_expert_parallel(m, p)
-  if m.n_heads % m.n_kv_heads:
-    raise ConfigError(
-        f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={m.n_kv_heads}")
-  if m.head_dim % 2:
-    raise ConfigError(f"model.head_dim={m.head_dim} must be even for RoPE")
-  if not 0 <= o.mask_token_id < m.vocab_size:
-    raise ConfigError(
-        f"objective.mask_token_id={o.mask_token_id} must lie in [0, model.vocab_size={m.vocab_size})")
-  if not 0.0 < o.eps_min <= o.eps_max <= 1.0:
-    raise ConfigError(
-        f"need 0 < objective.eps_min <= objective.eps_max <= 1, got {o.eps_min}, {o.eps_max}")
-  if o.name == "dflash":  # draft blocks start at anchors, anywhere: no multiple needed
-    _check_drafter(cfg)
-  elif o.name != "ar" and d.seq_len % o.block_size:
-    raise ConfigError(
-        f"data.seq_len={d.seq_len} is not a multiple of objective.block_size={o.block_size}; "
-        f"choose a block size that divides the sequence length")
-  if p.tensor != 1:
-    raise ConfigError("parallel.tensor > 1 is not supported yet; set parallel.tensor=1")
-  if p.strategy == "none" and p.seq != 1:
-    raise ConfigError(
-        f"parallel.strategy='none' needs parallel.seq=1 (got {p.seq}); pick a sequence strategy "
-        f"such as csbp_ring to split sequences")
-  batch_ways = p.data * p.fsdp
-  if t.batch_size % (batch_ways * t.grad_accum):
-    raise ConfigError(
-        f"train.batch_size={t.batch_size} must be divisible by parallel.data*parallel.fsdp"
-        f"*train.grad_accum={batch_ways * t.grad_accum}")
-  if d.source != "arithmetic" and not d.path:
-    raise ConfigError(f"data.source={d.source!r} needs data.path")
-  if o.name == "ar" and p.strategy in ("bp", "csbp_ring", "csbp_allgather"):
-    raise ConfigError(
-        f"parallel.strategy={p.strategy!r} splits corrupted blocks and cannot run the 'ar' "
-        f"objective, which has no corrupted stream; use none, cp_ring or cp_allgather")
-  # The layout (block count vs ranks, divisibility) fails here, not at the first batch.
-  from bdlm_jax.parallel.strategies import plan_for  # late: strategies imports this module
-  plan_for(cfg)
-
-
-def layer_period(m: ModelConfig) -> tuple[str, ...]:
-  """The attention types of one period of `m.layer_pattern`."""
-  return tuple(t.strip() for t in m.layer_pattern.split(","))
-
-
-def layer_types(m: ModelConfig) -> tuple[str, ...]:
-  """The attention type of every layer: `m.layer_pattern` repeated over `m.n_layers`."""
-  period = layer_period(m)
-  return tuple(period[i % len(period)] for i in range(m.n_layers))
-
-
-def mlp_period(m: ModelConfig) -> tuple[str, ...]:
-  """The MLP kinds of one period of `m.mlp_pattern` (default: all MoE with experts)."""
-  if m.mlp_pattern.strip():
-    return tuple(t.strip() for t in m.mlp_pattern.split(","))
-  return ("moe",) if m.moe_experts else ("dense",)
-
-
-def mlp_types(m: ModelConfig) -> tuple[str, ...]:
-  """The MLP kind, dense or moe, of every layer."""
-  period = mlp_period(m)
-  return tuple(period[i % len(period)] for i in range(m.n_layers))
-
-
-def expert_axes(p: "ParallelConfig") -> tuple[str, ...]:
-  """`parallel.expert_axes` as a tuple of mesh axis names."""
-  return tuple(a.strip() for a in p.expert_axes.split(",") if a.strip())
-
-
-def _check_expert_parallel(m: ModelConfig, p: "ParallelConfig") -> None:
-  _choice("parallel.moe_dispatch", p.moe_dispatch, MOE_DISPATCHES)
-  axes = expert_axes(p)
-  if not axes:
-    return
-  for axis in axes:
-    _choice("parallel.expert_axes entry", axis, ("data", "fsdp", "seq"))
-  if len(set(axes)) != len(axes):
-    raise ConfigError(f"parallel.expert_axes={p.expert_axes!r} names an axis twice")
-  if not m.moe_experts:
-    raise ConfigError(f"parallel.expert_axes={p.expert_axes!r} splits experts, but "
-                      f"model.moe_experts=0 (dense MLPs)")
-  ways = math.prod(getattr(p, a) for a in axes)
-  if m.moe_experts % ways:
-    raise ConfigError(f"model.moe_experts={m.moe_experts} does not divide over "
-                      f"parallel.expert_axes={p.expert_axes!r} ({ways} devices)")
-
-
-def target_layer_ids(cfg: Config) -> tuple[int, ...]:
-  """The target layers whose outputs feed the drafter: `drafter.target_layers`, or up to
-  `drafter.n_layers` distinct ids spread from layer 1 to layer n-3 of the target (DFlash's
-  choice: neither the first layer nor the last two), clipped to the target's depth."""
-  text = cfg.drafter.target_layers.strip()
-  if text:
-    try:
-      return tuple(int(t) for t in text.split(","))
-    except ValueError:
-      raise ConfigError(f"drafter.target_layers={text!r} must be comma-separated integers")
-  n = cfg.model.n_layers
-  lo, hi = min(1, n - 1), max(min(1, n - 1), n - 3)
-  return tuple(int(i) for i in np.unique(np.round(np.linspace(lo, hi, cfg.drafter.n_layers))))
-
-
-def target_depth(cfg: Config) -> int:
-  """Target layers a drafter's step runs: up to its last chosen layer, all of them for a KL
-  loss (which reads the target's output), none with precomputed features."""
-  if cfg.drafter.features:
-    return 0
-  if cfg.objective.draft_loss == "kl":
-    return cfg.model.n_layers
-  return max(target_layer_ids(cfg)) + 1
-
-
-def drafter_model(cfg: Config) -> ModelConfig:
-  """The drafter's layers as a ModelConfig: Qwen3-style (q/k norm, SwiGLU, global attention),
-  the target's width, dtypes and attention settings, `drafter.*` for the rest."""
-  m, d = cfg.model, cfg.drafter
-  return ModelConfig(
-      vocab_size=m.vocab_size, d_model=m.d_model, n_layers=d.n_layers,
-      n_heads=d.n_heads or m.n_heads, n_kv_heads=d.n_kv_heads or m.n_kv_heads,
-      head_dim=d.head_dim or m.head_dim, d_ff=d.d_ff or m.d_ff, rope_theta=m.rope_theta,
-      qk_norm=True, norm_eps=m.norm_eps, param_dtype=m.param_dtype,
-      compute_dtype=m.compute_dtype, remat=m.remat, attention_impl=m.attention_impl,
-      attention_chunk=m.attention_chunk, logits_chunk=m.logits_chunk)
-
-
-def _check_drafter(cfg: Config) -> None:
-  m, o, d = cfg.model, cfg.objective, cfg.drafter
-  if cfg.data.seq_len < o.block_size:
-    raise ConfigError(f"data.seq_len={cfg.data.seq_len} is shorter than one draft block "
-                      f"(objective.block_size={o.block_size})")
-  if o.block_size < 2:
-    raise ConfigError(f"objective.block_size={o.block_size}: a draft block needs its anchor "
-                      f"and at least one slot to predict (>= 2)")
-  ids = target_layer_ids(cfg)
-  bad = [i for i in ids if not 0 <= i < m.n_layers]
-  if bad:
-    raise ConfigError(f"drafter.target_layers {bad} lie outside the target's layers "
-                      f"[0, model.n_layers={m.n_layers})")
-  if len(set(ids)) != len(ids):
-    raise ConfigError(f"drafter.target_layers={d.target_layers!r} names a layer twice")
-  if set(layer_types(m)) != {"global"} or m.moe_experts:
-    raise ConfigError("objective=dflash takes a dense, all-global target for now "
-                      "(model.layer_pattern='global', model.moe_experts=0)")
-  if d.features and o.draft_loss == "kl":
-    raise ConfigError(f"objective.draft_loss='kl' needs the target's final hidden states, "
-                      f"which drafter.features={d.features!r} does not hold; use "
-                      f"draft_loss='ce' or co-host the target (drafter.features='')")
-  if d.features and cfg.train.eval_every:
-    raise ConfigError(f"drafter.features={d.features!r} holds training sequences only: "
-                      f"held-out evaluation needs the target, so set train.eval_every=0")
-  dm = drafter_model(cfg)
-  if dm.n_heads % dm.n_kv_heads or dm.head_dim % 2:
-    raise ConfigError(f"the drafter's heads ({dm.n_heads} query, {dm.n_kv_heads} key/value, "
-                      f"head_dim {dm.head_dim}) need query heads a multiple of key/value heads "
-                      f"and an even head_dim")
-
-
-def _check_layer_pattern(m: ModelConfig) -> None:
-  period = layer_period(m)
-  for t in period:
-    if t not in LAYER_TYPES:
-      raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has the layer type {t!r}; "
-                        f"valid types: {list(LAYER_TYPES)}, comma-separated")
-  if "local" in period and m.sliding_window < 1:
-    raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has local layers, whose "
-                      f"model.sliding_window must be >= 1 position; got {m.sliding_window}")
-  for t in mlp_period(m):
-    if t not in MLP_TYPES:
-      raise ConfigError(f"model.mlp_pattern={m.mlp_pattern!r} has the MLP type {t!r}; "
-                        f"valid types: {list(MLP_TYPES)}, comma-separated")
-  kinds = mlp_types(m)
-  if "moe" in kinds and not m.moe_experts:
-    raise ConfigError(f"model.mlp_pattern={m.mlp_pattern!r} has MoE layers, but "
-                      f"model.moe_experts=0")
-  if m.moe_experts and "moe" not in kinds:
-    raise ConfigError(f"model.moe_experts={m.moe_experts}, but model.mlp_pattern="
-                      f"{m.mlp_pattern!r} gives none of the {m.n_layers} layers an MoE")
-
-
-def replace(cfg: Config, **sections: dict) -> Config:
-  """Functional update by section: replace(cfg, model=dict(n_layers=4))."""
+def updated(cfg: Config, **sections: dict) -> Config:
+  """A copy of `cfg` with whole sections updated by field (not yet validated)."""
   d = cfg.to_dict()
   for section, values in sections.items():
     if dataclasses.is_dataclass(values):
@@ -694,13 +561,4 @@ def replace(cfg: Config, **sections: dict) -> Config:
       d[section].update(values)
     else:
       d[section] = values
-  out = Config.from_dict(d)
-  validate(out)
-  return out
-
-
-__all__ = ["Config", "ConfigError", "ModelConfig", "DataConfig", "ObjectiveConfig", "DrafterConfig",
-           "ParallelConfig", "TrainConfig", "SampleConfig", "EvalConfig", "ExportConfig",
-           "PlanConfig", "load_config", "layer_period", "layer_types",
-           "override", "validate", "all_keys",
-           "replace"]
+  return Config.from_dict(d)

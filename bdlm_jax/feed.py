@@ -4,9 +4,11 @@ evaluation read through the same feed, so they see data the same way. A drafter 
 precomputed target features (`drafter.features`) reads those records instead of text."""
 
 from bdlm_jax.batch import Batch, make_batch, reads_features
-from bdlm_jax.config import Config, ConfigError
+from bdlm_jax.config import Config
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.data import make_dataset
 from bdlm_jax.data.features import feature_dataset
+from bdlm_jax.objectives import reserved_mask_id
 from bdlm_jax.parallel.mesh import data_shard, put_batch
 
 
@@ -25,7 +27,7 @@ class Feed:
       self._data = make_dataset(
           cfg.data, batch_size=local_batch, seed=cfg.seed, vocab_size=cfg.model.vocab_size,
           process_index=shard, process_count=n_shards, block_size=cfg.objective.block_size,
-          mask_token_id=cfg.objective.reserved_mask_id, split=split)
+          mask_token_id=reserved_mask_id(cfg), split=split)
 
   def __iter__(self):
     return self

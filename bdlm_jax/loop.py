@@ -1,16 +1,21 @@
 """The training loop: data -> layout -> jitted step -> metrics and checkpoints, resumable."""
 
+import collections
+import math
 import os
 import time
+import warnings
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
-from bdlm_jax.checkpoint import Checkpointer
+from bdlm_jax.checkpoint import CheckpointError, Checkpointer
+from bdlm_jax.checkpoint.manager import trajectory_changes, workdir_path
 from bdlm_jax.checkpoint.hf_import import params_from_hf
 from bdlm_jax.checkpoint.target import load_target
 from bdlm_jax.config import Config
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.evaluate import HeldOut
 from bdlm_jax.feed import Feed
 from bdlm_jax.metrics import MetricsWriter, model_flops_per_step, peak_flops, peak_memory_bytes
@@ -22,20 +27,50 @@ from bdlm_jax.parallel.mesh import initialize_distributed, make_mesh
 from bdlm_jax.train import abstract_state, init_state, make_train_step
 
 
+# A loss above SPIKE_FACTOR x the median of the last SPIKE_WINDOW applied steps' losses (once
+# there are SPIKE_MIN of them) is a spike: its step gets no regular checkpoint, so a diverging
+# run (finite but ever larger losses) does not rotate its good checkpoints out. Spikes count
+# in the median, so a level that lasts over half the window becomes the new normal.
+SPIKE_FACTOR = 3.0
+SPIKE_WINDOW = 50
+SPIKE_MIN = 10
+
+
 class BadStepsError(RuntimeError):
   """`train.max_bad_steps` steps in a row had a non-finite loss, gradient or update."""
 
 
-def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True) -> list[dict]:
+class SpikeDetector:
+  """Tells whether each applied step's loss is a spike (see SPIKE_FACTOR)."""
+
+  def __init__(self):
+    self._recent = collections.deque(maxlen=SPIKE_WINDOW)
+    self.median = math.inf  # of the losses the last one was compared with
+
+  def __call__(self, loss: float) -> bool:
+    enough = len(self._recent) >= SPIKE_MIN
+    self.median = float(np.median(self._recent)) if enough else math.inf
+    self._recent.append(loss)
+    return loss > SPIKE_FACTOR * self.median
+
+
+def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool = True,
+          allow_changes: bool = False) -> list[dict]:
   """Trains `cfg.train.steps` steps; returns the logged metrics. Resumes from `workdir`.
 
-  Without `resume`, a workdir that already holds checkpoints is refused before anything is
-  written to it. If training stops early (an error, Ctrl-C), checkpoints already started are
-  finished before the exception propagates, so `resume` can continue from them.
+  `resume`: False refuses a workdir that already holds checkpoints, True one that holds none
+  (a mistyped workdir), both before anything is written to it; "if_present" resumes where
+  there is a checkpoint and starts afresh where there is none (a preemptible job that reruns
+  one command). A resumed run refuses settings that change what it computes from here on
+  (`trajectory_changes`: train.steps, which shapes the learning-rate schedule, the batch, the
+  data, the seed...) unless `allow_changes`, which warns naming them. If training stops early
+  (an error, Ctrl-C), checkpoints already started are finished before the exception
+  propagates, so `resume` can continue from them.
 
   A step that `train_step` skips (a non-finite loss, gradient or update) is counted in the
   logged `skipped_steps` and gets no regular checkpoint (the final one is still written);
-  `train.max_bad_steps` in a row raise `BadStepsError`.
+  `train.max_bad_steps` in a row raise `BadStepsError`, naming the last good checkpoint. A
+  step whose loss is a spike (SPIKE_FACTOR) is applied but not checkpointed either.
 
   Every `train.eval_every` steps and at the last step, the held-out metrics of evaluate.py
   join that step's row.
@@ -43,6 +78,8 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
   initialize_distributed(cfg)
   mesh = make_mesh(cfg)
   check_dispatch_runs_here(cfg)
+  if resume is True and not workdir_path(workdir).exists():
+    raise _nothing_to_resume(workdir)
   ckpt = Checkpointer(workdir, cfg, save_every=cfg.train.ckpt_every,
                       max_to_keep=cfg.train.max_to_keep, async_save=cfg.train.async_checkpoint)
   writer = None
@@ -50,11 +87,14 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
     if not resume and ckpt.latest_step() is not None:
       raise FileExistsError(f"{workdir} already holds checkpoints (latest step "
                             f"{ckpt.latest_step()}); pass --resume or choose a new --workdir")
+    if resume is True and ckpt.latest_step() is None:
+      raise _nothing_to_resume(workdir)
     ckpt.remove_unfinished_saves()  # the workdir is ours to write
     data = Feed(cfg, mesh)
     init_key, step_key = jax.random.split(jax.random.key(cfg.seed))
     if resume and ckpt.latest_step() is not None:
       start, state, data_state = ckpt.restore(abstract_state(cfg, mesh))
+      _check_same_run(ckpt, start, cfg, allow_changes)
       data.set_state(data_state)
     else:
       if get_objective(cfg.objective.name).DRAFTER:  # a fresh drafter, its target's weights
@@ -71,11 +111,13 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not progress or jax.process_index())
     last_time, last_step = time.perf_counter(), start
     bad_in_a_row = skipped_since_row = 0
+    is_spike = SpikeDetector()
     good_state = start > 0  # a restored state, or one some step of this run has updated
     for step in range(start, cfg.train.steps):
       state, metrics = train_step(state, next(data), jax.random.fold_in(step_key, step))
       done = step + 1
       skipped = int(metrics.pop("skipped"))  # waits for the step: its state may be saved below
+      spike = not skipped and is_spike(float(metrics["loss"]))
       good_state |= not skipped
       bad_in_a_row = bad_in_a_row + 1 if skipped else 0
       skipped_since_row += skipped
@@ -101,16 +143,20 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
       if bad_in_a_row == cfg.train.max_bad_steps:
         ckpt.wait()
         saved = ckpt.latest_step()
-        good = f"{ckpt.step_dir(saved)} (step {saved})" if saved is not None else "none yet"
+        good = (f"{ckpt.step_dir(saved)} (step {saved}; its loss was finite and no spike)"
+                if saved is not None else "none yet")
         raise BadStepsError(
             f"steps {done - bad_in_a_row + 1}-{done} had a non-finite loss, gradient or update "
             f"(train.max_bad_steps={cfg.train.max_bad_steps} in a row); stopped at step {done}. "
             f"Last good checkpoint: {good}")
       final = done == cfg.train.steps
-      # A skipped step changed nothing: its regular save would only rotate out an older good
-      # checkpoint. The final save is forced, unless no step ever applied (the state may be a
-      # NaN init_from).
-      if not skipped or (final and good_state):
+      if spike and done % cfg.train.ckpt_every == 0 and not final:
+        warnings.warn(f"step {done}: loss {float(metrics['loss']):.4g} is over {SPIKE_FACTOR:g}x "
+                      f"the median {is_spike.median:.4g} of the recent steps; not checkpointed")
+      # A skipped step changed nothing, and a spike's state may be diverging: a regular save
+      # would only rotate out an older good checkpoint. The final save is forced, unless no
+      # step ever applied (the state may be a NaN init_from).
+      if (not skipped and not spike) or (final and good_state):
         ckpt.save(done, state, data.get_state(), force=final)
     bar.close()
     return history
@@ -119,6 +165,27 @@ def train(cfg: Config, workdir: str, resume: bool = False, progress: bool = True
     ckpt.close()
     if writer is not None:
       writer.close()
+
+
+def _nothing_to_resume(workdir: str) -> CheckpointError:
+  return CheckpointError(
+      f"--resume: {workdir} holds no checkpoint to continue from (a mistyped --workdir?); "
+      f"drop --resume to start a new run there, or pass --resume-if-present to start one "
+      f"only where there is no checkpoint")
+
+
+def _check_same_run(ckpt: Checkpointer, step: int, cfg: Config, allow_changes: bool) -> None:
+  """Refuses, or with `allow_changes` warns about, settings that change the resumed run."""
+  changes = trajectory_changes(ckpt.saved_config(step), cfg)
+  if not changes:
+    return
+  where = ckpt.step_dir(step)
+  if not allow_changes:
+    raise ConfigError(
+        f"checkpoint {where} was trained with " + "; ".join(changes) + ". These change the "
+        f"run from here on (its learning-rate schedule, batches or data): resume with the "
+        f"run's settings, or pass --allow-changes to resume with the new ones")
+  warnings.warn(f"resuming {where} with changed settings: " + "; ".join(changes))
 
 
 def default_workdir(config_path: str) -> str:

@@ -2,7 +2,8 @@
 
 The strategy only changes how attention is executed (`make_attend`) and the static row
 slot where logits are computed; the corruption is drawn in logical coordinates, so the
-same (params, batch, key) gives the same loss under every layout.
+same (params, batch, key) gives the same loss under every layout. `loss_fn` resolves the
+config each call; the train step resolves it once (`bdlm_jax.spec`) and calls `spec_loss`.
 """
 
 import functools
@@ -14,28 +15,17 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from bdlm_jax.batch import make_batch
-from bdlm_jax.config import (Config, ConfigError, expert_axes, replace, target_depth,
-                             target_layer_ids)
-from bdlm_jax.models.drafter import FROZEN
+from bdlm_jax.config import Config
+from bdlm_jax.configure import replace
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.models.moe import router_losses
 from bdlm_jax.models.transformer import STACKS, head_logits
-from bdlm_jax.objectives import get_objective
+from bdlm_jax.objectives import ar
 from bdlm_jax.params import merge
-from bdlm_jax.parallel.experts import expert_dispatch
-from bdlm_jax.parallel.mesh import BATCH_AXES, row_sharding
-from bdlm_jax.parallel.strategies import make_attend, plan_for
+from bdlm_jax.parallel.mesh import BATCH_AXES
+from bdlm_jax.parallel.registry import SINGLE_DEVICE
 from bdlm_jax.parallel.zero3 import gathered_weights
-
-
-def _slot_rows(x_SR, plan, slot: str):
-  """The rows of every rank's noisy (or clean) slot: [S, P * slot_rows, ...]; all of them for
-  `slot="all"`."""
-  if slot == "all":
-    return x_SR
-  s = x_SR.shape[0]
-  x = x_SR.reshape(s, plan.num_ranks, plan.rows_per_rank, *x_SR.shape[2:])
-  x = x[:, :, :plan.n_noisy] if slot == "noisy" else x[:, :, plan.n_noisy:]
-  return x.reshape(s, -1, *x_SR.shape[2:])
+from bdlm_jax.spec import StepSpec, resolve
 
 
 def _check_batch(cfg, batch, plan):
@@ -109,77 +99,38 @@ def _gathered_once(params, gather):
           else gather(v) for k, v in params.items()}
 
 
-def _drafter_hidden(cfg: Config, model, plan, batch, inputs, mesh, layer_weights):
-  """Final drafter hidden states of the draft rows (each rank's noisy slot), and for a KL
-  loss (`objective.draft_loss=kl`) the target's final hidden states that score them.
-
-  The frozen target runs causally over the context rows (each rank's clean slot, where
-  they already are) and hands the drafter its hidden states at the chosen layers; or the
-  batch brings those states, precomputed (`drafter.features`), and the target does not run.
-  Draft slot k of anchor a is scored against the target's prediction at position a + k - 1,
-  which is fetched from whichever rank holds it (one gather of the rows, not per layer)."""
-  draft = functools.partial(_slot_rows, plan=plan, slot="noisy")
-  ctx = functools.partial(_slot_rows, plan=plan, slot="clean")
-  draft_meta, ctx_meta = jax.tree.map(draft, batch.meta), jax.tree.map(ctx, batch.meta)
-  target = model.target
-  if batch.context is not None:
-    feats = ctx(batch.context)
-  elif cfg.drafter.features:
-    raise ConfigError(f"drafter.features={cfg.drafter.features!r}: the target has no layers "
-                      f"here, so the batch must bring its features (make_batch(..., context=))")
-  else:
-    feats, final = target.features(ctx(inputs), ctx(batch.pos), ctx_meta,
-                                   make_attend(cfg, mesh, rows="clean"), target_layer_ids(cfg),
-                                   target_depth(cfg), layer_weights)
-  hidden = model.drafter(target.embed_tokens(draft(inputs)), draft(batch.pos), draft_meta,
-                         feats, ctx(batch.pos), ctx_meta, make_attend(cfg, mesh, rows="draft"),
-                         layer_weights)
-  if cfg.objective.draft_loss != "kl":
-    return hidden, ()
-  source = jnp.asarray(plan.context_rows)[jnp.clip(draft(batch.pos) - 1, 0, plan.seq_len - 1)]
-  teacher = jnp.take_along_axis(final, source[..., None], axis=1)
-  if mesh is not None:
-    teacher = jax.lax.with_sharding_constraint(teacher, row_sharding(mesh))
-  return hidden, (teacher,)
-
-
 def loss_fn(params, batch, key, cfg: Config, mesh=None):
   """(loss, metrics): weighted masked-token CE summed over the batch / valid tokens, plus an
   MoE's weighted router losses (then the CE alone is `metrics["token_loss"]`).
 
-  A drafter objective (dflash) scores its drafter's rows; its target is frozen here: no
-  gradient reaches it, whatever the caller differentiates."""
-  plan = plan_for(cfg)
+  An objective's frozen parameters (a drafter's target) get no gradient here, whatever the
+  caller differentiates."""
+  return spec_loss(resolve(cfg, mesh), params, batch, key)
+
+
+def spec_loss(spec: StepSpec, params, batch, key):
+  """`loss_fn` of a config resolved once (`bdlm_jax.spec.resolve`): rows -> corrupt ->
+  model -> score, whatever the objective and the strategy."""
+  cfg, mesh, plan, objective = spec.cfg, spec.mesh, spec.plan, spec.objective
   _check_batch(cfg, batch, plan)
-  objective = get_objective(cfg.objective.name)
-  if objective.DRAFTER:
-    params = {**params, FROZEN: jax.lax.stop_gradient(params[FROZEN])}
+  params = {k: jax.lax.stop_gradient(v) if k in objective.FROZEN else v
+            for k, v in params.items()}
   # The embedding and head are gathered in param_dtype: the chunked loss accumulates the
   # head's gradient over many row chunks. Layers are cast to compute_dtype, then gathered,
-  # and so is a frozen target's every weight (no gradient to accumulate).
+  # and so is a frozen subtree's every weight (no gradient to accumulate).
   layer_weights = gathered_weights(mesh, jnp.dtype(cfg.model.compute_dtype),
-                                   expert_axes(cfg.parallel))
+                                   cfg.parallel.expert_axis_names)
   gathered = _gathered_once(params, gathered_weights(mesh))
-  if objective.DRAFTER:
-    gathered[FROZEN] = _gathered_once(params[FROZEN], layer_weights)
+  for frozen in objective.FROZEN:
+    gathered[frozen] = _gathered_once(params[frozen], layer_weights)
   model = merge(cfg, gathered)
-  if mesh is not None:
-    batch = jax.lax.with_sharding_constraint(batch, row_sharding(mesh))
+  batch = spec.rows_sharded(batch)
   n_valid = jnp.sum(batch.labels >= 0)  # before an objective adds copies of the batch
   batch, inputs, scored, weight = objective.corrupt(key, batch, cfg.data.seq_len,
                                                     cfg.objective)
-  teacher, stats = (), {}
-  if objective.DRAFTER:
-    hidden, teacher = _drafter_hidden(cfg, model, plan, batch, inputs, mesh, layer_weights)
-  else:
-    # Router statistics count each real row once (not padding, not bp's replicated copies).
-    counted = (batch.seg > 0) & plan.first_copies[None]
-    hidden, stats = model.forward(inputs, batch.pos, batch.meta, make_attend(cfg, mesh),
-                                  layer_weights=layer_weights, row_weight_BR=counted,
-                                  dispatch=expert_dispatch(cfg, mesh))
-    hidden = _slot_rows(hidden, plan, objective.LOSS_SLOT)
+  hidden, teacher, stats = objective.hidden(spec, model, batch, inputs, layer_weights)
   score = functools.partial(objective.score, cfg=cfg.objective)
-  rows = [hidden] + [_slot_rows(x, plan, objective.LOSS_SLOT)
+  rows = [hidden] + [plan.slot_rows(x, objective.LOSS_SLOT)
                      for x in (batch.labels, scored, weight)] + list(teacher)
   total = _loss_on_every_device(model.head, score, cfg.model.logits_chunk,
                                 cfg.model.logit_softcap, mesh, *rows)
@@ -198,11 +149,11 @@ def ar_logits(params, cfg: Config, tokens) -> jax.Array:
 
   For interop and evaluation: the layout is built on the host, so `tokens` is concrete
   (jit the model inside, not this function over `tokens`)."""
-  ar_cfg = replace(cfg, objective=dict(name="ar"), parallel=dict(strategy="none", seq=1),
+  ar_cfg = replace(cfg, objective=dict(name=ar.NAME), parallel=dict(strategy=SINGLE_DEVICE, seq=1),
                    data=dict(seq_len=int(np.shape(tokens)[1])))
   batch = make_batch(ar_cfg, np.asarray(tokens))
   model = merge(ar_cfg, params)
-  hidden = model(batch.tokens, batch.pos, batch.meta, make_attend(ar_cfg))
+  hidden = model(batch.tokens, batch.pos, batch.meta, resolve(ar_cfg).attend["all"])
   return model.logits(hidden)
 
 
@@ -212,16 +163,15 @@ def draft_logits(params, cfg: Config, tokens, segment_ids=None, protected=None):
 
   For evaluation (acceptance length): the anchors are the ones training would draw for these
   tokens. `tokens` are logical [S, L], concrete (the layout is built on the host)."""
-  one = replace(cfg, parallel=dict(strategy="none", seq=1, data=1, fsdp=1))
+  one = replace(cfg, parallel=dict(strategy=SINGLE_DEVICE, seq=1, data=1, fsdp=1))
   batch = make_batch(one, np.asarray(tokens), segment_ids, protected)
-  plan = plan_for(one)
+  spec = resolve(one)
 
   @jax.jit
   def run(params, batch):
     model = merge(one, params)
-    batch, inputs, _, _ = get_objective(one.objective.name).corrupt(
-        None, batch, one.data.seq_len, one.objective)
-    hidden, _ = _drafter_hidden(one, model, plan, batch, inputs, None, None)
+    batch, inputs, _, _ = spec.objective.corrupt(None, batch, one.data.seq_len, one.objective)
+    hidden, _, _ = spec.objective.hidden(spec, model, batch, inputs, None)
     return head_logits(model.head, hidden, one.model.logit_softcap)
 
   s, b = batch.tokens.shape[0], one.objective.block_size

@@ -8,23 +8,39 @@ import jax
 import numpy as np
 from etils import epath
 
-from bdlm_jax.config import (Config, ModelConfig, drafter_model, layer_types, mlp_types,
-                             target_depth, target_layer_ids)
+from bdlm_jax.config import Config, ModelConfig
+from bdlm_jax.models.drafter import drafter_model, target_depth, target_layer_ids
+from bdlm_jax.models.pattern import layer_types, mlp_types
 from bdlm_jax.objectives import get_objective
-from bdlm_jax.parallel.layout import make_plan
+from bdlm_jax.parallel.registry import SINGLE_DEVICE, make_plan
 
 # Dense bf16 peak per device, for the MFU estimate when train.peak_tflops is not set.
 _PEAK_TFLOPS = {"h200": 989.0, "h100": 989.0, "a100": 312.0, "tpu v5": 197.0, "tpu v4": 275.0}
 
 
-def _layer_flops_per_row(m: ModelConfig) -> float:
-  """Forward FLOPs of one layer's linear maps for one row, summed over the layers."""
-  attention_proj = 2 * m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim  # qkv
-  attention_proj += 2 * m.n_heads * m.head_dim * m.d_model  # o
-  mlp = {"dense": 3 * 2 * m.d_model * m.d_ff,  # router + k experts:
-         "moe": 2 * m.d_model * m.moe_experts + m.moe_top_k * 3 * 2 * m.d_model * (
-             m.moe_d_ff or m.d_ff)}
-  return sum(attention_proj + mlp[kind] for kind in mlp_types(m))
+def _layer_weights(m: ModelConfig, mlp: str, active: bool) -> int:
+  """One layer's linear weights: attention projections and its MLP, dense or a mixture of
+  experts (the router, and all E experts or, `active`, the k a row is sent to)."""
+  attention = (m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim  # qkv
+               + m.n_heads * m.head_dim * m.d_model)  # o
+  if mlp == "dense":
+    return attention + 3 * m.d_model * m.d_ff
+  experts = m.moe_top_k if active else m.moe_experts
+  return attention + m.d_model * m.moe_experts + experts * 3 * m.d_model * (m.moe_d_ff or m.d_ff)
+
+
+def linear_flops_per_row(m: ModelConfig) -> int:
+  """Forward FLOPs of one row through every layer's linear maps: 2 per active weight."""
+  return sum(2 * _layer_weights(m, kind, active=True) for kind in mlp_types(m))
+
+
+def param_count(m: ModelConfig, active: bool = False) -> int:
+  """The model's parameters (what memory holds), or with `active` those one token computes
+  with (an MoE layer's router and the k experts it is sent to: what its FLOPs count)."""
+  norms = 2 * m.d_model + (2 * m.head_dim if m.qk_norm else 0)
+  embed = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
+  return (embed + sum(_layer_weights(m, kind, active) + norms for kind in mlp_types(m))
+          + m.d_model)
 
 
 def model_flops_per_step(cfg: Config) -> float:
@@ -40,11 +56,11 @@ def model_flops_per_step(cfg: Config) -> float:
     return _drafter_flops_per_step(cfg)
   diffusion = objective.NOISY_STREAM
   rows = 2 * cfg.data.seq_len if diffusion else cfg.data.seq_len
-  linear = rows * _layer_flops_per_row(m) + 2 * cfg.data.seq_len * m.d_model * m.vocab_size
+  linear = rows * linear_flops_per_row(m) + 2 * cfg.data.seq_len * m.d_model * m.vocab_size
   # Pairs of the logical stream, as one device computes them: redundant work that a
   # strategy adds (bp's replicated clean prefix) is not useful work.
   block_size = cfg.objective.block_size if diffusion else 1
-  plan = make_plan("none", cfg.data.seq_len, block_size, 1, diffusion)
+  plan = make_plan(SINGLE_DEVICE, cfg.data.seq_len, block_size, 1, diffusion)
   kinds = layer_types(m)
   pairs = (kinds.count("global") * plan.attention_work().sum()
            + kinds.count("local") * plan.attention_work(m.sliding_window).sum())
@@ -61,12 +77,13 @@ def _drafter_flops_per_step(cfg: Config) -> float:
   m, d, L = cfg.model, drafter_model(cfg), cfg.data.seq_len
   n_feat = len(target_layer_ids(cfg))
   run = dataclasses.replace(m, n_layers=target_depth(cfg))  # the target layers that run
-  target = (L * _layer_flops_per_row(run)
+  target = (L * linear_flops_per_row(run)
             + 4.0 * L * (L + 1) / 2 * m.n_heads * m.head_dim * run.n_layers)
-  plan = make_plan("none", L, cfg.objective.block_size, 1, draft_blocks=cfg.objective.max_anchors)
+  plan = make_plan(SINGLE_DEVICE, L, cfg.objective.block_size, 1,
+                   draft_blocks=cfg.objective.max_anchors)
   draft_rows = plan.noisy_len
   ctx_kv = 2 * d.d_model * 2 * d.n_kv_heads * d.head_dim * d.n_layers
-  drafter = (draft_rows * (_layer_flops_per_row(d) + 2 * d.d_model * m.vocab_size)
+  drafter = (draft_rows * (linear_flops_per_row(d) + 2 * d.d_model * m.vocab_size)
              + L * (ctx_kv + 2 * n_feat * m.d_model * d.d_model)
              + 4.0 * float(plan.attention_work().sum()) * d.n_heads * d.head_dim * d.n_layers)
   return cfg.train.batch_size * (target + 3.0 * drafter)

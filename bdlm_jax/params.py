@@ -7,8 +7,9 @@ import json
 import jax
 from flax import nnx
 
-from bdlm_jax.config import Config, ModelConfig, drafter_model, expert_axes, target_layer_ids
-from bdlm_jax.models.drafter import FROZEN, DFlash
+from bdlm_jax.config import Config, ModelConfig
+from bdlm_jax.models.drafter import drafter_model, target_layer_ids
+from bdlm_jax.models.drafter import DFlash
 from bdlm_jax.models.transformer import STACKS, Transformer
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel.zero3 import zero3_shardings
@@ -47,7 +48,7 @@ def _graph_of(cfg: Config):
 
 def split_frozen(cfg: Config, params) -> tuple[dict, dict]:
   """(trainable, frozen) parts of `params`: a drafter's target is frozen, nothing else."""
-  frozen = (FROZEN,) if get_objective(cfg.objective.name).DRAFTER else ()
+  frozen = get_objective(cfg.objective.name).FROZEN
   return ({k: v for k, v in params.items() if k not in frozen},
           {k: v for k, v in params.items() if k in frozen})
 
@@ -97,4 +98,4 @@ def init_params(cfg: Config, key, mesh=None):
   if mesh is None:
     return jax.jit(init)(key)
   return jax.jit(init, out_shardings=zero3_shardings(mesh, abstract_params(cfg),
-                                                      expert_axes(cfg.parallel)))(key)
+                                                      cfg.parallel.expert_axis_names))(key)

@@ -39,8 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from bdlm_jax.batch import check_token_ids
-from bdlm_jax.config import Config, ConfigError
-from bdlm_jax.objectives import get_objective
+from bdlm_jax.config import Config
+from bdlm_jax.errors import ConfigError
+from bdlm_jax.objectives import get_objective, reserved_mask_id
 from bdlm_jax.kernels import with_windows, xla
 from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta, row_meta
 from bdlm_jax.params import merge
@@ -304,7 +305,7 @@ def checked_tokenizer(cfg: Config):
   from bdlm_jax.data.pipeline import check_tokenizer  # the data package imports grain
   from bdlm_jax.data.tokenizers import make_tokenizer
   tokenizer = make_tokenizer(cfg.data)
-  check_tokenizer(tokenizer, cfg.data, cfg.model.vocab_size, cfg.objective.reserved_mask_id)
+  check_tokenizer(tokenizer, cfg.data, cfg.model.vocab_size, reserved_mask_id(cfg))
   return tokenizer
 
 
@@ -313,6 +314,7 @@ def sample_checkpoint(cfg: Config, workdir: str) -> tuple[int, str, str]:
   latest) of `workdir`, prompted by `sample.prompt` or the text of `sample.prompt_file`."""
   from bdlm_jax.checkpoint import restore_state
   from bdlm_jax.data.chat import prompt_text
+  from bdlm_jax.data.sources import DataError
   from bdlm_jax.parallel.mesh import make_mesh, to_host
   o = cfg.sample
   if bool(o.prompt) == bool(o.prompt_file):
@@ -325,8 +327,13 @@ def sample_checkpoint(cfg: Config, workdir: str) -> tuple[int, str, str]:
     prompt = o.prompt
   tokenizer = checked_tokenizer(cfg)
   shown = prompt_text(prompt, cfg.data.chat_template) if cfg.data.format == "chat" else prompt
+  try:
+    prompt_ids = tokenizer.encode(shown)
+  except DataError as e:  # text the tokenizer cannot hold
+    given = (f"sample.prompt_file={o.prompt_file!r}" if o.prompt_file else
+             f"sample.prompt={o.prompt!r}")
+    raise ConfigError(f"{given}: {e}") from e
   step, state = restore_state(cfg, workdir, make_mesh(cfg), o.checkpoint_step)
   params = jax.tree.map(to_host, state.params)  # sampling runs on one device
-  tokens = sample(params, cfg, tokenizer.encode(shown), jax.random.key(cfg.seed),
-                  eos_id=tokenizer.eos_id)
+  tokens = sample(params, cfg, prompt_ids, jax.random.key(cfg.seed), eos_id=tokenizer.eos_id)
   return step, shown, tokenizer.decode(tokens)

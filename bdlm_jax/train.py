@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from bdlm_jax.config import Config, expert_axes
-from bdlm_jax.loss import loss_fn
+from bdlm_jax.config import Config
+from bdlm_jax.loss import spec_loss
 from bdlm_jax.optimizer import learning_rate, make_optimizer
 from bdlm_jax.params import abstract_params, init_params, split_frozen
 from bdlm_jax.parallel.mesh import row_sharding
 from bdlm_jax.parallel.zero3 import zero3_shardings
+from bdlm_jax.spec import StepSpec, resolve
 
 
 class TrainState(NamedTuple):
@@ -26,7 +27,7 @@ class TrainState(NamedTuple):
 
 def state_shardings(cfg: Config, mesh):
   """Parameters and every optimiser moment sharded alike over fsdp*seq; scalars replicated."""
-  return zero3_shardings(mesh, _state_shapes(cfg), expert_axes(cfg.parallel))
+  return zero3_shardings(mesh, _state_shapes(cfg), cfg.parallel.expert_axis_names)
 
 
 def abstract_state(cfg: Config, mesh) -> TrainState:
@@ -53,12 +54,13 @@ def init_state(cfg: Config, key, mesh, params=None) -> TrainState:
 PEAK_METRICS = ("moe_max_load",)
 
 
-def _accumulated_grads(cfg, mesh, params, frozen, batch, key):
+def _accumulated_grads(spec: StepSpec, params, frozen, batch, key):
   """Gradient of (sum of token losses) / (valid tokens) over `grad_accum` micro-batches (plus
   an MoE's router losses, each micro-batch's weighted by its valid tokens), with respect to
   the trainable `params`; the `frozen` ones are held fixed."""
+  cfg, mesh = spec.cfg, spec.mesh
   n = cfg.train.grad_accum
-  grad_fn = jax.value_and_grad(lambda p, b, k: loss_fn({**p, **frozen}, b, k, cfg, mesh),
+  grad_fn = jax.value_and_grad(lambda p, b, k: spec_loss(spec, {**p, **frozen}, b, k),
                                has_aux=True)
   if n == 1:
     (loss, metrics), grads = grad_fn(params, batch, key)
@@ -68,7 +70,7 @@ def _accumulated_grads(cfg, mesh, params, frozen, batch, key):
   micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1),
                        batch)
 
-  shards = zero3_shardings(mesh, params, expert_axes(cfg.parallel))
+  shards = zero3_shardings(mesh, params, cfg.parallel.expert_axis_names)
 
   def body(carry, xs):
     grads_sum, totals, count, masked = carry
@@ -111,10 +113,11 @@ def make_train_step(cfg: Config, mesh):
   """
   optimizer = make_optimizer(cfg.train)
   schedule = learning_rate(cfg.train)
+  spec = resolve(cfg, mesh)  # the traced step closes over what the config decided
 
   def train_step(state: TrainState, batch, key):
     params, frozen = split_frozen(cfg, state.params)
-    grads, metrics = _accumulated_grads(cfg, mesh, params, frozen, batch, key)
+    grads, metrics = _accumulated_grads(spec, params, frozen, batch, key)
     updates, opt_state = optimizer.update(grads, state.opt_state, params)
     new = TrainState(state.step + 1, {**optax.apply_updates(params, updates), **frozen},
                      opt_state)

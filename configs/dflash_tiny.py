@@ -1,4 +1,4 @@
-"""DFlash drafter training, tiny (DESIGN.md section 10): a one-layer drafter learns to propose
+"""DFlash drafter training, tiny (docs/dflash.md): a one-layer drafter learns to propose
 blocks of 4 tokens for a frozen 2-layer target on the embedded arithmetic data; a 2-core CPU
 trains it in a few minutes.
 
@@ -6,7 +6,7 @@ trains it in a few minutes.
   python run.py --config configs/dflash_tiny.py --set objective.name=ar --workdir runs/tiny_ar \
       --set train.steps=1500
   python run.py --config configs/dflash_tiny.py --set objective.name=ar --workdir runs/tiny_ar \
-      --set mode=export --set export.out_dir=runs/tiny_hf
+      --set mode=export --set export.out_dir=runs/tiny_hf --set export.overwrite=true
   python run.py --config configs/dflash_tiny.py                # the drafter, for runs/tiny_hf
   python experiments/dflash_tau.py --config configs/dflash_tiny.py   # trained vs untrained tau
 

@@ -18,16 +18,15 @@ import csv
 import math
 import os
 import statistics
-import sys
 import tempfile
 
+from bdlm_jax.analysis.results import write_results_readme
+from bdlm_jax.config import EvalConfig
+from bdlm_jax.configure import load_config
+from bdlm_jax.loop import train
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from bdlm_jax.config import EvalConfig, load_config  # noqa: E402
-from bdlm_jax.loop import train  # noqa: E402
-from experiments.cost_model import RESULTS_DIR, write_results_readme  # noqa: E402
-
+RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
 FIELDS = ["objective", "block_size", "seed", "steps", "tokens", "eval_loss", "eval_accuracy",
           "eval_chance", "train_loss"]
 

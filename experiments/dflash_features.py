@@ -16,24 +16,23 @@ memory-mapped .npy files, so N may exceed host memory.
 import argparse
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from bdlm_jax import init_params, load_config, make_batch, make_mesh  # noqa: E402
-from bdlm_jax.checkpoint.target import load_target  # noqa: E402
-from bdlm_jax.config import Config, replace, target_depth, target_layer_ids  # noqa: E402
-from bdlm_jax.data import make_dataset  # noqa: E402
-from bdlm_jax.data.features import META  # noqa: E402
-from bdlm_jax.models.drafter import FROZEN  # noqa: E402
-from bdlm_jax.params import merge_transformer  # noqa: E402
-from bdlm_jax.parallel.strategies import make_attend, plan_for  # noqa: E402
-from bdlm_jax.parallel.zero3 import gathered_weights  # noqa: E402
+from bdlm_jax import init_params, load_config, make_batch, make_mesh
+from bdlm_jax.objectives import reserved_mask_id
+from bdlm_jax.checkpoint.target import load_target
+from bdlm_jax.config import Config
+from bdlm_jax.configure import replace
+from bdlm_jax.models.drafter import target_depth, target_layer_ids
+from bdlm_jax.data import make_dataset
+from bdlm_jax.data.features import META
+from bdlm_jax.models.drafter import FROZEN
+from bdlm_jax.params import merge_transformer
+from bdlm_jax.parallel.strategies import make_attend, plan_for
+from bdlm_jax.parallel.zero3 import gathered_weights
 
 DTYPES = ("float32", "float16")
 
@@ -140,7 +139,7 @@ def main(argv=None):
     target = load_target(cfg, make_mesh(cfg))
   data = make_dataset(cfg.data, batch_size=cfg.train.batch_size, seed=cfg.seed,
                       vocab_size=cfg.model.vocab_size, block_size=cfg.objective.block_size,
-                      mask_token_id=cfg.objective.reserved_mask_id, split="train")
+                      mask_token_id=reserved_mask_id(cfg), split="train")
   write_features(cfg, target, data, args.out, args.sequences, args.dtype)
   print(f"wrote {args.sequences} sequences of features to {args.out}")
 

@@ -1,4 +1,4 @@
-"""Acceptance length tau of a DFlash drafter on held-out text (DESIGN.md section 10), trained
+"""Acceptance length tau of a DFlash drafter on held-out text (docs/dflash.md), trained
 vs untrained, for the same frozen target.
 
   python experiments/dflash_tau.py --config configs/dflash_tiny.py [--workdir runs/dflash_tiny]
@@ -16,23 +16,19 @@ run's initialisation (same seed), next to the same target, which is always co-ho
 """
 
 import argparse
-import os
-import sys
 
 import jax
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from bdlm_jax import ar_logits, draft_logits, init_params, load_config, make_mesh  # noqa: E402
-from bdlm_jax.checkpoint import restore_state  # noqa: E402
-from bdlm_jax.checkpoint.target import load_target  # noqa: E402
-from bdlm_jax.config import replace  # noqa: E402
-from bdlm_jax.data import make_dataset  # noqa: E402
-from bdlm_jax.loop import default_workdir  # noqa: E402
-from bdlm_jax.models.drafter import FROZEN, TRAINED  # noqa: E402
-from bdlm_jax.parallel.mesh import to_host  # noqa: E402
+from bdlm_jax import ar_logits, draft_logits, init_params, load_config, make_mesh
+from bdlm_jax.objectives import reserved_mask_id
+from bdlm_jax.checkpoint import restore_state
+from bdlm_jax.checkpoint.target import load_target
+from bdlm_jax.configure import replace
+from bdlm_jax.data import make_dataset
+from bdlm_jax.loop import default_workdir
+from bdlm_jax.models.drafter import FROZEN, TRAINED
+from bdlm_jax.parallel.mesh import to_host
 
 
 def target_continuations(target, cfg, tokens_SL, seg_SL, anchors, steps: int) -> np.ndarray:
@@ -94,7 +90,7 @@ def main(argv=None):
               f"trained (step {step})": state.params[TRAINED]}
   data = make_dataset(cfg.data, batch_size=cfg.train.batch_size, seed=cfg.seed,
                       vocab_size=cfg.model.vocab_size, block_size=cfg.objective.block_size,
-                      mask_token_id=cfg.objective.reserved_mask_id, split="eval")
+                      mask_token_id=reserved_mask_id(cfg), split="eval")
   batches = [next(data) for _ in range(args.batches)]
   print(f"target {cfg.drafter.target}; drafter {workdir} step {step}; B = "
         f"{cfg.objective.block_size} (tau <= {cfg.objective.block_size})")

@@ -20,11 +20,14 @@ pair forward, 14 D Hq forward+backward (the backward's 5 matmuls). Peers:
   tokamax  tokamax.dot_product_attention (mosaic, then triton) with the dense boolean mask,
            if tokamax imports (it is not in the GPU image unless a wheel is carried)
   xla      bdlm_jax.kernels.xla, the key-chunked jnp path (computes every pair)
-Causal rows (plain causal attention over 2L tokens; cuDNN and tokamax use their native causal
-masks) are the sanity check. Every peer runs in try/except and prints why it was skipped.
-`err_vs_pallas` is the max |out - out_pallas| of the forward output. Rows append to the CSV
-as they finish (experiments/results/kernel_bench.csv), so a run cut short keeps its rows; the
-table prints last.
+Every peer builds what its kernel reads from the row metadata inside the timed function, as a
+training step does (`mask_built` = in step: Pallas its tile map, cuDNN and tokamax their dense
+mask); cuDNN and tokamax are also timed with the dense mask built once outside (`mask_built` =
+outside: the kernel alone). Causal rows (plain causal attention over 2L tokens; cuDNN and
+tokamax use their native causal masks) are the sanity check. Every peer runs in try/except and
+prints why it was skipped. `err_vs_pallas` is the max |out - out_pallas| of the forward output.
+Rows append to the CSV as they finish (experiments/results/kernel_bench.csv), so a run cut
+short keeps its rows; the table prints last.
 """
 
 import argparse
@@ -35,19 +38,18 @@ import sys
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+from bdlm_jax.kernels import pallas, tiles, xla
+from bdlm_jax.kernels.mask import RowMeta, allowed
+from bdlm_jax.parallel.registry import SINGLE_DEVICE, get_strategy, make_plan, strategy_names
 
-from bdlm_jax.kernels import pallas, tiles, xla  # noqa: E402
-from bdlm_jax.kernels.mask import RowMeta, allowed  # noqa: E402
-from bdlm_jax.parallel.layout import make_plan  # noqa: E402
-
-FIELDS = ["mask", "L", "B", "rows", "peer", "tiles", "mode", "ms", "useful_tflops",
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+FIELDS = ["mask", "L", "B", "rows", "peer", "tiles", "mask_built", "mode", "ms", "useful_tflops",
           "allowed_fraction", "visited_tile_fraction", "err_vs_pallas", "note"]
+DENSE_PEERS = ("cudnn", "tokamax")  # a BDLM mask reaches them as a dense [2L, 2L] array
 # --sweep-tiles: pallas tile sizes (forward q x k, backward q x k) and Triton warps / stages.
 TILE_SWEEP = [pallas.Tiles(128, 64, 64, 64), pallas.Tiles(128, 64, 64, 64, 4),
               pallas.Tiles(128, 64, 64, 64, 8, 3), pallas.Tiles(128, 128, 64, 64),
@@ -61,11 +63,16 @@ class Skip(Exception):
   """A peer that cannot run this case; the message says why."""
 
 
-def case_meta(mask: str, seq_len: int, block: int) -> RowMeta:
-  """NumPy RowMeta [1, rows]: the BDLM stream of 2L rows, or 2L causal (autoregressive) rows."""
+def case_plan(mask: str, seq_len: int, block: int):
+  """One device's plan: the BDLM stream of 2L rows, or 2L causal (autoregressive) rows."""
   if mask == "bdlm":
-    return tiles.plan_row_meta(make_plan("none", seq_len, block, 1))
-  return tiles.plan_row_meta(make_plan("none", 2 * seq_len, 1, 1, noisy_stream=False))
+    return make_plan(SINGLE_DEVICE, seq_len, block, 1)
+  return make_plan(SINGLE_DEVICE, 2 * seq_len, 1, 1, noisy_stream=False)
+
+
+def case_meta(mask: str, seq_len: int, block: int) -> RowMeta:
+  """NumPy RowMeta [1, rows] of `case_plan`."""
+  return tiles.plan_row_meta(case_plan(mask, seq_len, block))
 
 
 def device_bytes() -> float:
@@ -75,16 +82,20 @@ def device_bytes() -> float:
     return float("inf")
 
 
-def peer_fns(peer: str, mask: str, meta: RowMeta, tiles=None):
+def peer_fns(peer: str, mask: str, meta: RowMeta, tiles=None, prebuilt: bool = False):
   """(`fn(q, k, v, *extra) -> out`, extra) of `peer` for this mask (raises Skip with a reason).
 
-  Dense masks and biases are built here, outside the timed function, and passed as arguments:
-  captured in the jitted function they would become constants of the program (GBs to embed)."""
+  The metadata is an argument of the timed function, never a constant of its program (XLA
+  could fold a mask or tile map built from a constant away, and embed GBs of a dense one):
+  each peer builds what its kernel reads from it inside the timed function, as a training
+  step does, Pallas its tile map and cuDNN / tokamax their dense mask. `prebuilt`: a dense
+  peer's mask is built once, outside, to time its kernel alone (Pallas has no such variant:
+  it builds its tile map inside `attend`)."""
   meta_j = RowMeta(*(jnp.asarray(x) for x in meta))
   if peer == "pallas":
-    return lambda q, k, v: pallas.attend(q, k, v, meta_j, meta_j, tiles=tiles)[0], ()
+    return lambda q, k, v, m: pallas.attend(q, k, v, m, m, tiles=tiles)[0], (meta_j,)
   if peer == "xla":
-    return lambda q, k, v: xla.attend(q, k, v, meta_j, meta_j, 512)[0], ()
+    return lambda q, k, v, m: xla.attend(q, k, v, m, m, 512)[0], (meta_j,)
   if jax.default_backend() != "gpu":
     raise Skip("needs a GPU")
   rows = meta.seg.shape[1]
@@ -95,11 +106,10 @@ def peer_fns(peer: str, mask: str, meta: RowMeta, tiles=None):
     need = rows * rows * 2
     if need > device_bytes() / 2:
       raise Skip(f"dense bias of {need / 2**30:.0f} GiB does not fit in half the device memory")
-    bias = jax.jit(lambda m: jnp.where(allowed(m, m), 0.0, -1e9).astype(jnp.bfloat16)[:, None])(
-        meta_j)
-    return lambda q, k, v, bias: jax.nn.dot_product_attention(q, k, v, bias=bias,
-                                                              implementation="cudnn"), (bias,)
-  if peer == "tokamax":
+    dense = lambda m: jnp.where(allowed(m, m), 0.0, -1e9).astype(jnp.bfloat16)[:, None]
+    fn = lambda q, k, v, bias: jax.nn.dot_product_attention(q, k, v, bias=bias,
+                                                            implementation="cudnn")
+  elif peer == "tokamax":
     try:
       import tokamax
     except Exception as e:  # noqa: BLE001
@@ -109,10 +119,22 @@ def peer_fns(peer: str, mask: str, meta: RowMeta, tiles=None):
           q, k, v, is_causal=True, implementation=("mosaic", "triton")), ()
     if rows * rows > device_bytes() / 2:
       raise Skip(f"dense mask of {rows * rows / 2**30:.0f} GiB does not fit")
-    dense = jax.jit(lambda m: allowed(m, m)[:, None])(meta_j)
-    return lambda q, k, v, mask: tokamax.dot_product_attention(
-        q, k, v, mask=mask, implementation=("mosaic", "triton")), (dense,)
-  raise ValueError(f"unknown peer {peer!r}")
+    dense = lambda m: allowed(m, m)[:, None]
+    fn = lambda q, k, v, mask: tokamax.dot_product_attention(
+        q, k, v, mask=mask, implementation=("mosaic", "triton"))
+  else:
+    raise ValueError(f"unknown peer {peer!r}")
+  if prebuilt:
+    return fn, (jax.jit(dense)(meta_j),)
+  return lambda q, k, v, m: fn(q, k, v, dense(m)), (meta_j,)
+
+
+def mask_built(peer: str, mask: str, prebuilt: bool) -> str:
+  """Where a timed row's mask came from: built from the metadata in the timed function,
+  built once outside it, or a kernel's native causal mask."""
+  if mask == "causal" and peer in DENSE_PEERS:
+    return "native causal"
+  return "outside" if prebuilt else "in step"
 
 
 def timed(fn, args, reps: int):
@@ -139,14 +161,16 @@ def tiles_label(t: pallas.Tiles) -> str:
 
 
 def run_case(mask, seq_len, block, heads, dtype, peers, reps, writer, deadline):
-  """Times each (peer, pallas tiles or None) of `peers` on one mask, forward and fwd+bwd."""
+  """Times each (peer, pallas tiles or None) of `peers` on one mask, forward and fwd+bwd; a
+  dense peer on a BDLM mask twice, its mask built in the timed function and outside it."""
   hq, hkv, d = heads
-  meta = case_meta(mask, seq_len, block)
+  plan = case_plan(mask, seq_len, block)
+  meta = tiles.plan_row_meta(plan)
   rows = meta.seg.shape[1]
-  pairs = tiles.count_allowed_pairs(meta, meta)
+  pairs = int(plan.attention_work().sum())
   vis = ""
   if mask == "bdlm":
-    plan, tile = make_plan("none", seq_len, block, 1), pallas.GPU_TILES
+    tile = pallas.GPU_TILES
     vis = round(tiles.visited_tiles(plan, "local", tile.fwd_q, tile.fwd_k)["visited_fraction"], 4)
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.normal(size=(1, rows, hq, d)), dtype)
@@ -154,39 +178,40 @@ def run_case(mask, seq_len, block, heads, dtype, peers, reps, writer, deadline):
   dout = jnp.asarray(rng.normal(size=q.shape), dtype)
   reference = None
   for peer, tile_set in peers:
-    try:
-      (fwd, extra), why_not = peer_fns(peer, mask, meta, tile_set), ""
-    except Skip as e:
-      fwd, why_not = None, f"skipped: {e}"
-    except Exception as e:  # noqa: BLE001 (building a dense mask can fail, e.g. out of memory)
-      fwd, why_not = None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    for mode in ("fwd", "fwd+bwd"):
-      row = dict(mask=mask, L=seq_len, B=block if mask == "bdlm" else "", rows=rows, peer=peer,
-                 tiles=tiles_label(tile_set or pallas.default_tiles(dtype, pallas.interpret_mode()))
-                 if peer == "pallas" else "",
-                 mode=mode, allowed_fraction=round(pairs / rows**2, 4),
-                 visited_tile_fraction=vis, ms="", useful_tflops="", err_vs_pallas="",
-                 note=why_not)
-      if fwd is not None and time.time() > deadline:
-        row["note"] = "skipped: time budget spent (--budget-s)"
-      elif fwd is not None:
-        try:
-          if mode == "fwd":
-            ms, out = timed(fwd, (q, k, v, *extra), reps)
-            out = np.asarray(out, np.float32)
-            if reference is None and peer == "pallas":
-              reference = out
-            elif reference is not None:
-              row["err_vs_pallas"] = f"{np.abs(out - reference).max():.3g}"
-          else:
-            ms, _ = timed(with_backward(fwd), (q, k, v, dout, *extra), reps)
-          row["ms"] = f"{ms:.3f}"
-          row["useful_tflops"] = f"{FLOPS_PER_PAIR[mode] * pairs * d * hq / ms / 1e9:.1f}"
-        except Exception as e:  # noqa: BLE001 (one failing peer must not stop the others)
-          row["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-          traceback.print_exc(limit=3)
-      print(" ".join(f"{key}={row[key]}" for key in FIELDS if row[key] != ""), flush=True)
-      writer(row)
+    for prebuilt in (False, True) if peer in DENSE_PEERS and mask == "bdlm" else (False,):
+      try:
+        (fwd, extra), why_not = peer_fns(peer, mask, meta, tile_set, prebuilt), ""
+      except Skip as e:
+        fwd, why_not = None, f"skipped: {e}"
+      except Exception as e:  # noqa: BLE001 (building a dense mask can fail, e.g. out of memory)
+        fwd, why_not = None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+      for mode in ("fwd", "fwd+bwd"):
+        row = dict(mask=mask, L=seq_len, B=block if mask == "bdlm" else "", rows=rows,
+                   peer=peer, tiles=tiles_label(tile_set or pallas.default_tiles(
+                       dtype, pallas.interpret_mode())) if peer == "pallas" else "",
+                   mask_built=mask_built(peer, mask, prebuilt), mode=mode,
+                   allowed_fraction=round(pairs / rows**2, 4), visited_tile_fraction=vis,
+                   ms="", useful_tflops="", err_vs_pallas="", note=why_not)
+        if fwd is not None and time.time() > deadline:
+          row["note"] = "skipped: time budget spent (--budget-s)"
+        elif fwd is not None:
+          try:
+            if mode == "fwd":
+              ms, out = timed(fwd, (q, k, v, *extra), reps)
+              out = np.asarray(out, np.float32)
+              if reference is None and peer == "pallas":
+                reference = out
+              elif reference is not None:
+                row["err_vs_pallas"] = f"{np.abs(out - reference).max():.3g}"
+            else:
+              ms, _ = timed(with_backward(fwd), (q, k, v, dout, *extra), reps)
+            row["ms"] = f"{ms:.3f}"
+            row["useful_tflops"] = f"{FLOPS_PER_PAIR[mode] * pairs * d * hq / ms / 1e9:.1f}"
+          except Exception as e:  # noqa: BLE001 (one failing peer must not stop the others)
+            row["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            traceback.print_exc(limit=3)
+        print(" ".join(f"{key}={row[key]}" for key in FIELDS if row[key] != ""), flush=True)
+        writer(row)
 
 
 def quick_check(dtypes=("float32", "bfloat16")):
@@ -217,17 +242,18 @@ def quick_check(dtypes=("float32", "bfloat16")):
 def tile_report(lens=(8192, 65536), blocks=(16, 256), num_ranks=8, window=1024):
   """Visited-tile vs allowed-pair fractions of every strategy's kernel calls (NumPy only), on
   a global layer and on a local layer of `window` positions."""
-  from bdlm_jax.parallel.strategies import TRANSPORTS, exchange_for, window_transport
+  from bdlm_jax.parallel.strategies import exchange_for, window_transport
   tq, tk = pallas.GPU_TILES.fwd_q, pallas.GPU_TILES.fwd_k
   print(f"tile map ({tq}x{tk} forward tiles): visited fraction of tiles vs allowed fraction of "
         f"pairs, per strategy (P={num_ranks}), global and local (W={window}) layers")
   for seq_len in lens:
     for block in blocks:
-      for strategy, transport in TRANSPORTS.items():
-        plan = make_plan(strategy, seq_len, block, 1 if strategy == "none" else num_ranks)
+      for strategy in strategy_names():
+        record = get_strategy(strategy)
+        plan = make_plan(strategy, seq_len, block, num_ranks if record.splits_sequences else 1)
         local = window_transport(plan, window)
         exchange = exchange_for(plan, window) if local == "exchange" else None
-        for layer, r in (("global", tiles.visited_tiles(plan, transport, tq, tk)),
+        for layer, r in (("global", tiles.visited_tiles(plan, record.transport, tq, tk)),
                          ("local", tiles.visited_tiles(plan, local, tq, tk, window, exchange))):
           print(f"  L={seq_len} B={block} {strategy:15s} {layer:6s} visited "
                 f"{r['visited_fraction']:.4f} allowed {r['allowed_fraction']:.4f} "
@@ -253,8 +279,7 @@ def main():
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--budget-s", type=float, default=480.0,
                   help="stop starting new measurements after this many seconds")
-  ap.add_argument("--out", default=os.path.join(ROOT, "experiments", "results",
-                                                "kernel_bench.csv"))
+  ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "kernel_bench.csv"))
   args = ap.parse_args()
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}",
         flush=True)

@@ -15,7 +15,7 @@ devices: bytes, memory and FLOPs are exact for that program, wall times are comp
 as ratios. Writes parallel_bench.{csv,md} and parallel_bench_*.png under --out and refreshes
 README_results.md there.
 
-`--objective dflash` (DESIGN.md section 10) benches a drafter's step instead, at one (L, P)
+`--objective dflash` (docs/dflash.md) benches a drafter's step instead, at one (L, P)
 (`--tiny`: the CI smoke size): the frozen target's causal forward over the context, then the
 drafter's forward + backward over the draft blocks, for every strategy but cp_ring_balanced
 (whose drafter layout is cp_ring's). It writes parallel_bench_dflash.{csv,md} and no plots,
@@ -37,33 +37,32 @@ import csv
 import dataclasses
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # simulated mesh when no accelerator
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bdlm_jax import init_state, make_batch, make_mesh, make_train_step  # noqa: E402
-from bdlm_jax.config import Config, replace  # noqa: E402
+from bdlm_jax.analysis import hlo_stats  # noqa: E402
+from bdlm_jax.analysis.cost_model.work import distinct_plans  # noqa: E402
+from bdlm_jax.analysis.results import write_results_readme  # noqa: E402
+from bdlm_jax.analysis.step_report import (describe_objective,  # noqa: E402
+                                           expected_attention_operand_bytes)
+from bdlm_jax.config import Config  # noqa: E402
+from bdlm_jax.configure import replace  # noqa: E402
 from bdlm_jax.metrics import model_flops_per_step  # noqa: E402
 from bdlm_jax.objectives import get_objective  # noqa: E402
-from bdlm_jax.parallel import hlo_stats  # noqa: E402
-from bdlm_jax.parallel.step_report import (describe_objective,  # noqa: E402
-                                           expected_attention_operand_bytes)
 from bdlm_jax.parallel.mesh import row_sharding  # noqa: E402
-from bdlm_jax.parallel.strategies import ATTENTION_SCOPE, plan_for  # noqa: E402
+from bdlm_jax.parallel.registry import get_strategy, plan_for, strategy_names  # noqa: E402
+from bdlm_jax.parallel.strategies import ATTENTION_SCOPE  # noqa: E402
 from bdlm_jax.train import state_shardings  # noqa: E402
-from experiments.cost_model import RESULTS_DIR, write_results_readme  # noqa: E402
 
-STRATEGIES = ("none", "cp_allgather", "cp_ring", "cp_ring_balanced", "bp", "csbp_allgather",
-              "csbp_ring")
-# A drafter's cp_ring already zigzags each stream on its own: cp_ring_balanced is the same plan.
-DFLASH_STRATEGIES = tuple(s for s in STRATEGIES if s != "cp_ring_balanced")
-BASELINE = "cp_ring"
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+STRATEGIES = strategy_names()
+# Each row's step time is also given over the first ring baseline's, cp_ring (time_vs_cp_ring)
+BASELINE = strategy_names(baseline=True, transport="ring")[0]
 MiB = 2**20
 
 
@@ -191,8 +190,10 @@ def run(grid: Grid, out_dir: str, dtype: str, strategies=STRATEGIES, progress=pr
   rows = []
   tokens_rng = np.random.default_rng(0)
   seqs = [s for s in grid.seqs if s <= jax.device_count()]
-  groups = [(1, ["none"])] if "none" in strategies else []
-  groups += [(s, [x for x in strategies if x != "none"]) for s in seqs]
+  splits = lambda name: get_strategy(name).splits_sequences
+  one_device = [x for x in strategies if not splits(x)]
+  groups = [(1, one_device)] if one_device else []
+  groups += [(s, [x for x in strategies if splits(x)]) for s in seqs]
   host_state = None  # one initial state, placed on each mesh (no init compile per mesh)
   for seq, names in groups:
     if host_state is None:
@@ -242,7 +243,8 @@ def markdown(rows, grid: Grid, dtype: str) -> str:
   simulated = backend == "cpu"
   timing = "simulated devices: ratios only" if simulated else jax.devices()[0].device_kind
   m = grid.model
-  cfg = bench_config(grid, "none", 1, grid.seq_lens[0], dtype)
+  cfg = bench_config(grid, strategy_names(splits_sequences=False)[0], 1, grid.seq_lens[0],
+                     dtype)
   drafter = get_objective(cfg.objective.name).DRAFTER
   lines = [
       "## DFlash drafter training, one full train step (measured)" if drafter else
@@ -273,11 +275,10 @@ def markdown(rows, grid: Grid, dtype: str) -> str:
       "all-reduce MiB | temp MiB | arg MiB | XLA GFLOP | model GFLOP | step ms | ÷ cp_ring |",
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
-  cp_attn = {(r["seq"], r["seq_len"], r["strategy"].split("_")[1]): r["attn_wire_bytes"]
-             for r in rows if r["strategy"] in ("cp_ring", "cp_allgather")}
+  at = {(r["seq"], r["seq_len"], r["strategy"]): r for r in rows}
   for r in sorted(rows, key=lambda r: (r["seq"], r["seq_len"], STRATEGIES.index(r["strategy"]))):
-    transport = r["strategy"].split("_")[1] if "_" in r["strategy"] else None
-    ref = cp_attn.get((r["seq"], r["seq_len"], transport))
+    cp = cp_of(get_strategy(r["strategy"]).transport)
+    ref = cp and at.get((r["seq"], r["seq_len"], cp[0]), {}).get("attn_wire_bytes")
     lines.append(
         f"| {r['seq']} | {r['seq_len']} | {r['strategy']} | {r['rows_per_rank']} | "
         f"{r['max_rank_pairs']} | {r['attn_wire_bytes'] / MiB:.3f} | "
@@ -310,21 +311,27 @@ def _span(values, spec=".2f") -> str:
       f"{format(lo, spec)}-{format(hi, spec)}"
 
 
+def cp_of(transport: str) -> tuple[str, ...]:
+  """The context-parallel baseline that moves K/V by `transport` (the first registered one,
+  whom the table compares CSBP with); none for `local`."""
+  return strategy_names(baseline=True, transport=transport)[:1]
+
+
 def summary(rows) -> list[str]:
   """One line per claim the table supports, with the measured range over all (P, L)."""
   at = {(r["seq"], r["seq_len"], r["strategy"]): r for r in rows}
-  sharded = [r for r in rows if r["strategy"] != "none"]
+  sharded = [r for r in rows if get_strategy(r["strategy"]).splits_sequences]
   lines = []
   for transport in ("ring", "allgather"):
-    ratios = [r["attn_wire_bytes"] / at[(r["seq"], r["seq_len"], f"cp_{transport}")]
-              ["attn_wire_bytes"] for r in sharded if r["strategy"] == f"csbp_{transport}"
-              and (r["seq"], r["seq_len"], f"cp_{transport}") in at]
-    if ratios:
-      lines.append(f"* csbp_{transport} sends {_span(ratios)}x the attention bytes of "
-                   f"cp_{transport}.")
-  if any(r["strategy"] == "bp" for r in rows):
-    bp = [r["attn_wire_bytes"] for r in rows if r["strategy"] == "bp"]
-    lines.append(f"* bp sends {_span(bp, '.0f')} attention bytes.")
+    for csbp, cp in zip(strategy_names(travels="clean", transport=transport), cp_of(transport)):
+      ratios = [r["attn_wire_bytes"] / at[(r["seq"], r["seq_len"], cp)]["attn_wire_bytes"]
+                for r in sharded if r["strategy"] == csbp and (r["seq"], r["seq_len"], cp) in at]
+      if ratios:
+        lines.append(f"* {csbp} sends {_span(ratios)}x the attention bytes of {cp}.")
+  for local in strategy_names(splits_sequences=True, transport="local"):
+    sent = [r["attn_wire_bytes"] for r in rows if r["strategy"] == local]
+    if sent:
+      lines.append(f"* {local} sends {_span(sent, '.0f')} attention bytes.")
   all_reduce = [r["all_reduce_bytes"] / MiB for r in sharded]
   lines.append(f"* The weight-gradient all-reduce is {_span(all_reduce, '.3f')} MiB over every "
                "sharded strategy and configuration.")
@@ -351,7 +358,7 @@ def plot(rows, out_dir):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  seqs = sorted({r["seq"] for r in rows if r["strategy"] != "none"})
+  seqs = sorted({r["seq"] for r in rows if get_strategy(r["strategy"]).splits_sequences})
   panels = [("traffic", "attn_wire_bytes", MiB, "attention MiB sent / device / step"),
             ("memory", "temp_bytes", MiB, "temp MiB / device"),
             ("time", "time_vs_cp_ring", 1, "step time ÷ cp_ring")]
@@ -392,7 +399,8 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.objective == "dflash":
     grid = GRIDS["dflash_tiny" if args.tiny else "dflash"]
-    default = DFLASH_STRATEGIES
+    default = distinct_plans(STRATEGIES, grid.seq_lens[0], grid.block_size, grid.seqs[0],
+                             grid.objective["max_anchors"])
   else:
     grid = GRIDS["tiny" if args.tiny else "quick" if args.quick else "full"]
     default = STRATEGIES

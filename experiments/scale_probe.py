@@ -3,17 +3,23 @@
   python experiments/scale_probe.py --models llama3-8b --lens 262144 524288 1048576
   python experiments/scale_probe.py                 # every model, L = 64K..1M
   python experiments/scale_probe.py --quick         # a tiny model, for tests (~10 s)
+  python experiments/scale_probe.py --target tpu:v5p:2x2x4 --models llama3-8b --lens 262144 \
+      --strategies csbp_ring                         # XLA:TPU ahead of time (needs libtpu)
   python experiments/scale_probe.py --ablate --models llama3-8b --lens 262144 \
       --strategies csbp_ring csbp_allgather          # what each memory feature buys
   python experiments/scale_probe.py --objective dflash --models qwen3-8b --devices 8 \
       --lens 1048576 --block-size 16 --anchors 512 --strategies csbp_ring cp_ring bp
                                                      # a DFlash drafter's step over a frozen 8B
 
-For each (model, L, strategy) it compiles `make_train_step` on P simulated CPU devices (the seq
-axis; one sequence per step; bf16 compute, f32 parameters, `--remat`) from abstract inputs
-(`bdlm_jax.parallel.step_report`) and records per device: arguments, temp and peak memory
-(peak = arguments + temp + output - alias), compile time, the attention bytes the layout plan
-sends per step, the compiled/plan check of those bytes, and compiled weight traffic. Each
+For each (model, L, strategy) it compiles `make_train_step` on P devices of `--target` (the
+seq axis; one sequence per step; bf16 compute, f32 parameters, `--remat`) from abstract inputs
+(`bdlm_jax.analysis.step_report`) and records per device: arguments, temp and peak memory
+(peak: the compiler's own where it reports one, XLA:TPU and XLA:GPU; else, as on XLA:CPU, the
+bound arguments + temp + output - alias, which is recorded too), compile time, the attention
+bytes the layout plan sends per step, the compiled/plan check of those bytes, and compiled
+weight traffic. `--target` (`bdlm_jax.analysis.targets`): cpu (default: simulated CPU
+devices), tpu:<topology> (XLA:TPU ahead of time; writes scale_probe_tpu.*), gpu (XLA:GPU,
+mock hosts beyond this GPU host; writes scale_probe_gpu.*). Each
 compile runs in its own subprocess (host memory is freed after each; a crash or a timeout is
 a row, not the end of the run) with no persistent compilation cache (compile times are real).
 A strategy the config rejects (ConfigError) or that fails to compile is reported as such.
@@ -23,11 +29,13 @@ markdown shows how compile time grows with depth (the layer scan should keep it 
 `--ablate` compiles the first model at the first L once per entry of ABLATIONS, each turning
 one memory feature off (or one option on), so the table shows what each buys.
 
-Writes scale_probe.{csv,md,png} under --out (scale_probe_quick.* with --quick); `--append`
-keeps the other models' rows and sections of an earlier run there and replaces only these
-models'. XLA:CPU is not the GPU compiler: its memory is the structure to optimise, not a
-GPU's exact figure. Model presets (the Llama-style block of bdlm_jax.models): llama3-8b,
-gemma3-27b and qwen3-30b-a3b as in experiments/cost_model.py (Gemma 3 27B's dimensions and
+Writes scale_probe.{csv,md,png} under --out (scale_probe_quick.* with --quick). A run merges
+into what is there: the rows it measures replace their earlier figures, every other row stays,
+and the markdown sections of the other models stay as written (a run of one model, length or
+strategy never drops the rest of the table; `--out` writes elsewhere). XLA:CPU is not the GPU
+compiler: its memory is the structure to optimise, not a GPU's exact figure. Model presets
+(the Llama-style block of bdlm_jax.models): llama3-8b, gemma3-27b and qwen3-30b-a3b as in
+`bdlm_jax.analysis.cost_model.setting` (Gemma 3 27B's dimensions and
 5 local : 1 global layers, whose rows in results/scale_probe.csv were compiled before the
 preset had local layers, every layer global; Qwen3-30B-A3B's, a mixture of experts), and
 qwen3-8b (Qwen3-8B's dimensions, qk_norm).
@@ -41,7 +49,7 @@ and the ragged dispatch with shape-faithful stand-ins (`_ragged_standins`: the s
 buffers, not the same FLOPs or collectives), the latter being the figure the cost model
 reads. The markdown puts both next to the cost model's analytic figure for the ragged path.
 
-`--objective dflash` (DESIGN.md section 10) compiles a drafter's step instead: the model is
+`--objective dflash` (docs/dflash.md) compiles a drafter's step instead: the model is
 the frozen target (its causal forward over the L context rows, no backward), and a
 `--drafter-layers` drafter (the target's widths) trains on `--anchors` draft blocks of
 `--block-size` rows; only the drafter has optimiser state. It writes scale_probe_dflash.*.
@@ -57,33 +65,39 @@ import os
 import subprocess
 import sys
 
+import jax
+
+from bdlm_jax.analysis import step_report, targets
+from bdlm_jax.analysis.cost_model import setting
+from bdlm_jax.analysis.cost_model.memory import peak_memory
+from bdlm_jax.analysis.cost_model.work import plan_work
+from bdlm_jax.config import Config, ModelConfig
+from bdlm_jax.configure import override, replace
+from bdlm_jax.errors import ConfigError
+from bdlm_jax.metrics import param_count
+from bdlm_jax.models.drafter import target_layer_ids
+from bdlm_jax.parallel.mesh import make_mesh
+from bdlm_jax.parallel.registry import SINGLE_DEVICE, strategy_names
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import jax  # noqa: E402
-
-from bdlm_jax.config import (Config, ConfigError, ModelConfig, override, replace,  # noqa: E402
-                             target_layer_ids)
-from bdlm_jax.parallel import step_report  # noqa: E402
-from experiments import cost_model  # noqa: E402
-
+RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
 GB = step_report.GB
 MODELS = {
-    "llama3-8b": cost_model.MODELS["llama3-8b"],
+    "llama3-8b": setting.MODELS["llama3-8b"],
     "qwen3-8b": ModelConfig(vocab_size=151936, d_model=4096, n_layers=36, n_heads=32,
                             n_kv_heads=8, head_dim=128, d_ff=12288, rope_theta=1e6,
                             qk_norm=True, tie_embeddings=False),
-    "gemma3-27b": cost_model.MODELS["gemma3-27b"],
-    "qwen3-30b-a3b": cost_model.MODELS["qwen3-30b-a3b"],
+    "gemma3-27b": setting.MODELS["gemma3-27b"],
+    "qwen3-30b-a3b": setting.MODELS["qwen3-30b-a3b"],
     "tiny": ModelConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                         head_dim=8, d_ff=64, attention_chunk=32),
 }
-STRATEGIES = ("cp_allgather", "cp_ring", "cp_ring_balanced", "bp", "csbp_allgather", "csbp_ring")
+STRATEGIES = strategy_names(splits_sequences=True)
 # --quick: 32 tokens are 2 blocks, fewer than 4 ranks, so bp and csbp are rejected there.
 QUICK = dict(models=["tiny"], lens=[32, 64], devices=4, block_size=16, depth_check=1,
              device_memory_gb=0.01, anchors=4)
 KEYS = ("model", "seq_len", "strategy", "devices", "layers", "block_size", "remat", "overrides",
-        "standins", "objective", "anchors", "drafter_layers")
+        "standins", "objective", "anchors", "drafter_layers", "target")
 # An MoE's experts over the seq axis, its rows moved by a dispatch XLA:CPU compiles.
 EXPERT_PARALLEL = ("parallel.expert_axes=seq", "parallel.moe_dispatch=all_gather")
 # --ablate: (what changes, config overrides) against the defaults of `probe_config`. The
@@ -136,14 +150,32 @@ def _ragged_standins() -> None:
   jax.lax.ragged_dot, jax.lax.ragged_all_to_all = ragged_dot, ragged_all_to_all
 
 
+def job_config(job: dict) -> Config:
+  """`probe_config` of a job (its target aside)."""
+  return probe_config(**{k: v for k, v in job.items() if k != "target"})
+
+
+def _worker_env(job: dict) -> dict:
+  """The compile's environment: simulated CPU devices; for a TPU target, XLA:CPU as the
+  runtime beside libtpu's compile-only client (concurrent jobs may load libtpu); for a GPU
+  target, the GPU runtime (mocked beyond this host by `targets`)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(job["devices"]))
+  if targets.platform_of(job["target"]) == "tpu":
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+  if targets.platform_of(job["target"]) == "gpu":
+    del env["JAX_PLATFORMS"], env["JAX_NUM_CPU_DEVICES"]
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # it compiles; another process may run
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  return env
+
+
 def measure(job: dict, timeout_s: float) -> dict:
   """The report row of one compile, run in a fresh process, or {'error': why not}."""
   try:
-    probe_config(**job)
+    targets.check(job_config(job), targets.platform_of(job["target"]))
   except ConfigError as e:
     return dict(error=str(e))
-  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(job["devices"]))
-  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  env = _worker_env(job)
   try:
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
                            json.dumps(job)], env=env, capture_output=True, text=True,
@@ -161,7 +193,11 @@ def _worker(job: dict) -> None:
   if job["standins"]:
     _ragged_standins()
   try:
-    row = step_report.step_report(probe_config(**job)).row()
+    cfg = job_config(job)
+    target = targets.resolve(job["target"], job["devices"])
+    row = step_report.step_report(cfg, make_mesh(cfg, target.devices)).row()
+  except ConfigError as e:
+    row = dict(error=str(e))
   except Exception as e:  # noqa: BLE001 (a strategy that does not compile is a finding)
     row = dict(error=f"compile failed: {type(e).__name__}: {str(e).splitlines()[0]}")
   print(json.dumps(row))
@@ -177,7 +213,8 @@ def jobs(args) -> list[dict]:
         block_size=args.block_size, remat=args.remat, overrides=list(overrides),
         standins=standins, objective=args.objective,
         anchors=args.anchors if args.objective == "dflash" else 0,
-        drafter_layers=args.drafter_layers if args.objective == "dflash" else 0)
+        drafter_layers=args.drafter_layers if args.objective == "dflash" else 0,
+        target=args.target)
     layers = args.layers or MODELS[model].n_layers
     if args.ablate:
       return [dict(job(args.lens[0], s, layers, overrides), variant=label)
@@ -228,11 +265,12 @@ def _produced(command: str) -> str:
 def markdown(rows: list[dict], args, device_bytes: float, command: str) -> str:
   drafter = args.objective == "dflash"
   title = "A DFlash drafter's step" if drafter else "Compiled memory"
-  lines = [f"## {title} at scale (per device, compile only)", "",
-           f"{_produced(command)} {args.devices} simulated CPU devices on the seq axis, one "
+  compiler = "" if args.target == "cpu" else f", XLA:{targets.platform_of(args.target).upper()}"
+  lines = [f"## {title} at scale (per device, compile only{compiler})", "",
+           f"{_produced(command)} {args.compiled_on} on the seq axis, one "
            f"sequence per step, block size {args.block_size}, bf16 compute, f32 parameters, remat "
-           f"`{args.remat}`. Peak = arguments + temp + output - alias (XLA:CPU figures: the "
-           "structure to optimise, not a GPU's exact bytes). *attention GB/step*: K/V, dK/dV "
+           f"`{args.remat}`. {step_report.peak_note(rows)}"
+           f"{_CPU_NOTE if args.target == 'cpu' else ''}. *attention GB/step*: K/V, dK/dV "
            "and row metadata each device sends per step, from the layout plan (ring-algorithm "
            "wire bytes, bf16 K/V, f32 dK/dV); *attention check*: compiled attention "
            "collectives ÷ the plan's (1.00: the core moves what its transport should).", ""]
@@ -243,6 +281,7 @@ def markdown(rows: list[dict], args, device_bytes: float, command: str) -> str:
   return "\n".join(lines)
 
 
+_CPU_NOTE = " (XLA:CPU figures: the structure to optimise, not a GPU's exact bytes)"
 _DRAFTER_NOTE = (
     "Objective dflash: each model below is the *frozen target*, run causally forward only over "
     "the L context rows (its parameters are ZeRO-3-sharded arguments, with no gradient and no "
@@ -255,9 +294,9 @@ _DRAFTER_NOTE = (
 
 def _params(m: ModelConfig) -> str:
   if not m.moe_experts:
-    return f"{cost_model.param_count(m) / 1e9:.2f}B parameters"
-  return (f"{cost_model.param_count(m) / 1e9:.2f}B parameters ("
-          f"{cost_model.param_count(m, active=True) / 1e9:.2f}B active: router and "
+    return f"{param_count(m) / 1e9:.2f}B parameters"
+  return (f"{param_count(m) / 1e9:.2f}B parameters ("
+          f"{param_count(m, active=True) / 1e9:.2f}B active: router and "
           f"{m.moe_top_k} of {m.moe_experts} experts of width {m.moe_d_ff} per token)")
 
 
@@ -303,7 +342,7 @@ def _drafter_line(model: str, row: dict) -> str:
   ints = {k: int(row[k]) for k in ("seq_len", "layers", "block_size", "anchors",
                                    "drafter_layers")}
   try:
-    cfg = probe_config(model, ints["seq_len"], "none", 1, ints["layers"], ints["block_size"],
+    cfg = probe_config(model, ints["seq_len"], SINGLE_DEVICE, 1, ints["layers"], ints["block_size"],
                        row["remat"], objective="dflash", anchors=ints["anchors"],
                        drafter_layers=ints["drafter_layers"])
   except ConfigError as e:
@@ -318,7 +357,7 @@ def _dispatch_table(rows: list[dict], model: str, args, device_bytes: float) -> 
   with stand-ins, and the cost model's analytic ragged figure."""
   ours = [r for r in rows if r["model"] == model and not r.get("depth_check")]
   m = dataclasses.replace(MODELS[model], n_layers=ours[0]["layers"])
-  hw = cost_model.Hardware(nodes=1, gpus_per_node=args.devices)
+  hw = setting.Hardware(nodes=1, gpus_per_node=args.devices)
   gb = lambda r: "—" if r is None or r.get("error") else f"{r['peak_bytes'] / GB:.2f}"
   lines = ["Peak GB per device by token dispatch. *all_gather*: the table above, inflated by "
            "jax's CPU `ragged_dot`, a dense matmul over each local expert's masked copy of the "
@@ -334,9 +373,8 @@ def _dispatch_table(rows: list[dict], model: str, args, device_bytes: float) -> 
   for real in (r for r in ours if not r.get("standins")):
     stand = next((r for r in ours if r.get("standins") and (r["seq_len"], r["strategy"])
                   == (real["seq_len"], real["strategy"])), None)
-    work = cost_model.plan_work(real["strategy"], real["seq_len"], args.block_size,
-                                args.devices)
-    analytic = cost_model.peak_memory(m, work, hw, cost_model.Assumptions())["total_bytes"]
+    work = plan_work(real["strategy"], real["seq_len"], args.block_size, args.devices)
+    analytic = peak_memory(m, work, hw, setting.Assumptions())["total_bytes"]
     fits = "—" if gb(stand) == "—" else ("yes" if stand["peak_bytes"] <= device_bytes
                                          else "**no**")
     lines.append(f"| {real['seq_len']} | {real['strategy']} | {gb(real)} | {gb(stand)} | "
@@ -349,7 +387,7 @@ def ablation_markdown(rows: list[dict], args, command: str) -> str:
   r0 = rows[0]
   lines = ["## What each memory feature buys (compile only)", "",
            f"Produced by `{command}`, core version {_version()}: {r0['model']}, L = "
-           f"{r0['seq_len']}, {args.devices} simulated CPU devices on the seq axis, block size "
+           f"{r0['seq_len']}, {args.compiled_on} on the seq axis, block size "
            f"{args.block_size}, {r0['layers']} layers; each row changes one thing against the "
            "first (bf16 compute, f32 parameters, remat `full`, loss in row chunks, ZeRO-3 "
            "state over fsdp x seq). GB per device; *attention GB/step* from the layout plan "
@@ -397,16 +435,48 @@ def plot(rows: list[dict], args, device_bytes: float, path: str) -> None:
   plt.close(fig)
 
 
+TEXT = ("model", "strategy", "remat", "overrides", "objective", "variant", "error", "standins",
+        "depth_check", "target")  # the CSV's other columns are numbers
+
+
 def read(path: str) -> list[dict]:
-  """The rows `write` wrote, with the fields the markdown and plot compute with parsed."""
+  """The rows `write` wrote, parsed as `run` returns them."""
+  number = lambda v: None if v == "" else int(v) if v.lstrip("-").isdigit() else float(v)
   with open(path) as f:
     rows = list(csv.DictReader(f))
   for r in rows:
-    r.update(seq_len=int(r["seq_len"]), overrides=r["overrides"].split(),
-             objective=r.get("objective") or "bd3lm", anchors=int(r.get("anchors") or 0),
-             drafter_layers=int(r.get("drafter_layers") or 0),
-             peak_bytes=int(r["peak_bytes"]) if r["peak_bytes"] else "")
+    r.update({k: number(v) for k, v in r.items() if k not in TEXT})
+    r.update(overrides=r["overrides"].split(), objective=r.get("objective") or "bd3lm",
+             target=r.get("target") or "cpu",
+             anchors=r.get("anchors") or 0, drafter_layers=r.get("drafter_layers") or 0,
+             standins=r.get("standins") == "True", depth_check=r.get("depth_check") == "True"
+             or "")
   return rows
+
+
+def _identity(r: dict) -> tuple:
+  """What a row measured (its job, ablation variant, depth check), alike for a row `run`
+  returns and one `read` back."""
+  job = tuple(str(r.get(k, "")) for k in KEYS if k not in ("overrides", "standins"))
+  return (*job, tuple(r["overrides"]), bool(r.get("standins")), r.get("variant") or "",
+          bool(r.get("depth_check")))
+
+
+def merge(earlier: list[dict], rows: list[dict]) -> list[dict]:
+  """`earlier` rows with those that `rows` re-measured replaced in place, then the new ones:
+  a run of a few models, lengths or strategies updates the table it writes into."""
+  fresh = {_identity(r): r for r in rows}
+  return [fresh.pop(_identity(r), r) for r in earlier] + list(fresh.values())
+
+
+def _check_same_setting(rows: list[dict], args, path: str) -> None:
+  """One table states one setting in its header: rows of another cannot join it."""
+  keys = ("devices", "block_size", "remat", "target") + (("model", "seq_len") if args.ablate
+                                                         else ())
+  settings = {tuple(r[k] for k in keys) for r in rows}
+  if len(settings) > 1:
+    raise SystemExit(f"{path}.csv holds rows of another {', '.join(keys)} than this run's: "
+                     f"pass --out to write this run beside it")
 
 
 def _splice(old: str, model: str, section: str) -> str:
@@ -439,7 +509,12 @@ def main(argv=None):
   parser.add_argument("--block-size", type=int, default=64)
   parser.add_argument("--layers", type=int, default=0, help="override every model's depth")
   parser.add_argument("--remat", default="full", choices=("none", "full"))
-  parser.add_argument("--device-memory-gb", type=float, default=141.0)
+  parser.add_argument("--device-memory-gb", type=float, default=0.0,
+                      help="per device; 0: the target's (a TPU chip's HBM, what a GPU reports), "
+                           "else 141 (an H200)")
+  parser.add_argument("--target", default="cpu",
+                      help="the compiler: cpu, tpu:<topology> (e.g. tpu:v5p:2x2x4; needs "
+                           "libtpu) or gpu (bdlm_jax.analysis.targets)")
   parser.add_argument("--depth-check", type=int, default=4,
                       help="also compile the first (L, strategy) at this depth (0: off)")
   parser.add_argument("--timeout", type=float, default=600.0, help="seconds per compile")
@@ -448,14 +523,12 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true", help="a tiny model (tests)")
   parser.add_argument("--ablate", action="store_true",
                       help="one compile per ABLATIONS entry at the first model and L")
-  parser.add_argument("--append", action="store_true",
-                      help="keep the other models' rows and sections already in --out")
   parser.add_argument("--objective", default="bd3lm", choices=("bd3lm", "dflash"),
                       help="dflash: each model is the frozen target of a trained drafter")
   parser.add_argument("--anchors", type=int, default=512,
                       help="dflash: objective.max_anchors, draft blocks per sequence")
   parser.add_argument("--drafter-layers", type=int, default=5, help="dflash: drafter.n_layers")
-  parser.add_argument("--out", default=cost_model.RESULTS_DIR)
+  parser.add_argument("--out", default=RESULTS_DIR)
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.worker:
@@ -464,27 +537,40 @@ def main(argv=None):
     vars(args).update({k: v for k, v in QUICK.items()
                        if k != "lens" or args.lens == parser.get_default("lens")})
   name = "".join(["scale_probe", "_quick" if args.quick else "",
+                  "" if args.target == "cpu" else f"_{targets.platform_of(args.target)}",
                   "_dflash" if args.objective == "dflash" else "",
                   "_ablation" if args.ablate else ""])
-  command = "python experiments/scale_probe.py " + " ".join(sys.argv[1:] if argv is None
-                                                             else argv)
-  device_bytes = args.device_memory_gb * GB
-  rows = run(args)
-  text = (ablation_markdown(rows, args, command.strip()) if args.ablate else
-          markdown(rows, args, device_bytes, command.strip()))
-  print(text)
+  command = ("python experiments/scale_probe.py "
+             + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+  try:
+    target = targets.resolve(args.target)
+  except ConfigError as e:
+    raise SystemExit(f"--target {args.target}: {e}") from e
+  device_bytes = step_report.device_memory_bytes(args.device_memory_gb, target)
+  args.compiled_on = (f"{args.devices} simulated CPU devices" if args.target == "cpu" else
+                      f"{args.devices} devices: {target.describe(args.devices)}")
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, name)
-  if args.append and not args.ablate and os.path.exists(f"{path}.csv"):
-    rows = [r for r in read(f"{path}.csv") if r["model"] not in args.models] + rows
+  fresh = run(args)
+  rows = merge(read(f"{path}.csv") if os.path.exists(f"{path}.csv") else [], fresh)
+  _check_same_setting(rows, args, path)
+  measured = args.models
+  args.models = list(dict.fromkeys(r["model"] for r in rows))
+  args.strategies = [s for s in STRATEGIES if any(r["strategy"] == s for r in rows)]
+  if args.ablate:
+    text = ablation_markdown(rows, args, command)
+  elif len(rows) > len(fresh) and os.path.exists(f"{path}.md"):
     with open(f"{path}.md") as f:
       text = f.read()
-    for model in args.models:
+    for model in measured:  # the other sections stay as the earlier runs wrote them
       section = model_section(rows, model, args, device_bytes)
-      section.insert(2, f"{_produced(command.strip())} This section only; the setting as "
+      section.insert(2, f"{_produced(command)} This section: these rows merged into the "
+                     "earlier ones (a row measured again replaces its figures); the setting as "
                      "above.\n")
       text = _splice(text, model, "\n".join(section))
-    args.models = list(dict.fromkeys(r["model"] for r in rows))
+  else:
+    text = markdown(rows, args, device_bytes, command)
+  print(text)
   write(rows, f"{path}.csv")
   with open(f"{path}.md", "w") as f:
     f.write(text)

@@ -4,7 +4,7 @@
   python experiments/window_traffic.py --tiny   # P = 4, small L: seconds
 
 One attention layer, forward + backward, compiled on simulated CPU devices from abstract
-shapes (`parallel.probe`, the real `make_attend` path) for each strategy and L: collective
+shapes (`analysis.probe`, the real `make_attend` path) for each strategy and L: collective
 bytes per device read from the compiled HLO, float32 K/V (XLA:CPU would widen bf16 anyway),
 GQA with 8 K/V heads of 128. A global layer moves what its transport moves (a ring or an
 all-gather of the travelling K/V); a local layer of window W moves what the windowed exchange
@@ -16,20 +16,29 @@ window_traffic.{csv,md,png} under --out and refreshes README_results.md there.
 import argparse
 import csv
 import os
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 if __name__ == "__main__":
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-from bdlm_jax.parallel.probe import attention_layer_costs, layer_config  # noqa: E402
-from bdlm_jax.parallel.strategies import (TRANSPORTS, exchange_for, plan_for,  # noqa: E402
-                                         window_transport)
-from experiments.cost_model import RESULTS_DIR, write_results_readme  # noqa: E402
+from bdlm_jax.analysis.probe import attention_layer_costs, layer_config  # noqa: E402
+from bdlm_jax.analysis.results import write_results_readme  # noqa: E402
+from bdlm_jax.parallel.registry import get_strategy, plan_for, strategy_names  # noqa: E402
+from bdlm_jax.parallel.strategies import exchange_for, window_transport  # noqa: E402
 
-STRATEGIES = ("cp_allgather", "cp_ring", "bp", "csbp_allgather", "csbp_ring")
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _one_per_transport() -> tuple[str, ...]:
+  """The first registered strategy of each (transport, what travels): another layout of the
+  same pair moves the same bytes on a global layer (cp_ring_balanced moves cp_ring's)."""
+  first = {}
+  for name in strategy_names(splits_sequences=True):
+    record = get_strategy(name)
+    first.setdefault((record.transport, record.travels), name)
+  return tuple(first.values())
+
+
+STRATEGIES = _one_per_transport()
 FIELDS = ["strategy", "P", "L", "B", "W", "layer", "transport", "attn_bytes", "rows_sent",
           "rows_needed", "temp_bytes"]
 MiB = 2**20
@@ -51,7 +60,7 @@ def measure(grid: str, strategies=STRATEGIES, progress=print) -> list[dict]:
       for layer, w in (("global", None), ("local", window)):
         costs = attention_layer_costs(strategy, seq_len, p, block, n_heads=hq, n_kv_heads=hkv,
                                       head_dim=d, window=w)
-        transport = window_transport(plan, w) if w else TRANSPORTS[strategy]
+        transport = window_transport(plan, w) if w else get_strategy(strategy).transport
         exchange = exchange_for(plan, w) if transport == "exchange" else None
         rows.append(dict(strategy=strategy, P=p, L=seq_len, B=block, W=window, layer=layer,
                          transport=transport, attn_bytes=costs["total_collective_bytes"],
@@ -69,8 +78,8 @@ def markdown(rows) -> str:
   out = ["## Local vs global layers: attention traffic per layer", "",
          f"`python experiments/window_traffic.py`: one attention layer, forward + backward, "
          f"compiled on {first['P']} simulated devices; collective MiB per device (float32 K/V), "
-         f"window W = {first['W']}, B = L / (4 P) (4 blocks per rank). A local layer uses the windowed exchange wherever "
-         f"it moves less than the global transport.", "",
+         f"window W = {first['W']}, B = L / (4 P) (4 blocks per rank). A local layer uses the "
+         f"windowed exchange wherever it moves less than the global transport.", "",
          "| strategy | layer | " + " | ".join(f"L = {n}" for n in lens) + " |",
          "|---|---|" + "---|" * len(lens)]
   for strategy in strategies:
@@ -79,9 +88,9 @@ def markdown(rows) -> str:
                     and r["L"] == n) for n in lens]
       out.append(f"| {strategy} | {layer} ({cells[-1]['transport']}) | "
                  + " | ".join(f"{c['attn_bytes'] / MiB:.2f}" for c in cells) + " |")
-  local = {s: [r for r in rows if r["strategy"] == s and r["layer"] == "local"]
-           for s in ("cp_ring", "csbp_ring")}
-  csbp = [r["attn_bytes"] for r in local["csbp_ring"]]
+  rings = [s for s in strategies if get_strategy(s).transport == "ring"]
+  local = {s: [r for r in rows if r["strategy"] == s and r["layer"] == "local"] for s in rings}
+  csbp = [r["attn_bytes"] for s in rings if get_strategy(s).travels == "clean" for r in local[s]]
   same = "the same bytes" if len(set(csbp)) == 1 else "different bytes"
   out += ["", f"csbp's local layer moves {same} at every L ({csbp[0] / MiB:.2f} MiB); its "
           f"global ring grows with L. Rows a rank sends on a local layer (one `ppermute` per "
@@ -96,7 +105,8 @@ def plot(rows, path):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(6, 4))
-  for i, strategy in enumerate(sorted({r["strategy"] for r in rows} - {"bp"})):
+  moving = {r["strategy"] for r in rows if get_strategy(r["strategy"]).transport != "local"}
+  for i, strategy in enumerate(sorted(moving)):
     for layer, style in (("global", "-"), ("local", "--")):
       pts = [(r["L"], r["attn_bytes"] / MiB) for r in rows
              if r["strategy"] == strategy and r["layer"] == layer]

@@ -4,10 +4,12 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = "-m pytest -q -n 2 --dist loadfile tests"  # .ci/run's, after `python`
 
 # `python3 -m venv DIR` makes a venv whose `activate` puts the stub `python` first on PATH;
 # that `python` logs its arguments and exits $PYTEST_EXIT for pytest, 0 for anything else.
@@ -40,11 +42,25 @@ def run_ci(tmp_path, pytest_exit: int):
 def test_ci_fails_unless_tests_ran_and_passed(tmp_path, pytest_exit):
   code, commands = run_ci(tmp_path, pytest_exit)
   assert code == pytest_exit
-  assert commands[-1] == "-m pytest -q tests"
+  assert commands[-1] == TESTS
 
 
 def test_ci_installs_the_checkout_before_testing(tmp_path):
   _, commands = run_ci(tmp_path, 0)
   install = commands.index("-m pip install -q -e .")
   assert commands.index("-m pip install -q -r requirements.txt") < install
-  assert install < commands.index("-m pytest -q tests")
+  assert commands.index("-m pip install -q -r requirements-tpu.txt") < install  # XLA:TPU
+  assert install < commands.index(TESTS)
+
+
+def test_the_readme_gives_ci_s_test_command():
+  with open(os.path.join(REPO, "README.md")) as f:
+    assert f"python {TESTS}\n" in f.read()
+
+
+def test_one_test_file_runs_with_plain_pytest_options():
+  """The two workers are CI's choice (.ci/run), not pytest's configuration: without xdist,
+  collecting one file must not fail on options only xdist knows."""
+  out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "--collect-only",
+                        "tests/test_ci.py"], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stdout + out.stderr

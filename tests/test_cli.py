@@ -90,6 +90,7 @@ def test_resume_continues_from_the_last_checkpoint(trained, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:resuming .* with changed settings")
 def test_non_finite_steps_are_skipped_and_stop_the_run_keeping_the_good_checkpoints(
     trained, tmp_path, capsys):
   """From step 5 on, train.lr=1e39 (inf in float32) makes every update non-finite. No step is
@@ -100,23 +101,25 @@ def test_non_finite_steps_are_skipped_and_stop_the_run_keeping_the_good_checkpoi
   shutil.copytree(trained, workdir)
   code = run.main(argv("train.steps=10", "train.lr=1e39", "train.ckpt_every=1",
                        "train.max_to_keep=2", "train.max_bad_steps=3", workdir=workdir,
-                       flags=["--resume"]))
+                       flags=["--resume", "--allow-changes"]))
   line = error_line(capsys)
   assert code == 2
   assert "steps 5-7 had a non-finite loss, gradient or update" in line, line
-  assert f"stopped at step 7. Last good checkpoint: {workdir}/4 (step 4)" in line, line
+  assert f"stopped at step 7. Last good checkpoint: {workdir}/4 (step 4;" in line, line
   assert checkpoint_steps(workdir) == [2, 4]
   assert [(row["step"], row["skipped_steps"]) for row in rows(workdir)] == [(2, 0), (4, 0), (6, 2)]
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:resuming .* with changed settings")
 def test_a_skipped_last_step_still_writes_the_final_checkpoint(trained, tmp_path):
   """Steps 5 and 6 are skipped (fewer than max_bad_steps in a row): step 5 gets no save of
   its own, but the run's final checkpoint (the last good state) is written at step 6."""
   workdir = str(tmp_path / "run")
   shutil.copytree(trained, workdir)
   assert run.main(argv("train.steps=6", "train.lr=1e39", "train.ckpt_every=1",
-                       "train.max_bad_steps=3", workdir=workdir, flags=["--resume"])) == 0
+                       "train.max_bad_steps=3", workdir=workdir,
+                       flags=["--resume", "--allow-changes"])) == 0
   assert checkpoint_steps(workdir)[-2:] == [4, 6]
 
 
@@ -133,6 +136,45 @@ def test_reusing_a_workdir_without_resume_is_refused_and_keeps_it(trained, capsy
   assert run.main(argv(f"train.steps={STEPS}", workdir=trained)) == 2
   assert "already holds checkpoints (latest step 4); pass --resume" in error_line(capsys)
   assert snapshot(trained) == before
+
+
+def test_resume_of_a_workdir_without_checkpoints_is_refused_naming_it(tmp_path, capsys):
+  """A mistyped --workdir must not train from step 0; --resume-if-present may (preemptible
+  jobs rerun one command), and the rerun then resumes."""
+  typo = tmp_path / "typo"
+  for _ in ("missing", "empty"):
+    assert run.main(argv("train.steps=2", workdir=typo, flags=["--resume"])) == 2
+    assert f"--resume: {typo} holds no checkpoint to continue from" in error_line(capsys)
+    assert not typo.exists() or not os.listdir(typo)
+    typo.mkdir(exist_ok=True)
+  for _ in range(2):
+    assert run.main(argv("train.steps=2", workdir=typo, flags=["--resume-if-present"])) == 0
+  assert checkpoint_steps(typo) == [2]
+  assert "nothing to train" in capsys.readouterr().out  # the second run resumed
+
+
+@pytest.mark.parametrize("change,was", [("train.steps=6", 4), ("train.batch_size=8", 4),
+                                        ("train.lr=0.01", 0.003)])
+def test_resume_refuses_settings_that_change_the_run(trained, capsys, change, was):
+  """A longer train.steps would stretch the learning-rate schedule mid-run; another batch or
+  learning rate changes the steps. Refused, naming the setting and the way to insist."""
+  before = snapshot(trained)
+  assert run.main(argv(f"train.steps={STEPS}", change, workdir=trained, flags=["--resume"])) == 2
+  line = error_line(capsys)
+  key, now = change.split("=")
+  assert f"{key}={was}, current config has {now}" in line, line
+  assert "pass --allow-changes" in line
+  assert snapshot(trained) == before
+
+
+def test_resume_with_allow_changes_trains_on_and_warns_naming_them(trained, tmp_path):
+  workdir = str(tmp_path / "run")
+  shutil.copytree(trained, workdir)
+  with pytest.warns(UserWarning, match=r"with changed settings: train.steps=4, current config "
+                                       r"has 6$"):
+    assert run.main(argv("train.steps=6", "train.log_every=1", workdir=workdir,
+                         flags=["--resume", "--allow-changes"])) == 0
+  assert [row["step"] for row in rows(workdir)] == [2, 4, 5, 6]
 
 
 def error_line(capsys) -> str:
@@ -225,12 +267,15 @@ def test_plan_mode_compiles_every_strategy_and_names_the_one_to_use(capsys):
     assert f"| {strategy} |" in out
   assert "| none |" not in out and "fits 80 GB" in out
   assert "cannot run the 'ar' objective" in out
-  assert out.strip().splitlines()[-1].startswith(("chosen: cp_allgather", "chosen: cp_ring"))
+  chosen = next(line for line in out.splitlines() if line.startswith("chosen: "))
+  assert chosen.startswith(("chosen: cp_allgather", "chosen: cp_ring"))
 
 
 @pytest.mark.parametrize("overrides, expected", [
     (["plan.device_memory_gb=-1"], "plan.device_memory_gb must be >= 0"),
     (["parallel.strategy=cp_ring", "parallel.seq=16"], "needs 16 devices, but only 8"),
+    (["plan.target=tpu"], "plan.target must be cpu, gpu or tpu:<topology>"),
+    (["plan.target=gpu"], "plan.target=gpu needs a visible GPU"),
 ])
 def test_plan_mode_config_errors_print_one_line_and_no_traceback(capsys, overrides, expected):
   assert run.main(argv("mode=plan", *overrides)) == 2

@@ -11,7 +11,8 @@ import pytest
 
 import run
 from bdlm_jax import init_params, make_batch, make_mesh
-from bdlm_jax.config import Config, replace
+from bdlm_jax.config import Config
+from bdlm_jax.configure import replace
 from bdlm_jax.data import ArithmeticSource, DataError, make_dataset, make_source
 from bdlm_jax.data.sources import held_out
 from bdlm_jax.evaluate import arithmetic_prompts, make_eval_step, score_answers

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from bdlm_jax import ar_logits, init_params, loss_fn, make_batch, make_mesh
-from bdlm_jax.config import Config, replace
-from bdlm_jax.parallel import hlo_stats
+from bdlm_jax.config import Config
+from bdlm_jax.configure import replace
+from bdlm_jax.analysis import hlo_stats
 
 L = 96
 
@@ -88,3 +89,23 @@ def test_head_gradient_is_reduced_once_whatever_the_chunk_count():
     grad = jax.jit(jax.grad(lambda p: loss_fn(p, batch, jax.random.key(1), cfg, mesh)[0]))
     return hlo_stats.collective_bytes(grad.lower(params).compile())["all-reduce"]
   assert all_reduce_bytes(1) == all_reduce_bytes(0)
+
+
+@pytest.mark.parametrize("objective", ["bd3lm", "dflash"])
+def test_tracing_the_loss_resolves_the_layout_plan_once(objective, monkeypatch):
+  """The config is resolved at the edge (`bdlm_jax.spec`); attention, the objective's hidden
+  states and the loss close over that one plan instead of looking it up again."""
+  from bdlm_jax import spec as spec_lib
+  from bdlm_jax.parallel import registry, strategies
+  from tests.objectives.test_dflash import _cfg as dflash_cfg
+  cfg = (dflash_cfg("csbp_ring", seq=2) if objective == "dflash"
+         else _cfg(0, strategy="csbp_ring", seq=2))
+  mesh = make_mesh(cfg)
+  tokens = np.random.default_rng(1).integers(0, 250, (cfg.train.batch_size, cfg.data.seq_len))
+  batch, params = make_batch(cfg, tokens), init_params(cfg, jax.random.key(0), mesh)
+  calls = []
+  counted = lambda c: calls.append(c) or registry.plan_for(c)
+  monkeypatch.setattr(spec_lib, "plan_for", counted)
+  monkeypatch.setattr(strategies, "plan_for", counted)
+  jax.make_jaxpr(lambda p, b: loss_fn(p, b, jax.random.key(0), cfg, mesh))(params, batch)
+  assert len(calls) == 1

@@ -10,11 +10,14 @@ import pytest
 
 from bdlm_jax import ar_logits, init_params, load_config, make_batch, make_mesh, sample
 from bdlm_jax.checkpoint import restore_state
-from bdlm_jax.config import Config, ConfigError, replace
+from bdlm_jax.config import Config
+from bdlm_jax.configure import replace
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.data import ArithmeticSource, ByteTokenizer
 from bdlm_jax.params import merge
-from bdlm_jax.sample import KVCache, _steps
+from bdlm_jax.sample import KVCache, _steps, sample_checkpoint
 from bdlm_jax.parallel.strategies import make_attend
+from tests.data.conftest import save_word_level
 
 PROMPT = list(b"12+7=")
 
@@ -113,6 +116,17 @@ def test_a_prompt_id_outside_the_vocabulary_or_the_mask_is_refused(prompt, messa
   cfg = _tiny("bd3lm")
   with pytest.raises(ConfigError, match=message):
     sample(init_params(cfg, jax.random.key(0)), cfg, prompt, jax.random.key(1), eos_id=-1)
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_is_refused_naming_it(tmp_path):
+  """A vocabulary without [UNK] cannot hold the prompt's snowman: one error, before any
+  checkpoint is read."""
+  tokenizer = save_word_level(tmp_path / "tokenizer.json", ["[PAD]", "[MASK]", "</s>"])
+  cfg = replace(_tiny("bd3lm"), data=dict(tokenizer=tokenizer),
+                sample=dict(prompt="the \u2603 sat"))
+  with pytest.raises(ConfigError, match=r"sample.prompt='the \u2603 sat': data.tokenizer .* "
+                                        r"cannot encode '\u2603' .*no token holds '\u2603'"):
+    sample_checkpoint(cfg, str(tmp_path / "no_run"))
 
 
 def test_a_mask_id_the_tokenizer_uses_is_refused_before_sampling():

@@ -1,5 +1,6 @@
 """The training loop for real: the loss falls, resume is exact, accumulation is exact."""
 
+import logging
 import os
 
 import jax
@@ -10,10 +11,12 @@ import pytest
 from bdlm_jax import feed, loop
 from bdlm_jax.batch import make_batch
 from bdlm_jax.checkpoint import Checkpointer
-from bdlm_jax.config import ConfigError, load_config, replace
+from bdlm_jax.configure import load_config, replace
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.loss import loss_fn
-from bdlm_jax.parallel.mesh import make_mesh
+from bdlm_jax.parallel.mesh import _say_devices_left_idle, make_mesh
 from bdlm_jax.params import init_params
+from bdlm_jax.spec import resolve
 from bdlm_jax.train import _accumulated_grads, abstract_state, init_state, make_train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,7 +133,8 @@ def test_grad_accumulation_matches_single_batch(parallel):
   params = init_params(cfg, jax.random.key(0), mesh)
   key = jax.random.key(1)
 
-  accumulated, metrics = jax.jit(lambda p: _accumulated_grads(cfg, mesh, p, {}, batch, key))(params)
+  spec = resolve(cfg, mesh)
+  accumulated, metrics = jax.jit(lambda p: _accumulated_grads(spec, p, {}, batch, key))(params)
   (loss, full_metrics), grads = jax.jit(jax.value_and_grad(
       lambda p: loss_fn(p, batch, key, single, mesh), has_aux=True))(params)
 
@@ -162,6 +166,37 @@ def test_a_step_is_applied_only_if_loss_gradients_and_update_are_finite(fault):
   assert all(unchanged) == (fault is not None)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_a_diverging_run_keeps_and_names_its_last_checkpoint_before_the_spike(tmp_path,
+                                                                             monkeypatch):
+  """From step 13 on the weights are scaled by 1e3 before each step: the loss grows, finite
+  but far over SPIKE_FACTOR x its recent median, until it overflows and the steps are
+  skipped. Spikes are not checkpointed, so with ckpt_every=1 and max_to_keep=2 step 12's
+  checkpoint survives, and it is the one the error names."""
+  real_step, calls = loop.make_train_step, iter(range(1, 10**6))
+
+  def diverging(cfg, mesh):
+    step = real_step(cfg, mesh)
+
+    def run(state, batch, key):
+      if next(calls) > 12:
+        state = state._replace(params=jax.tree.map(lambda w: w * 1e3, state.params))
+      return step(state, batch, key)
+    return run
+
+  monkeypatch.setattr(loop, "make_train_step", diverging)
+  cfg = tiny_config(steps=40, ckpt_every=1, max_to_keep=2, max_bad_steps=3)
+  workdir = str(tmp_path / "run")
+  with pytest.warns(UserWarning, match=r"step 13: loss .* is over 3x the median .* of the "
+                                       r"recent steps; not checkpointed"):
+    with pytest.raises(loop.BadStepsError, match=rf"Last good checkpoint: {workdir}/12 \(step "
+                                                 r"12; its loss was finite and no spike\)"):
+      loop.train(cfg, workdir, progress=False)
+  step, state = final_state(cfg, workdir)
+  assert step == 12
+  assert max(float(np.abs(w).max()) for w in jax.tree.leaves(state.params)) < 100
+
+
 def test_token_ids_outside_the_vocabulary_are_refused():
   cfg = tiny_config()
   tokens = np.zeros((2, 32), np.int32)
@@ -177,6 +212,16 @@ def test_the_mask_id_in_the_data_is_refused():
   with pytest.raises(ConfigError, match="token id 259 is objective.mask_token_id, reserved for "
                                         r"\[MASK\], and appears in the data"):
     make_batch(cfg, tokens)
+
+
+def test_a_mesh_smaller_than_the_devices_says_once_how_many_it_uses(caplog):
+  cfg = replace(tiny_config(batch_size=3), parallel=dict(data=3))
+  _say_devices_left_idle.cache_clear()  # another test may have built this mesh
+  with caplog.at_level(logging.WARNING, logger="bdlm_jax.parallel.mesh"):
+    make_mesh(cfg), make_mesh(cfg), make_mesh(replace(cfg, train=dict(batch_size=8),
+                                                      parallel=dict(data=8)))
+  assert [r.getMessage() for r in caplog.records] == [
+      "the mesh data*fsdp*seq = 3*1*1 uses 3 of the 8 visible devices; the other 5 stay idle"]
 
 
 def test_a_mesh_larger_than_the_devices_is_refused_before_the_workdir_is_made(tmp_path):

@@ -4,7 +4,8 @@ Qwen3-MoE or Gemma 3 (`Gemma3ForCausalLM`), whichever expresses the model
 
 config.json also records `bdlm_mask_token_id`, `bdlm_block_size` and `bdlm_objective`, so
 a PyTorch user can run the BDLM (put [MASK] in a block, read its logits) and `import_hf`
-gets them back. Writes safetensors only; torch and transformers are not needed.
+gets them back; generation_config.json holds the special token ids of `data.tokenizer`.
+Writes safetensors only; torch and transformers are not needed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import safetensors.numpy
 from bdlm_jax.checkpoint.hf_import import INDEX_FILE
 from bdlm_jax.checkpoint.hf_names import get_path, hf_config, tensor_map
 from bdlm_jax.checkpoint.manager import restore_state
-from bdlm_jax.config import Config, ConfigError
+from bdlm_jax.config import Config
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel.mesh import make_mesh, to_host
 
@@ -29,10 +31,12 @@ _OUR_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$"
 
 
 def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
-  """Writes config.json and model.safetensors (or shards + index) in `cfg.export.dtype`.
+  """Writes config.json, generation_config.json and model.safetensors (or shards + index) in
+  `cfg.export.dtype`, into a new or empty `out_dir` (`check_out_dir`).
 
   Sharded params are gathered to the host one tensor at a time; only process 0 writes.
   """
+  check_out_dir(out_dir, cfg.export.overwrite)
   dtype = jax.numpy.dtype(cfg.export.dtype)
   host, tensors = {}, {}
   for t in tensor_map(cfg.model):
@@ -44,14 +48,20 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
     tensors[t.name] = np.ascontiguousarray(x.T if t.transposed else x)
   if jax.process_index() != 0:
     return
-  os.makedirs(out_dir, exist_ok=True)
+  try:
+    os.makedirs(out_dir, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(f"export.out_dir={out_dir!r} cannot be created: {e}") from e
   for stale in (f for f in os.listdir(out_dir) if _OUR_FILES.match(f)):
     os.remove(os.path.join(out_dir, stale))  # shards of an earlier export, as save_pretrained
   shards = _split(tensors, max_shard_bytes)
   names = (["model.safetensors"] if len(shards) == 1 else
            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  mode = _new_file_mode()
   for file, shard in zip(names, shards):
-    safetensors.numpy.save_file(shard, os.path.join(out_dir, file), metadata={"format": "pt"})
+    path = os.path.join(out_dir, file)
+    safetensors.numpy.save_file(shard, path, metadata={"format": "pt"})
+    os.chmod(path, mode)  # safetensors renames a private (0600) temporary file into place
   if len(shards) > 1:
     _write_json(os.path.join(out_dir, INDEX_FILE), {
         "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
@@ -60,6 +70,21 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
            "bdlm_block_size": cfg.objective.block_size, "bdlm_objective": cfg.objective.name}
   _write_json(os.path.join(out_dir, "config.json"),
               hf_config(cfg.model, cfg.export.dtype, cfg.data.seq_len, extra))
+  _write_json(os.path.join(out_dir, "generation_config.json"), _generation_config(cfg))
+
+
+def check_out_dir(out_dir: str, overwrite: bool) -> None:
+  """An export goes into a new or empty folder: files already there (an earlier model's
+  generation_config.json, tokenizer, notes) would pass for this model's. `overwrite`
+  (export.overwrite) allows a folder that is not empty: the export replaces its own files."""
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ConfigError(f"export.out_dir={out_dir!r} is a file, not a folder")
+  held = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+  if held and not overwrite:
+    shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+    raise ConfigError(
+        f"export.out_dir={out_dir!r} is not empty (it holds {shown}); choose a new folder, or "
+        f"set export.overwrite=true to write over the files an export writes (others stay)")
 
 
 def export_checkpoint(cfg: Config, workdir: str) -> tuple[int, str]:
@@ -70,6 +95,7 @@ def export_checkpoint(cfg: Config, workdir: str) -> tuple[int, str]:
   if get_objective(cfg.objective.name).DRAFTER:
     raise ConfigError("mode=export writes a causal LM; a drafter (objective=dflash) is not "
                       "one: its weights are in the checkpoint's params['drafter']")
+  check_out_dir(cfg.export.out_dir, cfg.export.overwrite)  # before the restore, which may be long
   step, state = restore_state(cfg, workdir, make_mesh(cfg), cfg.export.checkpoint_step)
   export_hf(state.params, cfg, cfg.export.out_dir)
   return step, cfg.export.out_dir
@@ -85,6 +111,25 @@ def _split(tensors: dict, max_bytes: int) -> list[dict]:
     shards[-1][name] = t
     size += t.nbytes
   return shards
+
+
+def _generation_config(cfg: Config) -> dict:
+  """BOS / EOS / PAD ids of `data.tokenizer`; none where this machine cannot read it."""
+  from bdlm_jax.data.tokenizers import make_tokenizer  # late: the data package needs grain
+  try:
+    tokenizer = make_tokenizer(cfg.data)
+  except ConfigError:
+    return {}
+  ids = dict(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
+             pad_token_id=tokenizer.pad_id)
+  return {k: v for k, v in ids.items() if v is not None}
+
+
+def _new_file_mode() -> int:
+  """The mode `open` gives a new file: 0666 less the process's umask."""
+  umask = os.umask(0)  # reading it means setting it; put back at once
+  os.umask(umask)
+  return 0o666 & ~umask
 
 
 def _write_json(file: str, obj: dict) -> None:

@@ -22,7 +22,9 @@ from jax.sharding import SingleDeviceSharding
 from bdlm_jax.checkpoint.hf_names import (IGNORED_SUFFIXES, Tensor, get_path,
                                           model_config_from_hf, set_path, shape_fields,
                                           tensor_map)
-from bdlm_jax.config import Config, ConfigError, ModelConfig, expert_axes, replace
+from bdlm_jax.config import Config, ModelConfig
+from bdlm_jax.configure import replace
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.params import transformer_params
 from bdlm_jax.parallel.zero3 import zero3_shardings
 
@@ -115,7 +117,7 @@ def _read_params(path: str, cfg: Config, mesh, layers: bool = True) -> dict:
   if mesh is None:
     shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
   else:
-    shardings = zero3_shardings(mesh, abstract, expert_axes(cfg.parallel))
+    shardings = zero3_shardings(mesh, abstract, cfg.parallel.expert_axis_names)
   names = tensor_map(model)
   by_path: dict[tuple, list] = {}
   for t in names:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from bdlm_jax.config import ConfigError, ModelConfig, layer_period, layer_types, mlp_types
+from bdlm_jax.config import ModelConfig
+from bdlm_jax.errors import ConfigError
+from bdlm_jax.models.pattern import layer_types, mlp_types
 from bdlm_jax.models.transformer import layer_slots
 
 GEMMA3 = "gemma3_text"
@@ -354,7 +356,7 @@ def _gemma3_config(m: ModelConfig, max_positions: int) -> dict:
   `rope_local_base_freq`; a 4.x release that predates `layer_types` reads only a pattern of
   local layers closed by one global layer correctly)."""
   kinds = layer_types(m)
-  period = len(layer_period(m))
+  period = len(m.layer_period)
   local_theta = m.rope_local_theta or m.rope_theta
   out = {
       "hidden_activation": {ours: hf for hf, ours in _ACTIVATIONS.items()}[m.mlp_activation],

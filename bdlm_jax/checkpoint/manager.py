@@ -25,7 +25,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from bdlm_jax.config import Config, ConfigError
+from bdlm_jax.config import Config
+from bdlm_jax.errors import ConfigError
 
 COMMIT_MARKER = "commit_success.txt"  # Orbax writes it into a step before the final rename.
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # of a step folder Orbax is still writing
@@ -35,6 +36,14 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"  # of a step folder Orbax is still writing
 RUNTIME_MODEL_KEYS = ("attention_impl", "attention_chunk", "remat", "compute_dtype",
                       "logits_chunk")
 
+# Settings a run may resume with changed (`trajectory_changes`): how it runs, logs and
+# checkpoints, not what it computes (every mesh, strategy and micro-batching gives the same
+# loss and gradients), and what only other modes or a fresh run read. A section covers its keys.
+FREE_ON_RESUME = ("mode", "init_from", "parallel", "sample", "eval", "export", "plan", "prepare",
+                  *(f"model.{k}" for k in RUNTIME_MODEL_KEYS), "data.num_threads",
+                  "train.grad_accum", "train.log_every", "train.ckpt_every",
+                  "train.max_to_keep", "train.async_checkpoint", "train.peak_tflops",
+                  "train.max_bad_steps", "train.eval_every")
 
 # Key of the config item that records `Tokenizer.fingerprint`: what the token ids meant.
 TOKENIZER_KEY = "tokenizer_fingerprint"
@@ -266,6 +275,24 @@ def _check_compatible(saved: dict, cfg: Config, tokenizer: str | None, where: st
   if diffs:
     raise ConfigError(f"checkpoint in {where} was written with " +
                       "; ".join(diffs) + ". Resume with the same settings or use a new workdir.")
+
+
+def trajectory_changes(saved: dict, cfg: Config) -> list[str]:
+  """Each setting of `cfg` that differs from `saved` (a checkpoint's config) and changes what
+  a resumed run computes: every key but FREE_ON_RESUME's. train.steps is one, as the
+  learning-rate schedule spans it. Keys newer than the checkpoint are not compared."""
+  was, now = _flat(saved), _flat(cfg.to_dict())
+  free = lambda key: any(key == k or key.startswith(f"{k}.") for k in FREE_ON_RESUME)
+  return [f"{key}={was[key]!r}, current config has {now[key]!r}"
+          for key in sorted(was.keys() & now.keys()) if was[key] != now[key] and not free(key)]
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+  """{"a": {"b": 1}} -> {"a.b": 1}."""
+  out = {}
+  for k, v in tree.items():
+    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+  return out
 
 
 def _check_structure(saved_meta: Any, abstract_state: Any, where: str) -> None:

@@ -9,7 +9,9 @@ import os
 from bdlm_jax.checkpoint.hf_import import params_from_hf
 from bdlm_jax.checkpoint.hf_names import shape_fields
 from bdlm_jax.checkpoint.manager import Checkpointer, restore_state
-from bdlm_jax.config import Config, ConfigError, replace
+from bdlm_jax.config import Config
+from bdlm_jax.configure import replace
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.params import shared_weights
 
 

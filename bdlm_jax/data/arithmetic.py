@@ -44,6 +44,10 @@ class ArithmeticSource:
   def __len__(self) -> int:
     return self._size
 
+  def where(self, index: int) -> str:
+    """Names document `index`, for error messages."""
+    return f"embedded arithmetic document {index}"
+
   def __getitem__(self, index: int) -> str:
     if not 0 <= index < self._size:
       raise IndexError(f"index {index} out of range for ArithmeticSource of size {self._size}")

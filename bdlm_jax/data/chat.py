@@ -23,7 +23,6 @@ import numpy as np
 
 from bdlm_jax.config import CHAT_TEMPLATES
 from bdlm_jax.data.sources import DataError, TextLineSource
-from bdlm_jax.data.tokenizers import Tokenizer
 
 ROLES = ("system", "user", "assistant")
 
@@ -83,19 +82,17 @@ class ChatSource(TextLineSource):
     return {"prompt": prompt, "response": response}
 
 
-def encode(tokenizer: Tokenizer, block_size: int, seq_len: int,
-           example: dict[str, str]) -> dict[str, np.ndarray]:
-  """Token arrays [T], T a multiple of `block_size`: tokens, protected, real (not padding)."""
-  prompt = tokenizer.encode(example["prompt"])
-  response = tokenizer.encode(example["response"]) + [tokenizer.eos_id]
+def align(pad_id: int, block_size: int, seq_len: int,
+          ids: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """A conversation's {"prompt", "response"} ids (EOS ending the response) -> arrays [T], T a
+  multiple of `block_size`: tokens, protected, real (not padding)."""
+  prompt, response = ids["prompt"], ids["response"]
   left, right = -len(prompt) % block_size, -len(response) % block_size
-  pad = tokenizer.pad_id
-  tokens = [pad] * left + prompt + response + [pad] * right
-  protected = [True] * (left + len(prompt)) + [False] * len(response) + [True] * right
-  real = [False] * left + [True] * (len(prompt) + len(response)) + [False] * right
-  return {"tokens": np.asarray(tokens[:seq_len], np.int32),
-          "protected": np.asarray(protected[:seq_len], bool),
-          "real": np.asarray(real[:seq_len], bool)}
+  tokens = np.concatenate([np.full(left, pad_id, np.int32), prompt, response,
+                           np.full(right, pad_id, np.int32)])
+  protected = np.repeat([True, False, True], [left + len(prompt), len(response), right])
+  real = np.repeat([False, True, False], [left, len(prompt) + len(response), right])
+  return {"tokens": tokens[:seq_len], "protected": protected[:seq_len], "real": real[:seq_len]}
 
 
 def _packed_row(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -13,7 +13,9 @@ import os
 import grain
 import numpy as np
 
-from bdlm_jax.config import Config, ConfigError, target_layer_ids
+from bdlm_jax.config import Config
+from bdlm_jax.errors import ConfigError
+from bdlm_jax.models.drafter import target_layer_ids
 
 ARRAYS = ("tokens", "segment_ids", "protected", "features")
 META = "meta.json"

@@ -1,4 +1,5 @@
-"""The training input pipeline: source -> shard -> shuffle -> tokenize -> pack -> batch.
+"""The training input pipeline: source -> tokenize -> shard -> shuffle -> pack -> batch.
+(`data.source=tokens` reads documents that mode=prepare tokenized once: no tokenize step.)
 
 One call gives this process's infinite, checkpointable iterator of packed batches:
 `it.get_state()` is a JSON-serialisable dict and `it.set_state(state)` resumes exactly.
@@ -10,11 +11,12 @@ from __future__ import annotations
 import functools
 
 import grain
-import numpy as np
 
-from bdlm_jax.config import ConfigError, DataConfig
+from bdlm_jax.config import DataConfig
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.data import chat
 from bdlm_jax.data.packing import pack
+from bdlm_jax.data.prepare import TokenSource, tokenize
 from bdlm_jax.data.sources import DataError, held_out, make_source, split_path
 from bdlm_jax.data.tokenizers import EOS_NAMES, Tokenizer, check_mask_id, make_tokenizer
 
@@ -23,24 +25,22 @@ from bdlm_jax.data.tokenizers import EOS_NAMES, Tokenizer, check_mask_id, make_t
 _PREFETCH = 32
 
 
-def _tokenize(tokenizer: Tokenizer, text: str) -> np.ndarray:
-  """A document's ids followed by EOS, as int32 [T]."""
-  return np.asarray(tokenizer.encode(text) + [tokenizer.eos_id], dtype=np.int32)
+def _without_token(token_id: int, ids):
+  """`ids` (an array, or a conversation's dict of them) without `token_id`: a document that
+  spells out the [MASK] token literally (a tokenizer matches special tokens in raw text)
+  loses that token, instead of stopping training at `make_batch`, which refuses [MASK]."""
+  if isinstance(ids, dict):
+    return {k: v[v != token_id] for k, v in ids.items()}
+  return ids[ids != token_id]
 
 
-class _WithoutToken:
-  """`tokenizer` whose `encode` never yields `token_id`: a document that spells out the
-  [MASK] token literally (a tokenizer matches special tokens in raw text) loses that token,
-  instead of stopping training at `make_batch`, which refuses [MASK] in the data."""
-
-  def __init__(self, tokenizer: Tokenizer, token_id: int):
-    self._tokenizer, self._token_id = tokenizer, token_id
-
-  def encode(self, text: str) -> list[int]:
-    return [i for i in self._tokenizer.encode(text) if i != self._token_id]
-
-  def __getattr__(self, name):
-    return getattr(self._tokenizer, name)
+def _tokenize_at(tokenizer: Tokenizer, source, index: int, doc):
+  """`tokenize`, whose DataError (text the tokenizer cannot encode) names the document's
+  place in `source`: its file and line, or record."""
+  try:
+    return tokenize(tokenizer, doc)
+  except DataError as e:
+    raise DataError(f"{source.where(index)}: {e}") from e
 
 
 def check_tokenizer(tokenizer: Tokenizer, data_cfg: DataConfig, vocab_size: int,
@@ -81,14 +81,17 @@ def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size
     raise ConfigError(f"batch_size={batch_size} must be >= 1")
   tokenizer = make_tokenizer(data_cfg)
   check_tokenizer(tokenizer, data_cfg, vocab_size, mask_token_id)
-  if mask_token_id is not None:
-    tokenizer = _WithoutToken(tokenizer, mask_token_id)
-  is_chat = data_cfg.format == "chat"
-  if is_chat:
+  is_chat, is_tokens = data_cfg.format == "chat", data_cfg.source == "tokens"
+  if is_tokens:  # tokenized once by mode=prepare: its documents are ids already
+    source = TokenSource(split_path(data_cfg, split), data_cfg, tokenizer)
+  elif is_chat:
     source = chat.ChatSource(split_path(data_cfg, split), data_cfg.chat_template)
   else:
     source = make_source(data_cfg, seed, split)
-  split_docs = held_out(grain.MapDataset.source(source), data_cfg, split)
+  docs = grain.MapDataset.source(source)
+  if not is_tokens:  # before any slicing, while an index still says where a document is
+    docs = docs.map_with_index(functools.partial(_tokenize_at, tokenizer, source))
+  split_docs = held_out(docs, data_cfg, split)
   docs = split_docs[process_index::process_count]
   if not len(docs):
     where = (f"the held-out split of data.path={data_cfg.path!r} (data.eval_path="
@@ -98,9 +101,11 @@ def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size
                     f"{process_count} processes one")
   if data_cfg.shuffle:
     docs = docs.shuffle(seed)
-  encode = (functools.partial(chat.encode, tokenizer, block_size, data_cfg.seq_len) if is_chat
-            else functools.partial(_tokenize, tokenizer))
-  docs = docs.repeat().map(encode)  # reshuffled every epoch
+  docs = docs.repeat()  # reshuffled every epoch
+  if mask_token_id is not None:
+    docs = docs.map(functools.partial(_without_token, mask_token_id))
+  if is_chat:
+    docs = docs.map(functools.partial(chat.align, tokenizer.pad_id, block_size, data_cfg.seq_len))
   docs = docs.to_iter_dataset(grain.ReadOptions(
       num_threads=data_cfg.num_threads, prefetch_buffer_size=_PREFETCH))
   rows = (chat.pack_chat if is_chat else pack)(

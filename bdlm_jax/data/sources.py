@@ -21,7 +21,8 @@ import grain
 import numpy as np
 from etils import epath
 
-from bdlm_jax.config import DATA_SOURCES, ConfigError, DataConfig
+from bdlm_jax.config import DATA_SOURCES, DataConfig
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.data.arithmetic import ArithmeticSource
 
 
@@ -121,10 +122,19 @@ class ArrayRecordSource:
   def __len__(self) -> int:
     return self._ends[-1]
 
-  def __getitem__(self, index: int) -> str:
+  def _locate(self, index: int) -> tuple[int, int]:
+    """(file, record in it) of record `index`."""
     file_id = bisect.bisect_right(self._ends, index)
-    position = index - (self._ends[file_id - 1] if file_id else 0)
-    where = f"{self._files[file_id]} record {position}"
+    return file_id, index - (self._ends[file_id - 1] if file_id else 0)
+
+  def where(self, index: int) -> str:
+    """The "file record n" of record `index`, for error messages."""
+    file_id, position = self._locate(index)
+    return f"{self._files[file_id]} record {position}"
+
+  def __getitem__(self, index: int) -> str:
+    file_id, position = self._locate(index)
+    where = self.where(index)
     try:
       text = self._sources[file_id][position].decode("utf-8")
     except UnicodeDecodeError as e:

@@ -15,7 +15,9 @@ from typing import Protocol, Sequence
 import tokenizers as hf_tokenizers
 from etils import epath
 
-from bdlm_jax.config import ConfigError, DataConfig
+from bdlm_jax.config import DataConfig
+from bdlm_jax.data.sources import DataError
+from bdlm_jax.errors import ConfigError
 
 # Special tokens are found by name; the first name present wins.
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "[CLS]", "<|endoftext|>")
@@ -101,7 +103,26 @@ class HFTokenizer:
     self.fingerprint = "sha256:" + hashlib.sha256(by_id.encode()).hexdigest()[:16]
 
   def encode(self, text: str) -> list[int]:
-    return self._tok.encode(text, add_special_tokens=False).ids
+    """Token ids; DataError for text a vocabulary without an unknown token cannot hold."""
+    try:
+      return self._tok.encode(text, add_special_tokens=False).ids
+    except Exception as e:  # the Rust library raises plain Exception subclasses
+      raise DataError(f"data.tokenizer {self.path} cannot encode {self._unknown(text)}: "
+                      f"{e}") from e
+
+  def _unknown(self, text: str) -> str:
+    """The first word (pre-tokenized piece) of `text` that fails to encode, where it is, and
+    its characters that no token holds."""
+    pre = self._tok.pre_tokenizer
+    for piece, (start, end) in pre.pre_tokenize_str(text) if pre else [(text, (0, len(text)))]:
+      try:
+        self._tok.encode(piece, add_special_tokens=False)
+      except Exception:  # pylint: disable=broad-except
+        known = set("".join(self._tok.get_vocab(with_added_tokens=True)))
+        unseen = ", ".join(repr(c) for c in dict.fromkeys(piece) if c not in known)
+        return (f"{piece!r} (characters {start}-{end} of the text" +
+                (f"; no token holds {unseen})" if unseen else ")"))
+    return repr(text)
 
   def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)

@@ -1,6 +1,6 @@
 """Attention implementations behind one interface (see kernels/xla.py for its contract)."""
 
-from bdlm_jax.config import ConfigError
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.kernels import xla
 from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta, allowed, windowed
 

@@ -1,4 +1,4 @@
-"""Row metadata and the BDLM attention mask (DESIGN.md sections 2 and 11).
+"""Row metadata and the BDLM attention mask (docs/objective.md, docs/local_and_moe.md).
 
 Every attention implementation derives its mask from per-row metadata, never from row
 order, so the same rule serves every layout (single device, CP zigzag, BP, CSBP). A sliding
@@ -50,7 +50,7 @@ def row_meta(stream, block, seg, pos) -> RowMeta:
 
 
 def windowed(meta: RowMeta, window: int, block_size: int) -> RowMeta:
-  """`meta` with the sliding window of W = `window` positions (DESIGN.md section 11).
+  """`meta` with the sliding window of W = `window` positions (docs/local_and_moe.md).
 
   A noisy query of block b sees its own block and the clean keys at [bB - (W-1), bB); a clean
   query at p sees clean keys of blocks <= its own with p - pos(k) < W. Both are `pos(k) >= lo`

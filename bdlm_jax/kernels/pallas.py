@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from bdlm_jax.config import ConfigError
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.kernels import residuals
 from bdlm_jax.kernels.mask import RowMeta, allowed
 from bdlm_jax.kernels.tiles import pad_meta, tile_kinds, tile_list

@@ -3,7 +3,7 @@
 Every attention `custom_vjp` (xla, pallas, the ring, the all-gather) names its output and
 LSE inside its forward rule, where they are also its residuals: a `jax.checkpoint` policy
 that saves these names then keeps them and recomputes the cheap rest (projections) without
-re-running the attention or its collectives (DESIGN.md section 9). A local layer's windowed
+re-running the attention or its collectives (docs/memory.md). A local layer's windowed
 exchange names the K/V rows it received, for the same reason.
 """
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta, allowed, row_meta, windowed
+from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta, row_meta, windowed
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 _BIG = 2**30  # sentinel for "no such row in this tile": larger than any block or document id
@@ -168,24 +168,6 @@ def kernel_calls(plan, transport: str, window: int | None = None, exchange=None)
                        f"exchange")
 
 
-def count_allowed_pairs(q_meta: RowMeta, k_meta: RowMeta) -> int:
-  """Allowed pairs of one-document NumPy metadata [1, R], counted by block histograms (O(R));
-  queries with a window that cuts anything (lo > 0) are counted pair by pair, in row chunks."""
-  if (q_meta.lo > 0).any():
-    return sum(int(np.asarray(allowed(q_meta.slice_rows(i, i + 1024), k_meta)).sum())
-               for i in range(0, q_meta.seg.shape[1], 1024))
-  n = int(max(q_meta.block.max(), k_meta.block.max())) + 2
-  k_valid = k_meta.seg > 0
-  count = lambda stream: np.bincount(k_meta.block[k_valid & (k_meta.stream == stream)],
-                                     minlength=n)
-  noisy_in_block, clean_up_to = count(NOISY), np.cumsum(count(CLEAN))
-  q_valid = q_meta.seg > 0
-  qb = q_meta.block[q_valid]
-  noisy_q = q_meta.stream[q_valid] == NOISY
-  earlier_clean = np.where(qb > 0, clean_up_to[qb - 1], 0)
-  return int(np.where(noisy_q, noisy_in_block[qb] + earlier_clean, clean_up_to[qb]).sum())
-
-
 def visited_tiles(plan, transport: str, tile_q: int, tile_k: int, window: int | None = None,
                   exchange=None) -> dict:
   """Tiles the kernel visits for one sequence under `plan` (all ranks, all ring steps), on a
@@ -193,16 +175,18 @@ def visited_tiles(plan, transport: str, tile_q: int, tile_k: int, window: int | 
 
   Returns counts of visited / full / total tiles and allowed / total (query, key) pairs, and
   the two fractions a reader compares: `visited_fraction` (of all tiles) and
-  `allowed_fraction` (of all pairs). Their gap is the partial tiles' masked-out area.
+  `allowed_fraction` (of all pairs). Their gap is the partial tiles' masked-out area. The
+  calls meet each key a query may see once, so their allowed pairs are the plan's
+  (`LayoutPlan.attention_work`).
   """
-  visited = full = total = pairs = allowed_pairs = 0
+  visited = full = total = pairs = 0
   for q_meta, k_meta in kernel_calls(plan, transport, window, exchange):
     kinds = tile_kinds(q_meta, k_meta, tile_q, tile_k, np)
     visited += int((kinds != EMPTY).sum())
     full += int((kinds == FULL).sum())
     total += kinds.size
     pairs += q_meta.seg.size * k_meta.seg.shape[1]
-    allowed_pairs += count_allowed_pairs(q_meta, k_meta)
+  allowed_pairs = int(plan.attention_work(window).sum())
   return dict(visited=visited, full=full, total=total, allowed_pairs=allowed_pairs,
               pairs=pairs, visited_fraction=visited / total,
               allowed_fraction=allowed_pairs / pairs)

@@ -1,6 +1,6 @@
 """The `xla` attention: plain jnp, flash-style over key chunks; the oracle and CPU default.
 
-Interface shared by every implementation (DESIGN.md section 4):
+Interface shared by every implementation (docs/kernels.md):
   attend_fwd(q, k, v, q_meta, k_meta) -> (out, lse)
   attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse) -> (dq, dk, dv)
 q: [S, Rq, Hq, D]; k, v: [S, Rk, Hkv, D] (grouped-query: Hq a multiple of Hkv);

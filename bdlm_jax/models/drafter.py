@@ -1,4 +1,4 @@
-"""A DFlash drafter (DESIGN.md section 10) beside its frozen target, with no parallelism inside.
+"""A DFlash drafter (docs/dflash.md) beside its frozen target, with no parallelism inside.
 
 The drafter is a few Qwen3-style layers over *draft rows* (blocks `[x_a, MASK ...]`). Its
 context is the target's hidden states at a few layers, concatenated per position, projected
@@ -11,14 +11,54 @@ draft rows' queries against their own keys and the context's, given apart.
 """
 
 import jax
+import numpy as np
 from flax import nnx
 
-from bdlm_jax.config import ModelConfig
+from bdlm_jax.config import Config, ModelConfig
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.kernels.mask import RowMeta
 from bdlm_jax.models.transformer import AttendFn, LayerStack, RMSNorm, Transformer, _linear
 
 FROZEN = "target"  # the params subtree that gets no gradient and no optimiser state
 TRAINED = "drafter"  # the params subtree that trains
+
+
+def target_layer_ids(cfg: Config) -> tuple[int, ...]:
+  """The target layers whose outputs feed the drafter: `drafter.target_layers`, or up to
+  `drafter.n_layers` distinct ids spread from layer 1 to layer n-3 of the target (DFlash's
+  choice: neither the first layer nor the last two), clipped to the target's depth."""
+  text = cfg.drafter.target_layers.strip()
+  if text:
+    try:
+      return tuple(int(t) for t in text.split(","))
+    except ValueError:
+      raise ConfigError(f"drafter.target_layers={text!r} must be comma-separated integers")
+  n = cfg.model.n_layers
+  lo, hi = min(1, n - 1), max(min(1, n - 1), n - 3)
+  return tuple(int(i) for i in np.unique(np.round(np.linspace(lo, hi, cfg.drafter.n_layers))))
+
+
+def target_depth(cfg: Config) -> int:
+  """Target layers a drafter's step runs: up to its last chosen layer, all of them for a KL
+  loss (which reads the target's output), none with precomputed features."""
+  if cfg.drafter.features:
+    return 0
+  if cfg.objective.draft_loss == "kl":
+    return cfg.model.n_layers
+  return max(target_layer_ids(cfg)) + 1
+
+
+def drafter_model(cfg: Config) -> ModelConfig:
+  """The drafter's layers as a ModelConfig: Qwen3-style (q/k norm, SwiGLU, global attention),
+  the target's width, dtypes and attention settings, `drafter.*` for the rest."""
+  m, d = cfg.model, cfg.drafter
+  return ModelConfig(
+      vocab_size=m.vocab_size, d_model=m.d_model, n_layers=d.n_layers,
+      n_heads=d.n_heads or m.n_heads, n_kv_heads=d.n_kv_heads or m.n_kv_heads,
+      head_dim=d.head_dim or m.head_dim, d_ff=d.d_ff or m.d_ff, rope_theta=m.rope_theta,
+      qk_norm=True, norm_eps=m.norm_eps, param_dtype=m.param_dtype,
+      compute_dtype=m.compute_dtype, remat=m.remat, attention_impl=m.attention_impl,
+      attention_chunk=m.attention_chunk, logits_chunk=m.logits_chunk)
 
 
 class Drafter(LayerStack):

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bdlm_jax.config import ModelConfig, layer_period, layer_types, mlp_period, mlp_types
+from bdlm_jax.config import ModelConfig
+from bdlm_jax.models.pattern import layer_types, mlp_types
 from bdlm_jax.kernels import residuals
 from bdlm_jax.kernels.mask import RowMeta
 from bdlm_jax.models.moe import ACTIVATIONS, MoE, no_stats
@@ -190,7 +191,7 @@ def remat_policy(remat: str):
   exchange received; it recomputes projections, norms and the MLP.
 
   The attention core is never recomputed: a ring inside it would re-run its collectives
-  (DESIGN.md section 3). Its output and LSE are named inside every attention `custom_vjp`
+  (docs/strategies.md). Its output and LSE are named inside every attention `custom_vjp`
   (`kernels.residuals`), which is what lets the policy keep them and drop the rest.
   """
   if remat == "none":
@@ -230,7 +231,7 @@ class LayerStack(nnx.Module):
     """
     kinds, slots = layer_types(self.cfg)[:depth], layer_slots(self.cfg)[:depth]
     stacks = {name: nnx.split(getattr(self, name)) for name in dict.fromkeys(n for n, _ in slots)}
-    period = math.lcm(len(layer_period(self.cfg)), len(mlp_period(self.cfg)))
+    period = math.lcm(len(self.cfg.layer_period), len(self.cfg.mlp_period))
     n_scanned = len(kinds) // period * period
     per_period = {name: sum(n == name for n, _ in slots[:period]) for name in stacks}
 

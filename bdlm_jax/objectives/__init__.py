@@ -1,39 +1,45 @@
-"""Training objectives, each a module with one protocol, so `loss_fn` runs any of them as
-rows -> corrupt -> model -> score, with no branch per objective:
+"""Training objectives: each module speaks the protocol of `base.Objective`, and this is
+their one registry, keyed by `objective.name`."""
 
-  LOSS_SLOT                                  "noisy", "clean" or "all": the rows of each rank
-                                             whose logits are scored
-  NOISY_STREAM                               whether the rows are [x_t ; x_0] (block
-                                             diffusion) or the clean tokens alone (ar)
-  COPIES                                     sequences `corrupt` runs per batch sequence
-  TOKEN_SHIFT                                whether row i's logits predict token i + 1 of a
-                                             block (what the sampler reads)
-  DRAFTER                                    whether the model is a drafter over a frozen
-                                             target (dflash): the noisy stream is its draft
-                                             blocks, the clean stream the target's context
-  evaluated(cfg, t_min) -> dict              the objective.* overrides under which held-out
-                                             eval scores it (bd3lm: the NELBO)
-  logical_rows(tokens_SL, seg_SL, protected_SL, cfg) -> dict
-                                             host side: the logical [S, 2L] rows (labels,
-                                             maskable, ...) that `make_batch` lays out
-  corrupt(key, batch, seq_len, cfg) -> (batch, inputs, scored, weight)
-                                             in the step: the batch the model runs (an
-                                             objective may add copies of its sequences), the
-                                             input token of each row, which rows are scored
-                                             and their weights
-  score(logits, labels, scored, weight, cfg) -> float
-                                             the summed loss of one chunk of rows (a drafter's
-                                             also takes its target's logits at those rows,
-                                             before cfg, for a KL loss)
-"""
-
-from bdlm_jax.config import ConfigError
+from bdlm_jax.config import Config
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.objectives import ar, bd3lm, dflash, fast_dllm_v2
+from bdlm_jax.objectives.base import Objective, protocol_members
 
-_OBJECTIVES = {"bd3lm": bd3lm, "fast_dllm_v2": fast_dllm_v2, "ar": ar, "dflash": dflash}
+OBJECTIVES: dict[str, Objective] = {}
 
 
-def get_objective(name: str):
-  if name not in _OBJECTIVES:
-    raise ConfigError(f"unknown objective.name {name!r}; valid: {sorted(_OBJECTIVES)}")
-  return _OBJECTIVES[name]
+def register(objective: Objective) -> Objective:
+  """Adds an objective (a module or object with the whole protocol) under its NAME."""
+  if not isinstance(objective, Objective):
+    missing = [a for a in protocol_members() if not hasattr(objective, a)]
+    raise TypeError(f"{objective!r} lacks {missing} of the objective protocol")
+  if objective.NAME in OBJECTIVES:
+    raise ValueError(f"objective {objective.NAME!r} is registered already")
+  OBJECTIVES[objective.NAME] = objective
+  return objective
+
+
+def get_objective(name: str) -> Objective:
+  if name not in OBJECTIVES:
+    raise ConfigError(f"objective.name={name!r} is not one of {list(OBJECTIVES)}")
+  return OBJECTIVES[name]
+
+
+def check_config(cfg: Config) -> None:
+  """The objective's rules, and the [MASK] id inside the vocabulary where it is used."""
+  o = cfg.objective
+  objective = get_objective(o.name)
+  if objective.MASK_TOKEN and not 0 <= o.mask_token_id < cfg.model.vocab_size:
+    raise ConfigError(f"objective.mask_token_id={o.mask_token_id} must lie in "
+                      f"[0, model.vocab_size={cfg.model.vocab_size})")
+  objective.check_config(cfg)
+
+
+def reserved_mask_id(cfg: Config) -> int | None:
+  """The id no data may hold: [MASK], for objectives that write it (None otherwise)."""
+  return cfg.objective.mask_token_id if get_objective(cfg.objective.name).MASK_TOKEN else None
+
+
+for _module in (bd3lm, fast_dllm_v2, ar, dflash):
+  register(_module)

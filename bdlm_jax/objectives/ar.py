@@ -3,15 +3,25 @@
 import jax.numpy as jnp
 import numpy as np
 
-from bdlm_jax.config import ObjectiveConfig
+from bdlm_jax.config import Config, ObjectiveConfig
 from bdlm_jax.objectives.bd3lm import token_nll
+from bdlm_jax.objectives.base import model_hidden
 from bdlm_jax.objectives.streams import logical_stream
 
+NAME = "ar"
 LOSS_SLOT = "clean"
 NOISY_STREAM = False
 COPIES = 1
 DRAFTER = False
 TOKEN_SHIFT = False  # (the sampler decodes an ar model token by token)
+MASK_TOKEN = False
+FROZEN = ()
+ATTEND_ROWS = ("all",)
+hidden = model_hidden
+
+
+def check_config(cfg: Config) -> None:
+  del cfg  # blocks of one token: any length
 
 
 def evaluated(cfg: ObjectiveConfig, t_min: float) -> dict:

@@ -1,18 +1,28 @@
-"""BD3-LM: antithetic block noise levels, [MASK] corruption and the SUBS loss (DESIGN.md s.2)."""
+"""BD3-LM: antithetic block noise levels, [MASK] corruption, the SUBS loss (docs/objective.md)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bdlm_jax.config import ObjectiveConfig
+from bdlm_jax.config import Config, ObjectiveConfig
 from bdlm_jax.kernels.mask import NOISY
+from bdlm_jax.objectives.base import check_block_size, model_hidden
 from bdlm_jax.objectives.streams import logical_stream
 
+NAME = "bd3lm"
 LOSS_SLOT = "noisy"  # logits are computed only for the noisy rows
 NOISY_STREAM = True
 COPIES = 1
 DRAFTER = False
 TOKEN_SHIFT = False
+MASK_TOKEN = True
+FROZEN = ()
+ATTEND_ROWS = ("all",)
+hidden = model_hidden
+
+
+def check_config(cfg: Config) -> None:
+  check_block_size(cfg)
 
 
 def evaluated(cfg: ObjectiveConfig, t_min: float) -> dict:

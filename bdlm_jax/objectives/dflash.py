@@ -1,4 +1,4 @@
-"""DFlash drafter training (DESIGN.md section 10): anchors, `[x_a, MASK ...]` draft blocks,
+"""DFlash drafter training (docs/dflash.md): anchors, `[x_a, MASK ...]` draft blocks,
 position-decayed cross-entropy.
 
 The logical rows are `[draft ; context]`: `max_anchors` A draft blocks of B rows, then the L
@@ -18,21 +18,94 @@ batch always gets the same anchors. Sorted anchors make draft block j's context 
 j, which is what the layouts balance (dual-end pairs, as BD3-LM's blocks).
 """
 
+import functools
 import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bdlm_jax.config import ObjectiveConfig
+from bdlm_jax.config import Config, ObjectiveConfig
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.kernels.mask import CLEAN, NOISY
+from bdlm_jax.models import drafter as drafter_lib
+from bdlm_jax.models.drafter import drafter_model, target_depth, target_layer_ids
+from bdlm_jax.models.pattern import layer_types
 from bdlm_jax.objectives.bd3lm import token_nll
 
+NAME = "dflash"
 LOSS_SLOT = "noisy"  # the draft rows
 NOISY_STREAM = True
 COPIES = 1
 TOKEN_SHIFT = False
 DRAFTER = True  # a drafter over a frozen target (models/drafter.py)
+MASK_TOKEN = True
+FROZEN = (drafter_lib.FROZEN,)  # the target
+ATTEND_ROWS = ("clean", "draft")  # the target over the context; the drafter's draft rows
+
+
+def check_config(cfg: Config) -> None:
+  """Draft blocks start at anchors, anywhere: no block multiple, but a drafter's own rules."""
+  m, o, d = cfg.model, cfg.objective, cfg.drafter
+  if cfg.data.seq_len < o.block_size:
+    raise ConfigError(f"data.seq_len={cfg.data.seq_len} is shorter than one draft block "
+                      f"(objective.block_size={o.block_size})")
+  if o.block_size < 2:
+    raise ConfigError(f"objective.block_size={o.block_size}: a draft block needs its anchor "
+                      f"and at least one slot to predict (>= 2)")
+  ids = target_layer_ids(cfg)
+  bad = [i for i in ids if not 0 <= i < m.n_layers]
+  if bad:
+    raise ConfigError(f"drafter.target_layers {bad} lie outside the target's layers "
+                      f"[0, model.n_layers={m.n_layers})")
+  if len(set(ids)) != len(ids):
+    raise ConfigError(f"drafter.target_layers={d.target_layers!r} names a layer twice")
+  if set(layer_types(m)) != {"global"} or m.moe_experts:
+    raise ConfigError("objective=dflash takes a dense, all-global target for now "
+                      "(model.layer_pattern='global', model.moe_experts=0)")
+  if d.features and o.draft_loss == "kl":
+    raise ConfigError(f"objective.draft_loss='kl' needs the target's final hidden states, "
+                      f"which drafter.features={d.features!r} does not hold; use "
+                      f"draft_loss='ce' or co-host the target (drafter.features='')")
+  if d.features and cfg.train.eval_every:
+    raise ConfigError(f"drafter.features={d.features!r} holds training sequences only: "
+                      f"held-out evaluation needs the target, so set train.eval_every=0")
+  dm = drafter_model(cfg)
+  if dm.n_heads % dm.n_kv_heads or dm.head_dim % 2:
+    raise ConfigError(f"the drafter's heads ({dm.n_heads} query, {dm.n_kv_heads} key/value, "
+                      f"head_dim {dm.head_dim}) need query heads a multiple of key/value heads "
+                      f"and an even head_dim")
+
+
+def hidden(spec, model, batch, inputs, layer_weights):
+  """Final drafter hidden states of the draft rows (each rank's noisy slot), and for a KL
+  loss (`objective.draft_loss=kl`) the target's final hidden states that score them.
+
+  The frozen target runs causally over the context rows (each rank's clean slot, where
+  they already are) and hands the drafter its hidden states at the chosen layers; or the
+  batch brings those states, precomputed (`drafter.features`), and the target does not run.
+  Draft slot k of anchor a is scored against the target's prediction at position a + k - 1,
+  which is fetched from whichever rank holds it (one gather of the rows, not per layer)."""
+  cfg, plan = spec.cfg, spec.plan
+  draft = functools.partial(plan.slot_rows, slot="noisy")
+  ctx = functools.partial(plan.slot_rows, slot="clean")
+  draft_meta, ctx_meta = jax.tree.map(draft, batch.meta), jax.tree.map(ctx, batch.meta)
+  target = model.target
+  if batch.context is not None:
+    feats = ctx(batch.context)
+  elif cfg.drafter.features:
+    raise ConfigError(f"drafter.features={cfg.drafter.features!r}: the target has no layers "
+                      f"here, so the batch must bring its features (make_batch(..., context=))")
+  else:
+    feats, final = target.features(ctx(inputs), ctx(batch.pos), ctx_meta, spec.attend["clean"],
+                                   target_layer_ids(cfg), target_depth(cfg), layer_weights)
+  out = model.drafter(target.embed_tokens(draft(inputs)), draft(batch.pos), draft_meta,
+                      feats, ctx(batch.pos), ctx_meta, spec.attend["draft"], layer_weights)
+  if cfg.objective.draft_loss != "kl":
+    return out, (), {}
+  source = jnp.asarray(plan.context_rows)[jnp.clip(draft(batch.pos) - 1, 0, plan.seq_len - 1)]
+  teacher = jnp.take_along_axis(final, source[..., None], axis=1)
+  return out, (spec.rows_sharded(teacher),), {}
 
 
 def evaluated(cfg: ObjectiveConfig, t_min: float) -> dict:

@@ -1,6 +1,6 @@
 """Fast-dLLM v2 (AR -> BDLM conversion): token shift and complementary masks.
 
-Same `[x_t ; x_0]` stream and block mask as BD3-LM (DESIGN.md section 2), with two changes:
+Same `[x_t ; x_0]` stream and block mask as BD3-LM (docs/objective.md), with two changes:
 * token shift: the logit of row i predicts token i+1, which keeps the AR model's "hidden i
   -> token i+1" head. Inside a block, noisy row i sees the [MASK] at i+1 and is scored on
   x_{i+1} when that input is masked. The first token of block b+1 is scored on the *clean*
@@ -30,16 +30,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bdlm_jax.config import ObjectiveConfig
-from bdlm_jax.objectives import bd3lm
+import bdlm_jax.objectives.bd3lm as bd3lm
+from bdlm_jax.config import Config, ObjectiveConfig
 from bdlm_jax.objectives.bd3lm import draw_noise
+from bdlm_jax.objectives.base import check_block_size, model_hidden
 from bdlm_jax.objectives.streams import logical_stream
 
+NAME = "fast_dllm_v2"
 LOSS_SLOT = "all"  # noisy rows inside blocks, clean rows at the block ends
 NOISY_STREAM = True
 COPIES = 2  # complementary masks
 DRAFTER = False
 TOKEN_SHIFT = True
+MASK_TOKEN = True
+FROZEN = ()
+ATTEND_ROWS = ("all",)
+hidden = model_hidden
+
+
+def check_config(cfg: Config) -> None:
+  check_block_size(cfg)
 
 
 def evaluated(cfg: ObjectiveConfig, t_min: float) -> dict:

@@ -20,23 +20,40 @@ Router statistics are sums over rows, so they are psummed over the row axes eith
 """
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from bdlm_jax.config import Config, ConfigError, ModelConfig, expert_axes
+from bdlm_jax.config import Config, ModelConfig
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.models import moe
 from bdlm_jax.parallel.mesh import BATCH_AXES
 
 ROW_AXES = (*BATCH_AXES, "seq")
 
 
-def check_dispatch_runs_here(cfg: Config) -> None:
-  """Refuses, before any data or checkpoint is touched, a dispatch the backend cannot run."""
-  if (expert_axes(cfg.parallel) and cfg.parallel.moe_dispatch == "ragged_all_to_all"
-      and jax.default_backend() == "cpu"):
+def check_config(cfg: Config) -> None:
+  """Expert parallelism splits a model's experts over mesh axes: they must exist and divide."""
+  m, p = cfg.model, cfg.parallel
+  if not p.expert_axis_names:
+    return
+  if not m.moe_experts:
+    raise ConfigError(f"parallel.expert_axes={p.expert_axes!r} splits experts, but "
+                      f"model.moe_experts=0 (dense MLPs)")
+  ways = math.prod(getattr(p, a) for a in p.expert_axis_names)
+  if m.moe_experts % ways:
+    raise ConfigError(f"model.moe_experts={m.moe_experts} does not divide over "
+                      f"parallel.expert_axes={p.expert_axes!r} ({ways} devices)")
+
+
+def check_dispatch_runs_here(cfg: Config, platform: str | None = None) -> None:
+  """Refuses, before any data or checkpoint is touched, a dispatch that `platform` (default:
+  this process's backend; a compile-only target names its own) cannot run."""
+  if (cfg.parallel.expert_axis_names and cfg.parallel.moe_dispatch == "ragged_all_to_all"
+      and (platform or jax.default_backend()) == "cpu"):
     raise ConfigError("parallel.moe_dispatch=ragged_all_to_all cannot run on CPU (XLA:CPU has "
                       "no ragged-all-to-all); set parallel.moe_dispatch=all_gather")
 
@@ -46,7 +63,7 @@ def expert_dispatch(cfg: Config, mesh):
   one device: `experts` runs as it is)."""
   if mesh is None or mesh.size == 1:
     return None
-  axes = expert_axes(cfg.parallel)
+  axes = cfg.parallel.expert_axis_names
   if axes:
     body = functools.partial(_expert_parallel, cfg.model, axes, cfg.parallel.moe_dispatch)
     weight_specs = (P(), P(axes), P(axes), P(axes))  # router, gate, up, down

@@ -11,7 +11,9 @@ slot*; -1 marks a padding row. `travel` says which local K/V must visit other ra
   all    every local K/V row travels (`cp_*`: the whole stream is context-parallel)
   clean  only the clean slot travels (`csbp_*`: corrupted K/V never leave their rank)
 
-Adding a strategy means adding a plan here; the model and the objective never change.
+Each strategy of `registry.py` names one plan builder below,
+`builder(name, L, B, P, noisy_stream, draft_blocks) -> LayoutPlan`; adding a strategy means
+adding a builder (or reusing one) and a record, and the model and the objective never change.
 """
 
 import dataclasses
@@ -19,7 +21,7 @@ import functools
 
 import numpy as np
 
-from bdlm_jax.config import ConfigError
+from bdlm_jax.errors import ConfigError
 
 PAD = -1
 
@@ -64,30 +66,39 @@ class LayoutPlan:
     travel (csbp), none when everything does (cp)."""
     return self.n_noisy if self.travel == "clean" else 0
 
-  def attention_work(self, window: int | None = None) -> np.ndarray:
-    """Allowed (query, key) pairs each rank computes, int64 [P] (one document, no padding),
-    on a global layer or a local one of window W.
+  def attention_work(self, window: int | None = None, keys: np.ndarray | None = None
+                     ) -> np.ndarray:
+    """Allowed (query, key) pairs of each rank's queries (one document), on a global layer or
+    a local one of window W: int64 [P] against every key of the stream (what each rank
+    computes), or int64 [P, G] against each row group of `keys` (int [G, K] logical rows,
+    PAD for none: e.g. each rank's travelling K/V, to split the work by whose K/V it reads).
 
-    A noisy query in block b sees its own block and b earlier clean blocks: B*(b+1) keys;
-    a clean query in block b sees blocks 0..b: B*(b+1) keys too. A window keeps a noisy
-    query's W-1 clean keys before bB, and a clean query's keys from p - (W-1) on. A draft
-    query sees its block and the context before its anchor (`block_starts`); the context
-    rows are keys only.
+    The mask of kernels/mask.py, counted by block and position: a noisy query of block b
+    sees the noisy keys of its block and the clean keys before its block's start
+    (`block_starts`: bB, or a draft block's anchor); a clean query of block b the clean keys
+    before (b+1)B (none in a drafter's plan: its context rows are keys only). A window drops
+    the clean keys before the block's start - (W-1) (a noisy query) or p - (W-1) (a clean
+    query at p).
     """
-    B, n = self.block_size, self.noisy_len
+    B, n, L = self.block_size, self.noisy_len, self.seq_len
+    groups = np.arange(n + L)[None] if keys is None else np.asarray(keys)
     valid = self.rows != PAD
-    noisy = self.rows < n
+    noisy = valid & (self.rows < n)
+    clean = valid & ~noisy & (self.draft_blocks == 0)
     pos = np.where(noisy, self.rows, self.rows - n)
-    start = np.where(noisy, self.block_starts()[np.where(noisy, self.rows, 0) // B],
-                     pos // B * B)
-    if window is None:
-      keys = start + B
-    else:
-      keys = np.where(noisy, B + np.minimum(window - 1, start),
-                      start + B - np.maximum(0, pos - (window - 1)))
-    if self.draft_blocks:
-      keys = np.where(noisy, keys, 0)
-    return np.where(valid, keys, 0).sum(axis=1).astype(np.int64)
+    per_block = lambda rows, where, blocks: np.stack(
+        [np.bincount(r[w] // B, minlength=blocks) for r, w in zip(rows, where)])
+    q_noisy, q_clean = per_block(self.rows, noisy, n // B), per_block(pos, clean, L // B)
+    k_noisy = per_block(groups, (groups != PAD) & (groups < n), n // B)
+    k_clean = [np.sort(g[g >= n] - n) for g in groups]
+    before = lambda x: np.stack([np.searchsorted(c, x) for c in k_clean])  # [G, *x.shape]
+    starts = self.block_starts()
+    pairs = (q_noisy @ (k_noisy + before(starts)).T
+             + q_clean @ before(np.arange(1, L // B + 1) * B).T)
+    if window is not None:
+      lo = np.where(noisy, starts[np.where(noisy, self.rows, 0) // B], pos) - (window - 1)
+      pairs -= before(np.where(noisy | clean, np.maximum(lo, 0), 0)).sum(axis=-1).T
+    return pairs[:, 0] if keys is None else pairs
 
   @functools.cached_property
   def first_copies(self) -> np.ndarray:
@@ -110,6 +121,16 @@ class LayoutPlan:
     keep = first[0] < self.seq_len
     out[first[0][keep]] = first[1][keep]
     return out
+
+  def slot_rows(self, x_SR, slot: str):
+    """The rows of every rank's noisy (or clean) slot of a layout-ordered array [S, R, ...]:
+    [S, P * slot rows, ...]; all of them for `slot="all"`."""
+    if slot == "all":
+      return x_SR
+    s = x_SR.shape[0]
+    x = x_SR.reshape(s, self.num_ranks, self.rows_per_rank, *x_SR.shape[2:])
+    x = x[:, :, :self.n_noisy] if slot == "noisy" else x[:, :, self.n_noisy:]
+    return x.reshape(s, -1, *x_SR.shape[2:])
 
   def valid_rows(self) -> np.ndarray:
     """int64 [P]: non-padding rows held by each rank (what activation memory scales with)."""
@@ -180,82 +201,94 @@ def _block_rows(blocks: list[int], block_size: int) -> np.ndarray:
   return np.concatenate([np.arange(b * block_size, (b + 1) * block_size) for b in blocks])
 
 
-def make_plan(strategy: str, seq_len: int, block_size: int, num_ranks: int,
-              noisy_stream: bool = True, draft_blocks: int = 0) -> LayoutPlan:
-  """The layout of `strategy` for one sequence of `seq_len` tokens on `num_ranks` ranks.
-
-  `noisy_stream=False` is the autoregressive case: only the clean stream exists.
-  `draft_blocks` A > 0 is a drafter's: A draft blocks ahead of the clean context.
-  """
-  if strategy == "none" and num_ranks != 1:
-    raise ConfigError("strategy 'none' runs on one seq rank; set parallel.seq=1")
+def single_device_plan(name: str, L: int, B: int, P: int, noisy_stream: bool = True,
+                       draft_blocks: int = 0) -> LayoutPlan:
+  """Every row on one rank, in logical order: nothing travels."""
+  if P != 1:
+    raise ConfigError(f"strategy {name!r} runs on one seq rank; set parallel.seq=1")
   if draft_blocks:
-    return _draft_plan(strategy, seq_len, block_size, num_ranks, draft_blocks)
-  L, B, P = seq_len, block_size, num_ranks
-  plan = lambda rows, n_noisy, travel: LayoutPlan(strategy, L, B, np.asarray(rows, np.int32),
-                                                  n_noisy, travel)
-  if strategy == "none":
-    rows = np.arange(2 * L) if noisy_stream else np.arange(L, 2 * L)
-    return plan(rows[None], L if noisy_stream else 0, "none")
-  if strategy in ("cp_ring", "cp_allgather", "cp_ring_balanced"):
-    if not noisy_stream:
-      return plan(zigzag(L, P, offset=L), 0, "all")
-    if strategy == "cp_ring_balanced":
-      return plan(_zigzag_halves(L, B, P), L // P, "all")
-    # Zigzag over the whole 2L stream: chunk r < P is noisy, chunk 2P-1-r is clean.
-    if L % P:
-      raise ConfigError(
-          f"{strategy} splits 2L={2 * L} rows into 2*seq={2 * P} chunks; data.seq_len must be "
-          f"divisible by parallel.seq")
-    return plan(zigzag(2 * L, P), L // P, "all")
+    n = draft_blocks * B
+    return LayoutPlan(name, L, B, np.arange(n + L, dtype=np.int32)[None], n, "none",
+                      draft_blocks)
+  rows = np.arange(2 * L) if noisy_stream else np.arange(L, 2 * L)
+  return LayoutPlan(name, L, B, rows[None].astype(np.int32), L if noisy_stream else 0, "none")
+
+
+def zigzag_plan(name: str, L: int, B: int, P: int, noisy_stream: bool = True,
+                draft_blocks: int = 0) -> LayoutPlan:
+  """Context parallelism (`cp_*`): the zigzag split of the whole `[x_t ; x_0]` stream (2P
+  chunks, rank r holds r and 2P-1-r, so chunk r < P is noisy and 2P-1-r clean); all K/V
+  travel. A drafter's two streams are zigzagged each on its own."""
+  if draft_blocks:
+    return _draft_zigzag(name, L, B, P, draft_blocks)
   if not noisy_stream:
-    raise ConfigError(f"strategy {strategy!r} needs a corrupted stream (a diffusion objective)")
+    return LayoutPlan(name, L, B, zigzag(L, P, offset=L).astype(np.int32), 0, "all")
+  if L % P:
+    raise ConfigError(
+        f"{name} splits 2L={2 * L} rows into 2*seq={2 * P} chunks; data.seq_len must be "
+        f"divisible by parallel.seq")
+  return LayoutPlan(name, L, B, zigzag(2 * L, P).astype(np.int32), L // P, "all")
+
+
+def balanced_zigzag_plan(name: str, L: int, B: int, P: int, noisy_stream: bool = True,
+                         draft_blocks: int = 0) -> LayoutPlan:
+  """`cp_ring_balanced`: each half of the stream zigzagged on its own in whole blocks, so
+  every ring step, not only the whole step, gives each rank the same work."""
+  if draft_blocks or not noisy_stream:
+    return zigzag_plan(name, L, B, P, noisy_stream, draft_blocks)
+  return LayoutPlan(name, L, B, _zigzag_halves(L, B, P).astype(np.int32), L // P, "all")
+
+
+def _owned_noisy(name: str, L: int, B: int, P: int, noisy_stream: bool, draft_blocks: int):
+  """Each rank's corrupted (or draft) blocks, dual-end pairs: the rows of its noisy slot."""
+  if not noisy_stream:
+    raise ConfigError(f"strategy {name!r} needs a corrupted stream (a diffusion objective)")
+  if draft_blocks:
+    if draft_blocks < P:
+      raise ConfigError(f"objective.max_anchors={draft_blocks} draft blocks cannot be split "
+                        f"over parallel.seq={P} ranks: every rank needs one")
+    return assign_blocks(draft_blocks, P)
   if L % B:
     raise ConfigError(f"data.seq_len={L} is not a multiple of objective.block_size={B}")
-  owned = assign_blocks(L // B, P)
-  noisy = [_block_rows(blocks, B) for blocks in owned]
-  n_noisy = max(len(n) for n in noisy)
-  if strategy == "bp":
-    clean = [L + np.arange(max(blocks) * B) for blocks in owned]
-    travel = "none"
-  elif strategy in ("csbp_ring", "csbp_allgather"):
-    clean = list(zigzag(L, P, offset=L))
-    travel = "clean"
+  return assign_blocks(L // B, P)
+
+
+def replicated_prefix_plan(name: str, L: int, B: int, P: int, noisy_stream: bool = True,
+                           draft_blocks: int = 0) -> LayoutPlan:
+  """Block parallelism (`bp`): each rank owns whole corrupted blocks and replicates the
+  clean prefix up to its last one (a drafter's whole context: an anchor's prefix is only
+  known with the data); nothing travels."""
+  owned = _owned_noisy(name, L, B, P, noisy_stream, draft_blocks)
+  noisy = _pad_rows([_block_rows(blocks, B) for blocks in owned])
+  if draft_blocks:
+    n = draft_blocks * B
+    clean = np.tile(n + np.arange(L), (P, 1))
   else:
-    raise ConfigError(f"unknown parallel.strategy {strategy!r}")
-  noisy_slot, clean_slot = _pad_rows(noisy), _pad_rows(clean)
-  return plan(np.concatenate([noisy_slot, clean_slot], axis=1), n_noisy, travel)
+    clean = _pad_rows([L + np.arange(max(blocks) * B) for blocks in owned])
+  return LayoutPlan(name, L, B, np.concatenate([noisy, clean], axis=1).astype(np.int32),
+                    noisy.shape[1], "none", draft_blocks)
 
 
-def _draft_plan(strategy: str, L: int, B: int, P: int, A: int) -> LayoutPlan:
-  """A drafter's layout (DESIGN.md section 10): A draft blocks (rows [0, A*B), sorted by
-  anchor, so block j's context width grows with j) and the clean context (rows A*B + p).
+def sharded_context_plan(name: str, L: int, B: int, P: int, noisy_stream: bool = True,
+                         draft_blocks: int = 0) -> LayoutPlan:
+  """Context-sharded block parallelism (`csbp_*`): corrupted blocks owned as under `bp`, the
+  clean stream zigzagged; only clean K/V travel."""
+  owned = _owned_noisy(name, L, B, P, noisy_stream, draft_blocks)
+  noisy = _pad_rows([_block_rows(blocks, B) for blocks in owned])
+  clean = zigzag(L, P, offset=draft_blocks * B if draft_blocks else L)
+  return LayoutPlan(name, L, B, np.concatenate([noisy, clean], axis=1).astype(np.int32),
+                    noisy.shape[1], "clean", draft_blocks)
 
-  none: everything on one rank. cp_*: each stream zigzagged by rows, everything travels.
-  bp: draft blocks owned by ranks (dual-end pairs, as BD3-LM's blocks), the whole context
-  replicated (a block's anchor, hence its prefix, is only known with the data). csbp_*: the
-  same draft blocks, the context zigzagged; only the context travels.
-  """
+
+def _draft_zigzag(name: str, L: int, B: int, P: int, A: int) -> LayoutPlan:
+  """A drafter's cp layout: A*B draft rows (sorted by anchor) and the L context rows, each
+  zigzagged on its own; everything travels."""
   n = A * B
-  plan = lambda rows, n_noisy, travel: LayoutPlan(strategy, L, B, np.asarray(rows, np.int32),
-                                                  n_noisy, travel, draft_blocks=A)
-  if strategy == "none":
-    return plan(np.arange(n + L)[None], n, "none")
-  if strategy in ("cp_ring", "cp_allgather", "cp_ring_balanced"):
-    if n % (2 * P):
-      raise ConfigError(f"{strategy} zigzags the objective.max_anchors*objective.block_size="
-                        f"{n} draft rows over 2*parallel.seq={2 * P} chunks: they must divide")
-    return plan(np.concatenate([zigzag(n, P), zigzag(L, P, offset=n)], axis=1), n // P, "all")
-  if strategy not in ("bp", "csbp_ring", "csbp_allgather"):
-    raise ConfigError(f"unknown parallel.strategy {strategy!r}")
-  if A < P:
-    raise ConfigError(f"objective.max_anchors={A} draft blocks cannot be split over "
-                      f"parallel.seq={P} ranks: every rank needs one")
-  noisy = _pad_rows([_block_rows(blocks, B) for blocks in assign_blocks(A, P)])
-  clean = (np.tile(n + np.arange(L), (P, 1)) if strategy == "bp"
-           else zigzag(L, P, offset=n))
-  return plan(np.concatenate([noisy, clean], axis=1), noisy.shape[1],
-              "none" if strategy == "bp" else "clean")
+  if n % (2 * P):
+    raise ConfigError(f"{name} zigzags the objective.max_anchors*objective.block_size="
+                      f"{n} draft rows over 2*parallel.seq={2 * P} chunks: they must divide")
+  rows = np.concatenate([zigzag(n, P), zigzag(L, P, offset=n)], axis=1).astype(np.int32)
+  return LayoutPlan(name, L, B, rows, n // P, "all", draft_blocks=A)
 
 
 def apply_layout(plan: LayoutPlan, logical: dict[str, np.ndarray],

@@ -5,22 +5,38 @@ Axes: `data` (replicas), `fsdp` (replicas whose parameters and optimiser state a
 Parameters, gradients and optimiser moments are sharded over fsdp*seq (zero3.py).
 """
 
+import functools
+import logging
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from bdlm_jax.config import Config, ConfigError
+from bdlm_jax.config import Config
+from bdlm_jax.errors import ConfigError
 
 AXES = ("data", "fsdp", "seq")
 BATCH_AXES = ("data", "fsdp")
 
 
-def make_mesh(cfg: Config) -> jax.sharding.Mesh:
+def check_config(cfg: Config) -> None:
+  """Sequences split over data*fsdp, each micro-batch alike."""
+  p, t = cfg.parallel, cfg.train
+  ways = p.data * p.fsdp * t.grad_accum
+  if t.batch_size % ways:
+    raise ConfigError(f"train.batch_size={t.batch_size} must be divisible by parallel.data"
+                      f"*parallel.fsdp*train.grad_accum={ways}")
+
+
+def make_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
+  """The data x fsdp x seq mesh on `devices` (default `jax.devices()`; a compile-only target
+  passes its own, e.g. a TPU topology's: bdlm_jax.analysis.targets)."""
   p = cfg.parallel
   shape = (p.data, p.fsdp, p.seq)
   need = int(np.prod(shape))
-  have = jax.device_count()
+  devices = jax.devices() if devices is None else list(devices)
+  have = len(devices)
   if need > have:
     raise ConfigError(
         f"mesh data*fsdp*seq = {p.data}*{p.fsdp}*{p.seq} = {need} needs {need} devices, but only "
@@ -28,8 +44,18 @@ def make_mesh(cfg: Config) -> jax.sharding.Mesh:
         f"JAX_NUM_CPU_DEVICES={need})")
   if jax.process_count() > 1 and need != have:
     raise ConfigError(f"on several hosts the mesh must use all {have} devices, got {need}")
-  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3,
-                       devices=jax.devices()[:need])
+  if need < have:
+    _say_devices_left_idle(f"{p.data}*{p.fsdp}*{p.seq}", need, have)
+  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices[:need])
+
+
+@functools.cache
+def _say_devices_left_idle(shape: str, need: int, have: int) -> None:
+  """Logs, once per process and mesh shape, that `parallel.*` asks for fewer devices than
+  there are: often a slip (parallel.seq=3 on 8) that would otherwise show only as a slow run."""
+  logging.getLogger(__name__).warning(
+      "the mesh data*fsdp*seq = %s uses %d of the %d visible devices; the other %d stay idle",
+      shape, need, have, have - need)
 
 
 def row_sharding(mesh) -> NamedSharding:

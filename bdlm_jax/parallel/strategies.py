@@ -1,4 +1,5 @@
-"""A strategy = a static layout plan + an attention transport over the `seq` mesh axis.
+"""The attention of a strategy: its static layout plan's rows, moved by its transport over
+the `seq` mesh axis (the strategy records live in registry.py).
 
 Only attention needs `shard_map`; embeddings, norms, MLPs and the loss run as ordinary jit
 code on row-sharded arrays. The transport decides how the plan's travelling K/V reach the
@@ -14,39 +15,20 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from bdlm_jax.config import Config, ConfigError
-from bdlm_jax.objectives import get_objective
+from bdlm_jax.config import Config
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.kernels import get_kernel, with_windows
 from bdlm_jax.kernels.mask import RowMeta, as_keys
 from bdlm_jax.parallel.allgather import allgather_attend
-from bdlm_jax.parallel.layout import LayoutPlan, make_plan
+from bdlm_jax.parallel.layout import LayoutPlan
 from bdlm_jax.parallel.mesh import BATCH_AXES
+from bdlm_jax.parallel.registry import get_strategy, plan_for
 from bdlm_jax.parallel.ring import ring_attend
 from bdlm_jax.parallel.window import exchange_attend, exchange_plan
 
 # The name scope of the attention `shard_map`: HLO collectives whose op_name holds it (forward
 # and backward) are the attention's traffic; the rest of a step's are weight traffic.
 ATTENTION_SCOPE = "seq_attention"
-TRANSPORTS = {"none": "local", "bp": "local", "cp_ring": "ring", "cp_ring_balanced": "ring",
-              "csbp_ring": "ring", "cp_allgather": "allgather", "csbp_allgather": "allgather"}
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_plan(strategy, seq_len, block_size, num_ranks, noisy_stream, draft_blocks):
-  return make_plan(strategy, seq_len, block_size, num_ranks, noisy_stream, draft_blocks)
-
-
-def plan_for(cfg: Config) -> LayoutPlan:
-  """The layout plan this config trains with (cached: plans are static)."""
-  if cfg.parallel.strategy not in TRANSPORTS:
-    raise ConfigError(f"unknown parallel.strategy {cfg.parallel.strategy!r}; "
-                      f"valid: {sorted(TRANSPORTS)}")
-  objective = get_objective(cfg.objective.name)
-  noisy = objective.NOISY_STREAM
-  block = cfg.objective.block_size if noisy else 1
-  drafts = cfg.objective.max_anchors if objective.DRAFTER else 0
-  return _cached_plan(cfg.parallel.strategy, cfg.data.seq_len, block, cfg.parallel.seq, noisy,
-                      drafts)
 
 
 def _local_attend(split: int, transport: str, kernel, chunk: int, num_ranks: int,
@@ -78,7 +60,7 @@ def exchange_for(plan: LayoutPlan, window: int):
 def window_transport(plan: LayoutPlan, window: int) -> str:
   """How a local layer of window W moves K/V under `plan`: `exchange` when the windowed
   exchange sends fewer rows than the strategy's global transport, else that transport."""
-  transport = TRANSPORTS[plan.strategy]
+  transport = get_strategy(plan.strategy).transport
   if transport == "local":
     return transport
   travelling = (plan.rows_per_rank - plan.n_stay) * (plan.num_ranks - 1)
@@ -94,19 +76,20 @@ def _windowed_attend(plan: LayoutPlan, global_body, kernel, chunk: int, window: 
   return functools.partial(with_windows(global_body, plan.block_size), window=window)
 
 
-def make_attend(cfg: Config, mesh=None, rows: str = "all"):
+def make_attend(cfg: Config, mesh=None, rows: str = "all", plan: LayoutPlan | None = None):
   """`attend(q, k, v, q_meta, k_meta, window=None) -> (out, lse)` over layout-ordered,
   row-sharded arrays; `window` W makes it a local layer's sliding-window attention.
 
   `rows` names the rows of each rank that take part: "all" of them, or a drafter's (dflash)
   "clean" slot, where its frozen target runs causally over the context (the context travels
-  where the strategy moves anything), or "draft", see `_draft_attend`.
+  where the strategy moves anything), or "draft", see `_draft_attend`. `plan` is
+  `plan_for(cfg)`, given where the caller resolved it already.
   """
   if rows not in ("all", "clean", "draft"):
     raise ValueError(f"rows={rows!r} is not 'all', 'clean' or 'draft'")
-  plan = plan_for(cfg)
+  plan = plan_for(cfg) if plan is None else plan
   kernel = get_kernel(cfg.model.attention_impl)
-  transport = TRANSPORTS[cfg.parallel.strategy]
+  transport = get_strategy(plan.strategy).transport
   if rows == "clean" and plan.travel == "none":
     transport = "local"  # bp replicates the context on every rank
   split = 0 if rows == "clean" else plan.n_stay

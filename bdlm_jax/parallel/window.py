@@ -1,4 +1,4 @@
-"""The windowed K/V exchange of local (sliding-window) layers (DESIGN.md section 11).
+"""The windowed K/V exchange of local (sliding-window) layers (docs/local_and_moe.md).
 
 On a local layer a rank's queries reach back at most W-1 positions (a noisy query from its
 block's start, a clean one from itself), so a rank needs only the travelling K/V rows that its

@@ -16,7 +16,9 @@ import run
 from bdlm_jax.checkpoint import Checkpointer
 from bdlm_jax.checkpoint.hf_export import export_hf
 from bdlm_jax.checkpoint.hf_import import import_hf, params_from_hf
-from bdlm_jax.config import Config, ConfigError, replace
+from bdlm_jax.config import Config
+from bdlm_jax.configure import replace
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.loss import ar_logits
 from bdlm_jax.models.transformer import layer_slots
 from bdlm_jax.params import abstract_params, init_params
@@ -288,6 +290,37 @@ def test_bfloat16_import_and_export(exported, tmp_path):
   with safetensors.safe_open(str(tmp_path / "model.safetensors"), framework="numpy") as f:
     assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
   assert json.load(open(tmp_path / "config.json"))["dtype"] == "bfloat16"
+
+
+def test_export_refuses_a_file_or_a_folder_that_is_not_empty_naming_it(exported, tmp_path):
+  cfg, params, _ = exported
+  (tmp_path / "notes.txt").write_text("mine")
+  with pytest.raises(ConfigError, match=rf"export.out_dir='{tmp_path}' is not empty \(it holds "
+                                        r"notes.txt\); .* set export.overwrite=true"):
+    export_hf(params, cfg, str(tmp_path))
+  with pytest.raises(ConfigError, match=rf"export.out_dir='{tmp_path}/notes.txt' is a file"):
+    export_hf(params, cfg, str(tmp_path / "notes.txt"))
+  assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+def test_export_files_get_the_usual_modes_and_this_model_s_generation_config(exported, tmp_path):
+  """Modes follow the umask as `open`'s do (safetensors alone writes 0600). Overwriting an
+  earlier export replaces its generation config and keeps files that are not the export's."""
+  cfg, params, _ = exported
+  out = tmp_path / "hf"
+  umask = os.umask(0o027)
+  try:
+    export_hf(params, cfg, str(out))
+  finally:
+    os.umask(umask)
+  for name in ("model.safetensors", "config.json", "generation_config.json"):
+    assert oct(os.stat(out / name).st_mode & 0o777) == oct(0o640), name
+  (out / "generation_config.json").write_text('{"eos_token_id": 2}')  # another model's
+  (out / "tokenizer.json").write_text("{}")
+  export_hf(params, replace(cfg, export=dict(overwrite=True)), str(out))
+  assert json.loads((out / "generation_config.json").read_text()) == dict(
+      bos_token_id=256, eos_token_id=257, pad_token_id=258)  # data.tokenizer=byte
+  assert (out / "tokenizer.json").read_text() == "{}"
 
 
 def test_legacy_rope_theta_config_imports_alike(exported, tmp_path):

@@ -13,8 +13,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from bdlm_jax.checkpoint import CheckpointError, Checkpointer
-from bdlm_jax.checkpoint.manager import TMP_SUFFIX, workdir_path
-from bdlm_jax.config import Config, ConfigError, replace
+from bdlm_jax.checkpoint.manager import TMP_SUFFIX, trajectory_changes, workdir_path
+from bdlm_jax.config import Config
+from bdlm_jax.configure import replace
+from bdlm_jax.errors import ConfigError
 from tests.data.conftest import hf_tokenizer_path  # noqa: F401  (a fixture)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -284,3 +286,14 @@ def test_a_corrupt_only_checkpoint_raises_naming_its_path(tmp_path):
     with pytest.raises(CheckpointError, match=str(tmp_path / "ckpt" / "1")):
       ckpt.restore(abstract(make_state()), step=1)
   assert os.path.isdir(tmp_path / "ckpt" / "1")  # nothing is moved when nothing restores
+
+
+def test_a_resumed_run_may_change_how_it_runs_but_not_what_it_computes():
+  now = Config()
+  how = replace(now, parallel=dict(strategy="cp_ring", seq=4), model=dict(remat="full"),
+                train=dict(grad_accum=2, log_every=1, ckpt_every=7), data=dict(num_threads=0))
+  assert trajectory_changes(how.to_dict(), now) == []
+  what = replace(now, train=dict(steps=50, lr=0.01), data=dict(shuffle=False), seed=3)
+  assert trajectory_changes(what.to_dict(), now) == [
+      "data.shuffle=False, current config has True", "seed=3, current config has 0",
+      "train.lr=0.01, current config has 0.003", "train.steps=50, current config has 200"]

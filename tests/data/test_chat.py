@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from bdlm_jax import make_batch
-from bdlm_jax.config import Config, ConfigError, DataConfig, replace
+from bdlm_jax.config import Config, DataConfig
+from bdlm_jax.configure import replace
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.data import ByteTokenizer, DataError, make_dataset
 from bdlm_jax.data.chat import ChatSource
 from bdlm_jax.objectives import get_objective

@@ -3,8 +3,10 @@ import json
 import numpy as np
 import pytest
 
-from bdlm_jax.config import ConfigError, DataConfig
-from bdlm_jax.data import ByteTokenizer, HFTokenizer, make_dataset
+from bdlm_jax.config import DataConfig
+from bdlm_jax.errors import ConfigError
+from bdlm_jax.data import ByteTokenizer, DataError, HFTokenizer, make_dataset
+from tests.data.conftest import save_word_level
 
 L, BATCH = 64, 4
 BYTES = ByteTokenizer()
@@ -137,6 +139,18 @@ def test_a_document_spelling_out_the_mask_token_loses_it(tmp_path, hf_tokenizer_
                              mask_token_id=tok.mask_id))["tokens"]
   assert tok.mask_id not in tokens
   assert tok.decode(tokens[0, :4].tolist()) == "the cat sat"
+
+
+def test_text_the_tokenizer_cannot_encode_names_file_line_and_character(tmp_path):
+  """A vocabulary without [UNK] cannot hold a character it never saw: the error says where."""
+  tokenizer = save_word_level(tmp_path / "tokenizer.json", ["[PAD]", "[MASK]", "</s>"])
+  (tmp_path / "c.txt").write_text("the cat sat\n\nthe \u2603 ran\n")
+  cfg = DataConfig(source="text", path=str(tmp_path / "c.txt"), tokenizer=tokenizer,
+                   seq_len=16, shuffle=False)
+  with pytest.raises(DataError, match=rf"{tmp_path}/c.txt:3: data.tokenizer .*tokenizer.json "
+                                      r"cannot encode '\u2603' \(characters 4-5 of the text; "
+                                      r"no token holds '\u2603'\)"):
+    next(make_dataset(cfg, batch_size=2, seed=0, vocab_size=260))
 
 
 def test_more_processes_than_documents_is_a_clear_error(tmp_path):

@@ -4,7 +4,8 @@ import os
 import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from bdlm_jax.config import ConfigError, DataConfig
+from bdlm_jax.config import DataConfig
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.data import ArithmeticSource, DataError, make_source
 from bdlm_jax.data.sources import ArrayRecordSource, JsonlSource, TextLineSource
 

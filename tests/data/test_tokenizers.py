@@ -3,7 +3,8 @@ import os
 import pytest
 import tokenizers
 
-from bdlm_jax.config import ConfigError, DataConfig, ModelConfig, ObjectiveConfig
+from bdlm_jax.config import DataConfig, ModelConfig, ObjectiveConfig
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.data import ByteTokenizer, HFTokenizer, make_tokenizer
 from bdlm_jax.data.tokenizers import check_mask_id, pick_mask_id
 from tests.data.conftest import save_word_level

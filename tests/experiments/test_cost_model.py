@@ -1,7 +1,7 @@
-"""The cost model reproduces its own inputs: the plans' attention work (a local layer's
-windowed pairs), the model's FLOPs and parameter count (an MoE's active ones for FLOPs, total
-ones for memory), the transports' traffic per layer kind, zero traffic on one rank, and the
-overlap rule of its ring."""
+"""The cost model (bdlm_jax.analysis.cost_model) against figures it does not compute itself:
+a brute-force count of the mask for its pairs, the Flax model's parameters, hand-worked
+FLOPs, the traced train step's MoE exchange and the compiled layers' traffic; and the rules
+of its ring, memory verdicts and reports."""
 
 import csv
 import dataclasses
@@ -11,117 +11,213 @@ import jax
 import numpy as np
 import pytest
 
-from bdlm_jax.config import Config, replace
-from bdlm_jax.metrics import model_flops_per_step
+from bdlm_jax import loss_fn, make_batch, make_mesh
+from bdlm_jax.analysis.cost_model import dflash, report, setting, timing
+from bdlm_jax.analysis.cost_model.memory import load_probe, peak_memory
+from bdlm_jax.analysis.cost_model.projection import BASELINES, CSBP, STRATEGIES, project, speedups
+from bdlm_jax.analysis.cost_model.work import (expert_params, expert_slots, plan_work,
+                                               step_comm_bytes)
+from bdlm_jax.analysis.hlo_stats import wire_bytes
+from bdlm_jax.analysis.probe import attention_layer_costs
+from bdlm_jax.analysis.results import write_results_readme
+from bdlm_jax.analysis.step_report import config_attention_traffic
+from bdlm_jax.config import Config
+from bdlm_jax.configure import replace
+from bdlm_jax.errors import ConfigError
+from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta, allowed, windowed
+from bdlm_jax.metrics import linear_flops_per_row, param_count
+from bdlm_jax.models.drafter import drafter_model, target_depth
 from bdlm_jax.params import abstract_params
-from bdlm_jax.parallel.hlo_stats import wire_bytes
-from bdlm_jax.parallel.layout import make_plan
-from bdlm_jax.parallel.step_report import META_ROW_BYTES, config_attention_traffic
+from bdlm_jax.parallel.layout import PAD
+from bdlm_jax.parallel.registry import SINGLE_DEVICE, get_strategy, make_plan, strategy_names
 from bdlm_jax.parallel.strategies import exchange_for, window_transport
-from experiments import cost_model as cm
 
 SMALL = dict(vocab_size=260, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
              d_ff=128)
 MOE = dict(SMALL, moe_experts=8, moe_top_k=2, moe_d_ff=32, moe_norm_topk=True)
 LOCAL = dict(SMALL, n_layers=3, layer_pattern="local,local,global", sliding_window=20)
-ONE_GPU = cm.Hardware(nodes=1, gpus_per_node=1)
+ONE_GPU = setting.Hardware(nodes=1, gpus_per_node=1)
+Assumptions = setting.Assumptions
 
 
 def _model(**kw):
   return replace(Config(), model=dict(SMALL, **kw)).model
 
 
-@pytest.mark.parametrize("strategy", cm.STRATEGIES)
-@pytest.mark.parametrize("block_size", [4, 16, 24])  # N > 2P, N = 2P, P < N < 2P (P = 4)
-def test_pairs_split_by_kv_owner_sum_to_attention_work(strategy, block_size):
-  if strategy == "cp_ring_balanced" and 96 % (2 * 4 * block_size):
-    pytest.skip("cp_ring_balanced needs L divisible by 2*P*B")
-  work = cm.plan_work(strategy, 96, block_size, 4)
-  per_rank = work.stay_pairs + work.travel_pairs.sum(axis=1)
-  np.testing.assert_array_equal(per_rank, work.plan.attention_work())
+def _logical_meta(plan) -> RowMeta:
+  """RowMeta [1, rows] of every logical row, by the rules of kernels/mask.py and
+  objectives/dflash.py (a draft row: its anchor's block and position; a drafter's context
+  row: a block of its own)."""
+  n, b = plan.noisy_len, plan.block_size
+  rows = np.arange(n + plan.seq_len)
+  noisy = rows < n
+  if plan.draft_blocks:
+    anchor = plan.block_starts()[np.where(noisy, rows, 0) // b]
+    block = np.where(noisy, anchor, rows - n)
+    pos = np.where(noisy, anchor + rows % b, rows - n)
+  else:
+    pos = np.where(noisy, rows, rows - n)
+    block = pos // b
+  stream = np.where(noisy, NOISY, CLEAN)
+  return RowMeta(*(np.asarray(x, np.int32)[None] for x in (stream, block, rows * 0 + 1, pos,
+                                                            rows * 0)))
+
+
+def _brute_force_pairs(plan, keys, window=None):
+  """int [P, G]: allowed (query, key) pairs of each rank's queries with each row group of
+  `keys`, from the dense mask (a drafter's context rows are keys only)."""
+  meta = _logical_meta(plan)
+  take = lambda rows: RowMeta(*(x[:, rows[rows != PAD]] for x in meta))
+  out = np.zeros((plan.num_ranks, len(keys)), np.int64)
+  for r, q_rows in enumerate(plan.rows):
+    if plan.draft_blocks:
+      q_rows = q_rows[q_rows < plan.noisy_len]
+    q = take(q_rows)
+    if window is not None:
+      q = RowMeta(*(np.asarray(x) for x in windowed(q, window, plan.block_size)))
+    for g, k_rows in enumerate(keys):
+      out[r, g] = int(np.asarray(allowed(q, take(k_rows))).sum())
+  return out
+
+
+@pytest.mark.parametrize("strategy", strategy_names())
+@pytest.mark.parametrize("block_size,draft_blocks", [(4, 0), (16, 0), (24, 0), (4, 8)])
+def test_pairs_split_by_kv_owner_equal_a_brute_force_count_of_the_mask(strategy, block_size,
+                                                                       draft_blocks):
+  """N > 2P, N = 2P, P < N < 2P blocks (P = 4), and a drafter's 8 draft blocks."""
+  p = 4 if get_strategy(strategy).splits_sequences else 1
+  try:
+    work = plan_work(strategy, 96, block_size, p, draft_blocks=draft_blocks)
+  except ConfigError as e:  # a layout these sizes do not divide into
+    pytest.skip(str(e))
+  plan, split = work.plan, work.n_stay
+  np.testing.assert_array_equal(work.travel_pairs, _brute_force_pairs(plan, plan.rows[:, split:]))
+  stay = _brute_force_pairs(plan, plan.rows[:, :split])
+  np.testing.assert_array_equal(work.stay_pairs, np.diagonal(stay))
+
+
+@pytest.mark.parametrize("strategy", strategy_names(splits_sequences=True))
+@pytest.mark.parametrize("window", [3, 20])
+def test_windowed_pairs_split_by_kv_owner_equal_a_brute_force_count_of_the_mask(strategy,
+                                                                                window):
+  plan = make_plan(strategy, 64, 4, 4)
+  keys = plan.rows[:, plan.n_stay:]
+  np.testing.assert_array_equal(plan.attention_work(window, keys=keys),
+                                _brute_force_pairs(plan, keys, window))
 
 
 def test_attention_pairs_are_L_times_L_plus_B():
   """Noisy and clean streams each hold B^2 N(N+1)/2 pairs, so pairs = L(L+B): doubling L
   quadruples attention FLOPs only up to the in-block term, pairs(2L) = 4 pairs(L) - 2LB."""
-  pairs = lambda L, B: int(make_plan("none", L, B, 1).attention_work().sum())
+  pairs = lambda L, B: int(make_plan(SINGLE_DEVICE, L, B, 1).attention_work().sum())
   for L, B in [(64, 4), (256, 16), (1024, 256)]:
     assert pairs(L, B) == L * (L + B)
     assert pairs(2 * L, B) == 4 * pairs(L, B) - 2 * L * B
 
 
-@pytest.mark.parametrize("model", [SMALL, MOE, LOCAL], ids=["dense", "moe", "local"])
-def test_useful_flops_equal_model_flops_per_step(model):
-  """For an MoE, both count the router and the k experts a row uses (active parameters); for
-  local layers, their windowed pairs."""
-  cfg = replace(Config(), model=model, data=dict(seq_len=128), objective=dict(block_size=16),
-                train=dict(batch_size=1))
-  assert math.isclose(cm.useful_flops(cfg.model, 128, 16), model_flops_per_step(cfg),
-                      rel_tol=1e-12)
-
-
 @pytest.mark.parametrize("model", [SMALL, MOE], ids=["dense", "moe"])
 @pytest.mark.parametrize("tie", [True, False])
 def test_param_count_equals_the_flax_model(model, tie):
+  """In total, and active: an MoE's expert weights ([layers, E, ...]) counted k / E."""
   cfg = replace(Config(), model=dict(model, tie_embeddings=tie))
-  real = sum(x.size for x in jax.tree.leaves(abstract_params(cfg)))
-  assert cm.param_count(cfg.model) == real
+  m = cfg.model
+  leaves = jax.tree_util.tree_flatten_with_path(abstract_params(cfg))[0]
+  expert = lambda path, x: "mlp" in jax.tree_util.keystr(path) and x.ndim == 4
+  active = sum(x.size * m.moe_top_k // m.moe_experts if expert(path, x) else x.size
+               for path, x in leaves)
+  assert param_count(m) == sum(x.size for _, x in leaves)
+  assert param_count(m, active=True) == active
+  assert expert_params(m) == sum(x.size for path, x in leaves if expert(path, x))
 
 
-def test_moe_flops_see_active_parameters_and_memory_total_ones():
-  m = cm.MODELS["qwen3-30b-a3b"]
-  total, active = cm.param_count(m), cm.param_count(m, active=True)
-  assert 30e9 < total < 31e9 and 3.2e9 < active < 3.5e9  # Qwen3-30B-A3B: 30.5B, 3.3B
-  dense = _model()
-  assert cm.param_count(dense, active=True) == cm.param_count(dense)
-  # Per row, a layer's FLOPs are 2x its active weights (attention core aside).
-  embed = m.vocab_size * m.d_model * 2 + m.d_model
-  norms = 2 * m.d_model + 2 * m.head_dim
-  assert cm.layer_flops_per_row(m) == 2 * ((active - embed) / m.n_layers - norms)
-  hw, a = cm.Hardware(), cm.Assumptions()
-  work = cm.plan_work("csbp_ring", 16384, 64, hw.num_gpus)
-  memory = cm.peak_memory(m, work, hw, a)
-  assert memory["states_bytes"] == total * a.state_bytes_per_param / hw.num_gpus
-  assert cm.expert_params(m) + 1.5e9 < total  # experts never travel: ZeRO-3 gathers the rest
-  assert cm.param_traffic_s(m, hw, a) < cm.param_traffic_s(cm.MODELS["llama3-8b"], hw, a)
+def test_moe_flops_count_the_router_and_the_k_experts_a_row_uses():
+  """By hand, per row and layer of MOE: q, k, v, o 2 * 64 * (64 + 32 + 32 + 64) = 24576;
+  router 2 * 64 * 8 = 1024; 2 of 8 experts 2 * 2 * 3 * 64 * 32 = 24576: 50176, two layers."""
+  m = _model(**MOE)
+  assert linear_flops_per_row(m) == 2 * 50176
+  work = plan_work("csbp_ring", 128, 16, 4)
+  hw, a = setting.Hardware(nodes=1, gpus_per_node=4), Assumptions()
+  t = timing.step_time(m, work, hw, a)
+  logits = 3 * 2 * work.plan.n_noisy * m.d_model * m.vocab_size
+  linear = work.plan.rows_per_rank * 2 * 50176 * (3 + a.remat_forward)
+  assert t["linear_s"] == pytest.approx((linear + logits) / (hw.matmul_tflops * 1e12))
+  real = setting.MODELS["qwen3-30b-a3b"]  # Qwen3-30B-A3B: 30.5B parameters, 3.3B active
+  assert 30e9 < param_count(real) < 31e9 and 3.2e9 < param_count(real, active=True) < 3.5e9
 
 
-def test_moe_token_exchange_is_pairs_times_d_model_six_times_per_layer():
-  m, hw, a = cm.MODELS["qwen3-30b-a3b"], cm.Hardware(), cm.Assumptions()
-  rows = 2 * 262144 // hw.num_gpus
-  sent, seconds = cm.moe_exchange(m, rows, hw, a)
-  # there and back, in the forward, the remat's forward and the backward
-  assert sent == m.n_layers * 6 * rows * m.moe_top_k * m.d_model * a.compute_bytes
-  assert seconds > 0
-  assert cm.moe_exchange(m, rows, ONE_GPU, a) == (0.0, 0.0)
-  assert cm.moe_exchange(cm.MODELS["llama3-8b"], rows, hw, a) == (0.0, 0.0)
-  pairs, slots = cm.expert_slots(m, rows, hw.num_gpus)  # receive buffers sized by capacity
-  assert pairs == rows * m.moe_top_k and slots == 1.25 * pairs
+def _ragged_all_to_alls(jaxpr, times=1):
+  """(times run, operand) of every ragged_all_to_all in a jaxpr and the jaxprs inside it."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "ragged_all_to_all":
+      out.append((times, eqn.invars[0].aval))
+    inner = times * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else [value]:
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          out += _ragged_all_to_alls(sub, inner)
+  return out
 
 
-@pytest.mark.parametrize("strategy", cm.STRATEGIES)
+def test_moe_exchange_is_what_the_traced_train_step_sends():
+  """The ragged dispatch's all-to-alls in the gradient of the real loss (full remat, experts
+  over 4 seq devices): each sends a device's (token, expert) pairs of d_model in the compute
+  dtype, there and back in the forward, the remat's forward and the backward."""
+  cfg = replace(Config(), model=dict(MOE, compute_dtype="bfloat16", remat="full"),
+                data=dict(seq_len=32), objective=dict(block_size=4), train=dict(batch_size=1),
+                parallel=dict(strategy="csbp_ring", seq=4, expert_axes="seq",
+                              moe_dispatch="ragged_all_to_all"))
+  mesh = make_mesh(cfg)
+  batch = make_batch(cfg, np.random.default_rng(0).integers(0, 200, (1, 32)))
+  grad = jax.grad(lambda p: loss_fn(p, batch, jax.random.key(0), cfg, mesh)[0])
+  sends = _ragged_all_to_alls(jax.make_jaxpr(grad)(abstract_params(cfg)).jaxpr)
+  pairs = min(x.shape[0] for _, x in sends)  # a device's pairs: the send buffer's rows
+  traced = sum(n * pairs * x.shape[1] * x.dtype.itemsize for n, x in sends)
+  rows = 2 * 32 // 4
+  hw = setting.Hardware(nodes=1, gpus_per_node=4)
+  sent, seconds = timing.moe_exchange(cfg.model, rows, hw, Assumptions())
+  assert sent == traced and seconds > 0
+  assert timing.moe_exchange(cfg.model, rows, ONE_GPU, Assumptions()) == (0.0, 0.0)
+  assert timing.moe_exchange(_model(), rows, hw, Assumptions()) == (0.0, 0.0)
+  # and the experts' receive buffer, every member's pairs (no capacity)
+  assert expert_slots(cfg.model, rows, 4) == (pairs, max(x.shape[0] for _, x in sends))
+
+
+def test_moe_memory_holds_every_expert_and_zero3_moves_none():
+  m, hw, a = setting.MODELS["qwen3-30b-a3b"], setting.Hardware(), Assumptions()
+  memory = peak_memory(m, plan_work("csbp_ring", 16384, 64, hw.num_gpus), hw, a)
+  assert memory["states_bytes"] == param_count(m) * a.state_bytes_per_param / hw.num_gpus
+  pairs, slots = expert_slots(m, 2 * 262144 // hw.num_gpus, hw.num_gpus)
+  assert slots == 1.25 * pairs  # receive buffers sized by the capacity factor
+  llama = setting.MODELS["llama3-8b"]  # 30B parameters, but only the 1.5B non-experts gathered
+  assert param_count(m) > 3 * param_count(llama)
+  assert timing.param_traffic_s(m, hw, a) < timing.param_traffic_s(llama, hw, a)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_one_rank_sends_nothing_and_only_computes(strategy):
   m = _model()
-  work = cm.plan_work(strategy, 256, 16, 1)
-  t = cm.step_time(m, work, ONE_GPU, cm.Assumptions())
-  assert cm.step_comm_bytes(work, m, cm.Assumptions()) == 0
+  work = plan_work(strategy, 256, 16, 1)
+  t = timing.step_time(m, work, ONE_GPU, Assumptions())
+  assert step_comm_bytes(work, m, Assumptions()) == 0
   assert math.isclose(t["total_s"], t["attention_busy_s"] + t["linear_s"], rel_tol=1e-12)
 
 
 def test_csbp_sends_half_the_kv_of_cp_and_bp_none():
-  m, a = _model(), cm.Assumptions()
-  sent = {s: cm.step_comm_bytes(cm.plan_work(s, 1024, 16, 8), m, a) for s in cm.STRATEGIES}
-  assert sent["csbp_ring"] == sent["cp_ring"] / 2
-  assert sent["csbp_allgather"] == sent["cp_allgather"] / 2
-  assert sent["bp"] == 0
+  m, a = _model(), Assumptions()
+  sent = {s: step_comm_bytes(plan_work(s, 1024, 16, 8), m, a) for s in STRATEGIES}
+  for csbp in CSBP:
+    transport = get_strategy(csbp).transport
+    assert sent[csbp] == sent[strategy_names(baseline=True, transport=transport)[0]] / 2
+  assert all(sent[s] == 0 for s in strategy_names(splits_sequences=True, transport="local"))
 
 
 def test_csbp_ring_steps_are_balanced_cp_ring_steps_are_not():
   """Zigzag over the whole [x_t; x_0] stream balances each rank's total but not each ring
   step; CSBP's clean zigzag and cp_ring_balanced's two zigzags balance both."""
   def step_imbalance(strategy, p=8):
-    t = cm.plan_work(strategy, 2048, 16, p).travel_pairs
-    steps = np.stack([t[np.arange(p), (np.arange(p) - s) % p] for s in range(p)], axis=1)
+    steps = timing.ring_steps(plan_work(strategy, 2048, 16, p).travel_pairs)
     return steps.max(axis=0).sum() / steps.sum(axis=1).max()
 
   assert step_imbalance("csbp_ring") == pytest.approx(1.0)
@@ -133,24 +229,24 @@ def test_ring_hides_a_hop_under_a_longer_step_and_waits_for_a_slower_one():
   p, c = 4, 1.0
   busy = np.full((p, p), c)
   start = np.zeros(p)
-  assert cm._ring_s(start, busy, kv_hop=0.5, grad_hop=0.0, overlap=True) == p * c
-  assert cm._ring_s(start, busy, kv_hop=3.0, grad_hop=0.0, overlap=True) == (p - 1) * 3.0 + c
-  assert cm._ring_s(start, busy, kv_hop=0.5, grad_hop=0.0, overlap=False) == p * c + 3 * 0.5
+  assert timing.ring_s(start, busy, kv_hop=0.5, grad_hop=0.0, overlap=True) == p * c
+  assert timing.ring_s(start, busy, kv_hop=3.0, grad_hop=0.0, overlap=True) == (p - 1) * 3.0 + c
+  assert timing.ring_s(start, busy, kv_hop=0.5, grad_hop=0.0, overlap=False) == p * c + 3 * 0.5
   uneven = busy.copy()
   uneven[0, 1] = 5.0  # one slow rank-step holds up its neighbours' next step
-  assert cm._ring_s(start, uneven, kv_hop=0.5, grad_hop=0.0, overlap=True) == 5.0 + 3 * c
+  assert timing.ring_s(start, uneven, kv_hop=0.5, grad_hop=0.0, overlap=True) == 5.0 + 3 * c
 
 
 def test_projection_reports_speedups_and_memory_on_a_small_setting():
-  rows = cm.project(cm.Hardware(), {"default": cm.Assumptions()}, seq_lens=(16384,),
-                    block_sizes=(64,))["default"]
-  assert len(rows) == len(cm.MODELS) * len(cm.STRATEGIES)
+  rows = project(setting.Hardware(), {"default": Assumptions()}, seq_lens=(16384,),
+                 block_sizes=(64,))["default"]
+  assert len(rows) == len(setting.MODELS) * len(STRATEGIES)
   assert all(r["total_s"] > 0 and r["total_bytes"] > 0 for r in rows)
-  spd = cm.speedups(rows)[0]
+  spd = speedups(rows)[0]
   fitting = {r["strategy"]: r for r in rows if r["model"] == spd["model"] and r["fits"]}
   best = lambda names: min(fitting[s]["total_s"] for s in names if s in fitting)
-  assert spd["csbp"] in ("csbp_ring", "csbp_allgather")
-  assert spd["speedup"] == pytest.approx(best(cm.BASELINES) / best(("csbp_ring", "csbp_allgather")))
+  assert spd["csbp"] in CSBP
+  assert spd["speedup"] == pytest.approx(best(BASELINES) / best(CSBP))
   assert spd["speedup"] > 1  # CSBP sends half of CP's K/V over the same ring: never slower
 
 
@@ -163,22 +259,22 @@ def test_compiled_memory_decides_the_verdict_where_the_probe_ran(tmp_path):
                   "llama3-8b,16384,bp,16,4,64,full,,,1e9,\n"
                   "qwen3-30b-a3b,16384,csbp_ring,16,48,64,full,,,3e11,False\n"
                   "qwen3-30b-a3b,16384,csbp_ring,16,48,64,full,,,1e11,True\n")
-  compiled = cm.load_probe(str(path), cm.Hardware())
+  compiled = load_probe(str(path), setting.Hardware())
   # full depth, compiled; the MoE's ragged dispatch (stand-ins), not its all_gather one
   assert compiled == {("llama3-8b", 16384, 64, "csbp_ring"): 5e11,
                       ("qwen3-30b-a3b", 16384, 64, "csbp_ring"): 1e11}
-  rows = cm.project(cm.Hardware(), {"default": cm.Assumptions()}, seq_lens=(16384,),
-                    block_sizes=(64,), compiled=compiled)["default"]
+  rows = project(setting.Hardware(), {"default": Assumptions()}, seq_lens=(16384,),
+                 block_sizes=(64,), compiled=compiled)["default"]
   at = {(r["model"], r["strategy"]): r for r in rows}
   ring_key = ("llama3-8b", "csbp_ring")
   ring = at[ring_key]
   assert ring["memory_bytes"] == 5e11 and not ring["fits"] and ring["total_bytes"] < 5e11
   assumed = at[("llama3-8b", "cp_ring")]
   assert assumed["compiled_bytes"] is None and assumed["memory_bytes"] == assumed["total_bytes"]
-  text = "\n".join(cm._memory_table(rows, cm.Hardware(), "scale_probe.csv"))
+  text = "\n".join(report._memory_table(rows, setting.Hardware(), "scale_probe.csv"))
   assert f"2 of {len(rows)} verdicts compiled" in text and "OOM (compiled)" in text
-  other_block = cm.project(cm.Hardware(), {"default": cm.Assumptions()}, seq_lens=(16384,),
-                           block_sizes=(16,), compiled=compiled)["default"]
+  other_block = project(setting.Hardware(), {"default": Assumptions()}, seq_lens=(16384,),
+                        block_sizes=(16,), compiled=compiled)["default"]
   ring16 = next(r for r in other_block if (r["model"], r["strategy"]) == ring_key)
   assert ring16["compiled_bytes"] == 5e11 and not ring16["compiled_here"] and not ring16["fits"]
 
@@ -196,67 +292,98 @@ def test_kernel_csv_sets_attention_tflops_from_pallas_fwd_bwd_on_bdlm_masks(tmp_
     writer = csv.DictWriter(f, fieldnames=FIELDS, restval="")
     writer.writeheader()
     writer.writerows(dict(mask=m, peer=p, mode=mode, useful_tflops=t) for m, p, mode, t in rows)
-  hw, note = cm.calibrate(cm.Hardware(), str(path))
+  hw, note = setting.calibrate(setting.Hardware(), str(path))
   assert hw.attention_tflops == 200 and "3 pallas fwd+bwd rows" in note
-  assert cm.calibrate(cm.Hardware(), None)[0] == cm.Hardware()
+  assert setting.calibrate(setting.Hardware(), None)[0] == setting.Hardware()
 
 
 def test_results_readme_joins_the_sections_in_order(tmp_path):
   (tmp_path / "cost_model.md").write_text("COST")
   (tmp_path / "parallel_bench.md").write_text("BENCH")
-  text = open(cm.write_results_readme(str(tmp_path))).read()
+  text = open(write_results_readme(str(tmp_path))).read()
   assert text.index("BENCH") < text.index("COST")
 
 
+def test_results_block_of_the_project_readme_follows_the_results_folder(tmp_path):
+  """Only a results folder at <repo>/experiments/results refreshes <repo>/README.md."""
+  results = tmp_path / "experiments" / "results"
+  results.mkdir(parents=True)
+  (results / "cost_model.md").write_text("## Cost\n\nCOST\n")
+  (tmp_path / "README.md").write_text("intro\n<!-- results:start -->\nold\n<!-- results:end -->\n")
+  write_results_readme(str(results))
+  readme = (tmp_path / "README.md").read_text()
+  assert "old" not in readme and "### Cost\n\nCOST" in readme and readme.startswith("intro\n")
+
+
 def test_gemma3_preset_has_five_local_layers_per_global_one():
-  m = cm.MODELS["gemma3-27b"]
-  assert cm.attention_kinds(m) == [(None, 10), (1024, 52)]
-  assert all(cm.attention_kinds(cm.MODELS[name]) == [(None, cm.MODELS[name].n_layers)]
+  from bdlm_jax.analysis.cost_model.work import attention_kinds
+  assert attention_kinds(setting.MODELS["gemma3-27b"]) == [(None, 10), (1024, 52)]
+  assert all(attention_kinds(setting.MODELS[name]) == [(None, setting.MODELS[name].n_layers)]
              for name in ("llama3-8b", "qwen3-30b-a3b"))
 
 
-@pytest.mark.parametrize("strategy", cm.STRATEGIES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("window", [8, 200])  # the windowed exchange, or not for every plan
 def test_local_layers_compute_each_ranks_windowed_pairs(strategy, window):
   """Whichever transport a local layer takes, its busiest rank computes its windowed pairs."""
-  m, a = _model(layer_pattern="local", sliding_window=window), cm.Assumptions()
-  work = cm.plan_work(strategy, 128, 16, 4)
-  t = cm.step_time(m, work, cm.Hardware(nodes=1, gpus_per_node=4), a)
-  pair_s = 4 * m.n_heads * m.head_dim / (cm.Hardware().attention_tflops * 1e12)
-  busy = m.n_layers * (1 + a.attention_bwd_factor) * work.plan.attention_work(window).max()
-  assert t["attention_busy_s"] == pytest.approx(busy * pair_s, rel=1e-12)
-  unskipped = cm.step_time(m, work, cm.Hardware(nodes=1, gpus_per_node=4),
-                           cm.Assumptions(tile_skipping=False))
+  m, a = _model(layer_pattern="local", sliding_window=window), Assumptions()
+  work = plan_work(strategy, 128, 16, 4)
+  hw = setting.Hardware(nodes=1, gpus_per_node=4)
+  t = timing.step_time(m, work, hw, a)
+  every_key = np.arange(2 * 128)[None]
+  busy = m.n_layers * (1 + a.attention_bwd_factor) * _brute_force_pairs(
+      work.plan, every_key, window).max()
+  assert t["attention_busy_s"] == pytest.approx(busy * timing.pair_s(m, hw), rel=1e-12)
+  unskipped = timing.step_time(m, work, hw, Assumptions(tile_skipping=False))
   assert unskipped["attention_busy_s"] >= t["attention_busy_s"]
 
 
-@pytest.mark.parametrize("strategy", cm.STRATEGIES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_comm_bytes_per_layer_kind_equal_the_configs_attention_traffic(strategy):
+  """The default assumptions move the row metadata the runtime sends (`RowMeta`'s fields)."""
   cfg = replace(Config(), model=dict(LOCAL, compute_dtype="bfloat16"),
                 data=dict(seq_len=128), objective=dict(block_size=16),
                 parallel=dict(strategy=strategy, seq=4), train=dict(batch_size=1))
-  a = cm.Assumptions(meta_bytes_per_row=META_ROW_BYTES)
-  work = cm.plan_work(strategy, 128, 16, 4)
-  assert cm.step_comm_bytes(work, cfg.model, a) == wire_bytes(config_attention_traffic(cfg), 4)
+  work = plan_work(strategy, 128, 16, 4)
+  assert step_comm_bytes(work, cfg.model, Assumptions()) == wire_bytes(
+      config_attention_traffic(cfg), 4)
+
+
+# A global layer, or a local one of W = 8 of L = 128. An all-gather layer compiled alone
+# reuses its forward gather in the backward (the train step's remat gathers again).
+COMPILED_LAYERS = ([(s, None) for s in STRATEGIES if get_strategy(s).transport != "allgather"]
+                   + [(s, 8) for s in STRATEGIES])
+
+
+@pytest.mark.parametrize("strategy,window", COMPILED_LAYERS)
+def test_a_layer_sends_what_the_compiled_layer_sends(strategy, window):
+  """One attention layer, forward + backward, compiled on 4 devices in f32: its collectives,
+  as ring algorithms send them, are the model's bytes at the default assumptions (K/V, their
+  gradients and each row's metadata; a local layer's windowed exchange where it is used)."""
+  seq_len, block, p = 128, 8, 4
+  compiled = attention_layer_costs(strategy, seq_len, p, block, n_heads=4, n_kv_heads=2,
+                                   head_dim=16, window=window)["collective_bytes"]
+  kind = dict(layer_pattern="local", sliding_window=window) if window else {}
+  m = _model(n_layers=1, **kind)
+  f32 = Assumptions(compute_bytes=4, kv_grad_bytes=4)
+  assert step_comm_bytes(plan_work(strategy, seq_len, block, p), m, f32) == wire_bytes(
+      compiled, p)
 
 
 def test_csbp_local_layers_exchange_their_window_and_save_it():
   """At long L the windowed exchange sends a few blocks, not the ring's clean half; remat
   keeps the received rows, so each local layer saves them."""
-  m, hw, a = cm.MODELS["gemma3-27b"], cm.Hardware(), cm.Assumptions()
-  work = cm.plan_work("csbp_ring", 131072, 64, hw.num_gpus)
+  m, hw, a = setting.MODELS["gemma3-27b"], setting.Hardware(), Assumptions()
+  work = plan_work("csbp_ring", 131072, 64, hw.num_gpus)
   assert window_transport(work.plan, m.sliding_window) == "exchange"
-  received = exchange_for(work.plan, m.sliding_window).rows_sent()
   all_global = dataclasses.replace(m, layer_pattern="global")
-  kv_row = 2 * m.n_kv_heads * m.head_dim
-  local_sent = cm.step_comm_bytes(work, m, a) - cm.step_comm_bytes(
-      work, dataclasses.replace(m, n_layers=10, layer_pattern="global"), a)
-  assert local_sent == 52 * received * (2 * kv_row * a.compute_bytes + a.meta_bytes_per_row)
-  assert local_sent < cm.step_comm_bytes(work, all_global, a) / 10
-  saved = cm.peak_memory(m, work, hw, a)["saved_bytes"]
-  assert saved - cm.peak_memory(all_global, work, hw, a)["saved_bytes"] == (
-      52 * received * (kv_row * a.compute_bytes + a.meta_bytes_per_row))
-  assert cm.step_time(m, work, hw, a)["total_s"] < cm.step_time(all_global, work, hw, a)["total_s"]
+  assert step_comm_bytes(work, m, a) < step_comm_bytes(work, all_global, a) / 5
+  received = exchange_for(work.plan, m.sliding_window).rows_sent()
+  saved = peak_memory(m, work, hw, a)["saved_bytes"] - peak_memory(all_global, work, hw,
+                                                                     a)["saved_bytes"]
+  assert saved > 52 * received * 2 * m.n_kv_heads * m.head_dim * a.compute_bytes
+  assert timing.step_time(m, work, hw, a)["total_s"] < timing.step_time(all_global, work, hw,
+                                                                         a)["total_s"]
 
 
 def test_probe_rows_of_a_model_with_local_layers_are_its_memory(tmp_path):
@@ -267,80 +394,82 @@ def test_probe_rows_of_a_model_with_local_layers_are_its_memory(tmp_path):
                   "peak_bytes,standins\n"
                   "gemma3-27b,16384,csbp_ring,16,62,64,full,,,5e10,\n"
                   "llama3-8b,16384,csbp_ring,16,32,64,full,,,5e10,\n")
-  assert cm.load_probe(str(path), cm.Hardware()) == {
+  assert load_probe(str(path), setting.Hardware()) == {
       (model, 16384, 64, "csbp_ring"): 5e10 for model in ("gemma3-27b", "llama3-8b")}
 
 
 # DFlash drafter training: a small target and drafter, L = 128, B = 4, A = 8, on 4 GPUs.
 DFLASH_P = 4
-DFLASH_HW = cm.Hardware(nodes=1, gpus_per_node=DFLASH_P, hbm_gb=80.0)
+DFLASH_HW = setting.Hardware(nodes=1, gpus_per_node=DFLASH_P, hbm_gb=80.0)
 
 
 def _dflash_cfg(anchors=8):
   target = _model(n_layers=4, qk_norm=True, tie_embeddings=False)
-  return cm.dflash_config(128, anchors, target=target, draft_layers=2, block_size=4)
-
-
-@pytest.mark.parametrize("anchors", [8, 12])
-def test_dflash_useful_flops_equal_model_flops_per_step(anchors):
-  """The target's causal forward once, the drafter's training three times."""
-  cfg = _dflash_cfg(anchors)
-  assert math.isclose(cm.dflash_useful_flops(cfg), model_flops_per_step(cfg), rel_tol=1e-12)
+  return dflash.dflash_config(128, anchors, target=target, draft_layers=2, block_size=4)
 
 
 def test_dflash_param_counts_equal_the_flax_target_and_drafter():
   cfg = _dflash_cfg()
   params = abstract_params(cfg)
   count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
-  assert cm.drafter_params(cfg) == count(params["drafter"])
-  assert cm.param_count(cfg.model) == count(params["target"])
+  assert dflash.drafter_params(cfg) == count(params["drafter"])
+  assert param_count(cfg.model) == count(params["target"])
 
 
-@pytest.mark.parametrize("strategy", cm.DFLASH_STRATEGIES)
-def test_draft_pairs_split_by_kv_owner_sum_to_attention_work(strategy):
-  p = 1 if strategy == "none" else DFLASH_P
-  work = cm.draft_work(strategy, 128, 4, p, 8)
-  per_rank = work.stay_pairs + work.travel_pairs.sum(axis=1)
-  np.testing.assert_array_equal(per_rank, work.plan.attention_work())
-  assert (work.travel_pairs == 0).all() == (strategy in ("none", "bp"))
+def test_drafter_strategies_are_those_with_a_plan_of_their_own():
+  """A drafter's cp_ring_balanced zigzags each stream as cp_ring does: projected once."""
+  rows = dflash.dflash_project(DFLASH_HW, Assumptions(), seq_lens=(128,),
+                               anchors=(("8", lambda _: 8),), target=_dflash_cfg().model,
+                               draft_layers=2)
+  assert [r["strategy"] for r in rows] == [s for s in strategy_names()
+                                           if s != "cp_ring_balanced"]
 
 
-def test_csbp_drafter_moves_context_kv_cp_also_draft_kv_bp_nothing():
-  """Per GPU: the target's context K/V one way (P-1 ring hops, on the layers it runs) under
-  cp and csbp alike; per
-  drafter layer, the ring's P-1 hops each way and P dK/dV hops, of L/P context rows under
-  csbp and of those plus A*B/P draft rows under cp."""
-  cfg, a = _dflash_cfg(), cm.Assumptions()
-  m, d = cfg.model, cm.drafter_model(cfg)
-  sent = {s: cm.dflash_comm_bytes(cfg, *cm.dflash_works(s, cfg, DFLASH_P), a)
-          for s in ("cp_ring", "csbp_ring", "bp")}
+def test_drafter_moves_context_kv_and_what_its_plan_travels():
+  """Per GPU: the target's context K/V one way (P-1 ring hops, on the layers it runs) where
+  anything travels; per drafter layer, the ring's P-1 hops each way and P dK/dV hops, of the
+  L/P context rows under csbp and of those plus A*B/P draft rows under cp; bp nothing."""
+  cfg, a = _dflash_cfg(), Assumptions()
+  m, d = cfg.model, drafter_model(cfg)
   kv_row = lambda model: 2 * model.n_kv_heads * model.head_dim
   ring = lambda rows: d.n_layers * rows * (
       2 * (DFLASH_P - 1) * (kv_row(d) * a.compute_bytes + a.meta_bytes_per_row)
       + DFLASH_P * kv_row(d) * a.kv_grad_bytes)
   ctx_rows, draft_rows = 128 // DFLASH_P, 8 * 4 // DFLASH_P
-  target = cm.target_depth(cfg) * (DFLASH_P - 1) * ctx_rows * (
+  target = target_depth(cfg) * (DFLASH_P - 1) * ctx_rows * (
       kv_row(m) * a.compute_bytes + a.meta_bytes_per_row)  # the layers up to the last chosen
-  assert sent["csbp_ring"] == target + ring(ctx_rows)
-  assert sent["cp_ring"] == target + ring(ctx_rows + draft_rows)
-  assert sent["bp"] == 0
+  expected = {"all": target + ring(ctx_rows + draft_rows), "clean": target + ring(ctx_rows),
+              "none": 0}
+  for s in strategy_names(transport="ring") + strategy_names(splits_sequences=True,
+                                                             transport="local"):
+    drafter, _ = dflash.dflash_works(s, cfg, DFLASH_P)
+    assert dflash.dflash_comm_bytes(cfg, drafter, a) == expected[get_strategy(s).travels], s
 
 
 def test_bp_repeats_the_targets_forward_on_every_gpu_csbp_splits_it():
-  cfg, a = _dflash_cfg(), cm.Assumptions()
-  rows = cm.dflash_project(DFLASH_HW, a, seq_lens=(128,), anchors=(("8", lambda _: 8),),
-                           target=cfg.model, draft_layers=2)
+  cfg, a = _dflash_cfg(), Assumptions()
+  rows = dflash.dflash_project(DFLASH_HW, a, seq_lens=(128,), anchors=(("8", lambda _: 8),),
+                               target=cfg.model, draft_layers=2)
   at = {r["strategy"]: r for r in rows}
   for part in ("target_linear_s", "target_attention_busy_s"):
     assert at["bp"][part] == pytest.approx(DFLASH_P * at["csbp_ring"][part], rel=1e-12)
     assert at["none"][part] == pytest.approx(at["bp"][part], rel=1e-12)
   assert at["none"]["seq_s"] == pytest.approx(at["none"]["total_s"] / DFLASH_P)
   assert at["bp"]["held_bytes"] > at["csbp_ring"]["held_bytes"]
-  spd = cm.dflash_speedups(rows)
-  assert len(spd) == 1 and spd[0]["csbp"] in cm.DFLASH_CSBP
-  fitting = [r for r in rows if r["strategy"] in cm.DFLASH_BASELINES and r["fits"]]
+  spd = dflash.dflash_speedups(rows)
+  assert len(spd) == 1 and spd[0]["csbp"] in CSBP
+  fitting = [r for r in rows if r["strategy"] in BASELINES and r["fits"]]
   base = min(fitting, key=lambda r: r["seq_s"])
+  csbp = at[spd[0]["csbp"]]
   assert spd[0]["baseline"] == base["strategy"]
-  assert spd[0]["speedup"] == pytest.approx(base["seq_s"] / at[spd[0]["csbp"]]["seq_s"])
-  text = "\n".join(cm._dflash_section(DFLASH_HW, a, rows, spd))
-  assert "2.48x" in text and "7.59x" in text and "| csbp_ring |" in text
+  assert spd[0]["speedup"] == pytest.approx(base["seq_s"] / csbp["seq_s"])
+  # The section shows each strategy's largest part and MFU, and CSBP over each baseline.
+  lines = report._dflash_section(DFLASH_HW, a, rows, spd)
+  head = next(i for i, x in enumerate(lines) if x.startswith("| L | A | strategy |"))
+  table = lines[head + 2:lines.index("", head)]
+  assert len(table) == len(rows)
+  for r, line in zip(rows, table):
+    assert line.startswith(f"| 0K | 8 | {r['strategy']} |"), line
+    assert line.endswith(f"| {r['dominant']} | {r['mfu']:.0%} |"), line
+  over = " / ".join(f"{v:.2f}x" for v in spd[0]["over_any"].values())
+  assert any(f"({spd[0]['csbp']}) | {over} |" in x for x in lines)

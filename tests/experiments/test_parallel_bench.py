@@ -3,11 +3,15 @@ the strategies promise: bp sends no K/V, CSBP sends half of CP's, the weight-gra
 all-reduce is the same for all."""
 
 import csv
+import dataclasses
 import os
 
 import pytest
 
-from experiments import cost_model as cm
+from bdlm_jax.analysis.cost_model.projection import CSBP, STRATEGIES
+from bdlm_jax.analysis.cost_model.setting import Assumptions
+from bdlm_jax.analysis.cost_model.work import plan_work, step_comm_bytes
+from bdlm_jax.parallel.registry import get_strategy, strategy_names
 from experiments import parallel_bench as pb
 
 
@@ -39,7 +43,7 @@ def test_values_are_measured_and_positive(bench):
     for column in ("temp_bytes", "argument_bytes", "xla_flops", "model_flops_per_device",
                    "step_ms"):
       assert _f(row, column) > 0, (row["strategy"], column)
-  ref = _f(rows["cp_ring"], "step_ms")
+  ref = _f(rows[pb.BASELINE], "step_ms")
   for row in rows.values():  # each strategy's own time over the baseline's, from one run
     if row["seq"] == "1":  # one device: no cp_ring to compare with at P = 1
       assert row["time_vs_cp_ring"] == ""
@@ -49,20 +53,24 @@ def test_values_are_measured_and_positive(bench):
 
 def test_bp_and_one_device_send_no_attention_traffic(bench):
   _, rows = bench
-  assert _f(rows["bp"], "attn_wire_bytes") == 0
-  assert _f(rows["none"], "attn_wire_bytes") == 0 and _f(rows["none"], "all_reduce_bytes") == 0
+  for local in strategy_names(transport="local"):
+    assert _f(rows[local], "attn_wire_bytes") == 0, local
+  for one in strategy_names(splits_sequences=False):
+    assert _f(rows[one], "all_reduce_bytes") == 0, one
 
 
 def test_csbp_sends_half_the_attention_bytes_of_cp(bench):
   _, rows = bench
-  for transport in ("ring", "allgather"):
-    cp, csbp = rows[f"cp_{transport}"], rows[f"csbp_{transport}"]
-    assert _f(csbp, "attn_wire_bytes") == pytest.approx(0.5 * _f(cp, "attn_wire_bytes"))
+  for csbp in CSBP:
+    cp = strategy_names(baseline=True, transport=get_strategy(csbp).transport)[0]
+    assert _f(rows[csbp], "attn_wire_bytes") == pytest.approx(
+        0.5 * _f(rows[cp], "attn_wire_bytes"))
 
 
 def test_weight_gradient_all_reduce_is_the_same_for_every_sharded_strategy(bench):
   _, rows = bench
-  sharded = {_f(r, "all_reduce_bytes") for s, r in rows.items() if s != "none"}
+  sharded = {_f(r, "all_reduce_bytes") for s, r in rows.items()
+             if get_strategy(s).splits_sequences}
   assert len(sharded) == 1 and sharded.pop() > 0
 
 
@@ -72,18 +80,23 @@ def test_bp_holds_more_rows_than_csbp(bench):
 
 
 def test_cost_model_predicts_the_measured_attention_bytes(bench):
-  """The analytical traffic of every strategy is what the compiled step sends (f32), up to
-  the row metadata: XLA may hoist its layer-invariant hops out of the layer scan."""
+  """The analytical traffic of every strategy, at the default assumptions in f32, is what
+  the compiled step sends, up to the row metadata: XLA may hoist the layer-invariant
+  metadata hops out of the layer scan, whole hops (one layer's, one way), never part of one."""
   _, rows = bench
   grid = pb.GRIDS["tiny"]
   (seq_len,), (seq,) = grid.seq_lens, grid.seqs
-  model = pb.bench_config(grid, "cp_ring", seq, seq_len, "float32").model
-  for strategy in cm.STRATEGIES:
-    work = cm.plan_work(strategy, seq_len, grid.block_size, seq)
-    sent = lambda meta: cm.step_comm_bytes(
-        work, model, cm.Assumptions(compute_bytes=4, meta_bytes_per_row=meta))
+  model = pb.bench_config(grid, STRATEGIES[0], seq, seq_len, "float32").model
+  f32 = Assumptions(compute_bytes=4)
+  for strategy in STRATEGIES:
+    work = plan_work(strategy, seq_len, grid.block_size, seq)
+    sent = step_comm_bytes(work, model, f32)
+    no_meta = step_comm_bytes(work, model, dataclasses.replace(f32, meta_bytes_per_row=0))
     measured = _f(rows[strategy], "attn_wire_bytes")
-    assert sent(0) <= measured <= sent(cm.Assumptions().meta_bytes_per_row), strategy
+    assert no_meta <= measured <= sent, strategy
+    if sent > no_meta:
+      hops = (measured - no_meta) / ((sent - no_meta) / (2 * model.n_layers))
+      assert hops == round(hops), (strategy, hops)
 
 
 def test_dflash_bench_writes_its_own_results_and_matches_the_plan(tmp_path):

@@ -3,6 +3,8 @@ rows, and the CSV, markdown and plot are written."""
 
 import csv
 
+import pytest
+
 from experiments import scale_probe
 
 
@@ -37,21 +39,57 @@ def test_ablation_compiles_each_feature_off_next_to_all_on(tmp_path, monkeypatch
   assert "| csbp_ring | every feature on |" in text and "| 1.00x |" in text
 
 
-def test_append_keeps_other_models_rows_and_sections(tmp_path, monkeypatch):
+def _row(**changes) -> dict:
+  """A result row as `run` returns it (a tiny --quick job, its figures made up)."""
   row = dict(model="tiny", seq_len=64, strategy="csbp_ring", devices=4, layers=2, block_size=16,
-             remat="full", overrides=[], standins=False, argument_bytes=10**6, temp_bytes=10**6,
-             output_bytes=0, alias_bytes=0, peak_bytes=2 * 10**6, compile_s=1.0,
-             attention_bytes=10**5, attention_check=1.0)
-  monkeypatch.setattr(scale_probe, "run", lambda args: [row])  # no compile: the merge only
-  scale_probe.write([dict(row, model="other")], tmp_path / "scale_probe_quick.csv")
+             remat="full", overrides=[], standins=False, objective="bd3lm", anchors=0,
+             drafter_layers=0, target="cpu", argument_bytes=10**6, temp_bytes=10**6, output_bytes=0,
+             alias_bytes=0, peak_bytes=2 * 10**6, compile_s=1.0, attention_bytes=10**5,
+             attention_check=1.0)
+  return dict(row, **changes)
+
+
+def test_a_run_keeps_the_other_models_rows_and_sections(tmp_path, monkeypatch):
+  monkeypatch.setattr(scale_probe, "run", lambda args: [_row()])  # no compile: the merge only
+  scale_probe.write([_row(model="other")], tmp_path / "scale_probe_quick.csv")
   md = tmp_path / "scale_probe_quick.md"
   md.write_text("## head\n\nintro\n\n### other\n\nkept\n\n### tiny\n\nstale\n")
-  scale_probe.main(["--quick", "--append", "--out", str(tmp_path)])
+  scale_probe.main(["--quick", "--out", str(tmp_path)])
   with open(tmp_path / "scale_probe_quick.csv") as f:
     assert [r["model"] for r in csv.DictReader(f)] == ["other", "tiny"]
   text = md.read_text()
-  assert text.startswith("## head\n\nintro\n\n### other\n\nkept\n\n### tiny\n") 
-  assert "stale" not in text and "This section only" in text and "| 64 | csbp_ring |" in text
+  assert text.startswith("## head\n\nintro\n\n### other\n\nkept\n\n### tiny\n")
+  assert "stale" not in text and "merged into the earlier ones" in text
+  assert "| 64 | csbp_ring |" in text
+
+
+def test_a_partial_run_replaces_only_the_rows_it_measured(tmp_path, monkeypatch):
+  """A full table of 2 lengths x 2 strategies, then a run of one length and one strategy:
+  that row's figures change, the other three stay in the CSV and the markdown."""
+  full = [_row(seq_len=n, strategy=s, peak_bytes=i * 10**6)
+          for i, (n, s) in enumerate([(n, s) for n in (32, 64) for s in ("cp_ring", "csbp_ring")],
+                                     start=1)]
+  monkeypatch.setattr(scale_probe, "run", lambda args: full)
+  scale_probe.main(["--quick", "--lens", "32", "64", "--strategies", "cp_ring", "csbp_ring",
+                    "--out", str(tmp_path)])
+  again = _row(seq_len=64, strategy="csbp_ring", peak_bytes=9 * 10**6)
+  monkeypatch.setattr(scale_probe, "run", lambda args: [again])
+  scale_probe.main(["--quick", "--lens", "64", "--strategies", "csbp_ring", "--out",
+                    str(tmp_path)])
+  with open(tmp_path / "scale_probe_quick.csv") as f:
+    peaks = {(int(r["seq_len"]), r["strategy"]): int(r["peak_bytes"]) for r in csv.DictReader(f)}
+  assert peaks == {(32, "cp_ring"): 10**6, (32, "csbp_ring"): 2 * 10**6,
+                   (64, "cp_ring"): 3 * 10**6, (64, "csbp_ring"): 9 * 10**6}
+  text = (tmp_path / "scale_probe_quick.md").read_text()
+  assert all(f"| {n} | {s} |" in text for n, s in peaks)
+  assert "| 64 | csbp_ring | 1.0e-03 | 1.0e-03 | 9.0e-03 |" in text  # the new peak
+
+
+def test_rows_of_another_setting_are_not_merged(tmp_path, monkeypatch):
+  monkeypatch.setattr(scale_probe, "run", lambda args: [_row()])
+  scale_probe.write([_row(devices=8)], tmp_path / "scale_probe_quick.csv")
+  with pytest.raises(SystemExit, match="pass --out"):
+    scale_probe.main(["--quick", "--out", str(tmp_path)])
 
 
 def test_ragged_standins_keep_the_ragged_ops_shapes(monkeypatch):
@@ -76,13 +114,13 @@ def test_ragged_standins_keep_the_ragged_ops_shapes(monkeypatch):
 def test_dflash_probe_jobs_are_a_drafter_over_the_frozen_target(tmp_path, monkeypatch):
   """--objective dflash: each job is a drafter step's config (its rows written apart, in
   scale_probe_quick_dflash.*); no compile here, each job's plan traffic stands in for it."""
-  from bdlm_jax.config import drafter_model
-  from bdlm_jax.parallel import step_report
+  from bdlm_jax.models.drafter import drafter_model
+  from bdlm_jax.analysis import step_report
   jobs = []
 
   def measure(job, timeout_s):
     jobs.append(job)
-    cfg = scale_probe.probe_config(**job)
+    cfg = scale_probe.job_config(job)
     return dict(argument_bytes=1, temp_bytes=1, output_bytes=0, alias_bytes=0, peak_bytes=2,
                 compile_s=1.0, attention_check=1.0,
                 attention_bytes=sum(step_report.config_attention_traffic(cfg).values()))
@@ -91,7 +129,7 @@ def test_dflash_probe_jobs_are_a_drafter_over_the_frozen_target(tmp_path, monkey
   scale_probe.main(["--quick", "--objective", "dflash", "--lens", "64", "--drafter-layers", "2",
                     "--strategies", "csbp_ring", "cp_ring", "--depth-check", "0",
                     "--out", str(tmp_path)])
-  cfg = scale_probe.probe_config(**jobs[0])
+  cfg = scale_probe.job_config(jobs[0])
   assert (cfg.objective.name, cfg.objective.max_anchors, cfg.objective.block_size) == (
       "dflash", 4, 16)
   assert drafter_model(cfg).n_layers == 2 and cfg.model.n_layers == 2

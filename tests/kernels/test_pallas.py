@@ -14,12 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bdlm_jax.config import Config, ConfigError, replace
+from bdlm_jax.config import Config
+from bdlm_jax.configure import replace
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.kernels import get_kernel, pallas, tiles, xla
 from bdlm_jax.kernels.mask import RowMeta, allowed
 from bdlm_jax.kernels.xla import NEG_INF
-from bdlm_jax.parallel.layout import make_plan
-from bdlm_jax.parallel.strategies import TRANSPORTS
+from bdlm_jax.parallel.registry import make_plan
+from bdlm_jax.parallel.registry import STRATEGIES
 from tests.kernels import test_xla
 
 
@@ -85,11 +87,11 @@ def strategy_calls(seq_len=32, block_size=4, num_ranks=2):
   plus the autoregressive (causal) stream, as one-row NumPy metadata, with three packed
   documents starting at positions 0, 3/8 L and 3/4 L (rounded down to a block)."""
   calls = []
-  for strategy, noisy in [(s, True) for s in TRANSPORTS] + [("cp_ring", False)]:
+  for strategy, noisy in [(s, True) for s in STRATEGIES] + [("cp_ring", False)]:
     p = 1 if strategy == "none" else num_ranks
     plan = make_plan(strategy, seq_len, block_size if noisy else 1, p, noisy)
     calls += [(_documents(q, plan), _documents(k, plan))
-              for q, k in tiles.kernel_calls(plan, TRANSPORTS[strategy])]
+              for q, k in tiles.kernel_calls(plan, STRATEGIES[strategy].transport)]
   return calls
 
 
@@ -166,7 +168,7 @@ def test_tile_map_never_skips_an_allowed_pair_nor_unmasks_a_masked_one():
   np.testing.assert_array_equal(traced, tiles.tile_kinds(*packed, 8, 16, np))
 
 
-@pytest.mark.parametrize("strategy", sorted(TRANSPORTS))
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_visited_tiles_of_bdlm_plans_track_allowed_pairs(strategy):
   """Bound (tiles T x T, zigzag chunks L/2P >= T): visited <= allowed * (1 + 2T/L).
 
@@ -175,7 +177,7 @@ def test_visited_tiles_of_bdlm_plans_track_allowed_pairs(strategy):
   """
   seq_len, block, tile = 1024, 16, 64
   plan = make_plan(strategy, seq_len, block, 1 if strategy == "none" else 4)
-  r = tiles.visited_tiles(plan, TRANSPORTS[strategy], tile, tile)
+  r = tiles.visited_tiles(plan, STRATEGIES[strategy].transport, tile, tile)
   assert r["full"] * tile**2 <= r["allowed_pairs"] <= r["visited"] * tile**2
   assert r["visited_fraction"] <= r["allowed_fraction"] * (1 + 2 * tile / seq_len)
   assert r["visited_fraction"] < 0.6  # most of the (rows x rows) square is never visited
@@ -191,7 +193,7 @@ def test_a_local_layer_visits_only_the_tiles_its_window_reaches(strategy):
   transport = window_transport(plan, window)
   exchange = exchange_for(plan, window) if transport == "exchange" else None
   local = tiles.visited_tiles(plan, transport, tile, tile, window, exchange)
-  glob = tiles.visited_tiles(plan, TRANSPORTS[strategy], tile, tile)
+  glob = tiles.visited_tiles(plan, STRATEGIES[strategy].transport, tile, tile)
   assert local["full"] * tile**2 <= local["allowed_pairs"] <= local["visited"] * tile**2
   assert local["visited"] * tile**2 <= 1.25 * local["allowed_pairs"]
   assert local["visited"] < glob["visited"] / 4
@@ -199,8 +201,34 @@ def test_a_local_layer_visits_only_the_tiles_its_window_reaches(strategy):
 
 # ---- interface, errors, GPU lowering ------------------------------------------------------
 
-def test_get_kernel_selects_pallas():
+def test_attention_impl_pallas_runs_the_pallas_kernel(monkeypatch):
+  """`model.attention_impl=pallas` sends every attention call of the model, inside the ring,
+  through kernels/pallas.py: with its forward broken there (each query's output zeroed),
+  the pallas loss moves away from the xla one, and only the pallas config calls it."""
+  from bdlm_jax import init_params, loss_fn, make_batch, make_mesh
+  calls = []
+
+  def broken_attend_fwd(q, k, v, q_meta, k_meta, chunk=512, tiles=None):
+    calls.append(q.shape)
+    out, lse = xla.attend_fwd(q, k, v, q_meta, k_meta, chunk)
+    return jnp.zeros_like(out), lse
+
+  monkeypatch.setattr(pallas, "attend_fwd", broken_attend_fwd)
   assert get_kernel("pallas") is pallas
+  losses, called = {}, {}
+  for impl in ("xla", "pallas"):
+    cfg = replace(Config(), data=dict(seq_len=32), objective=dict(block_size=4),
+                  model=dict(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8,
+                             d_ff=64, attention_impl=impl, attention_chunk=16),
+                  parallel=dict(strategy="csbp_ring", seq=4))
+    mesh = make_mesh(cfg)
+    batch = make_batch(cfg, np.random.default_rng(0).integers(0, 200, (2, 32)))
+    params = init_params(cfg, jax.random.key(0), mesh)
+    calls.clear()
+    losses[impl] = float(loss_fn(params, batch, jax.random.key(1), cfg, mesh)[0])
+    called[impl] = len(calls)
+  assert called["xla"] == 0 and called["pallas"] > 0
+  assert abs(losses["pallas"] - losses["xla"]) > 1e-3 * losses["xla"]
 
 
 def test_unsupported_inputs_raise_clear_errors(monkeypatch):

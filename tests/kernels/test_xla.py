@@ -20,7 +20,7 @@ def random_meta(rng, s, r, n_blocks=4, n_segs=3, blocks=None):
 
 
 def brute_force_allowed(q_meta, k_meta):
-  """The four rules of DESIGN.md section 2 and the window start, one pair at a time."""
+  """The four mask rules of docs/objective.md and the window start, one pair at a time."""
   qs, qb, qg, _, qlo = (np.asarray(x) for x in q_meta)
   ks, kb, kg, kp, _ = (np.asarray(x) for x in k_meta)
   out = np.zeros((qs.shape[0], qs.shape[1], ks.shape[1]), bool)

@@ -14,7 +14,9 @@ import pytest
 from flax import nnx
 
 from bdlm_jax import ConfigError, init_params, loop, loss_fn, make_batch, make_mesh
-from bdlm_jax.config import Config, ModelConfig, layer_types, override, replace
+from bdlm_jax.config import Config, ModelConfig
+from bdlm_jax.configure import override, replace
+from bdlm_jax.models.pattern import layer_types
 from bdlm_jax.metrics import model_flops_per_step
 from bdlm_jax.models.moe import MoE, router_losses
 from bdlm_jax.models.transformer import layer_slots
@@ -265,21 +267,38 @@ def test_each_device_routes_only_its_own_rows():
   assert set(re.findall(r"= \(?s32\[(\d+)\][^=]*? sort\(", text)) == {str(local_pairs)}
 
 
-def test_training_logs_the_router(tmp_path):
-  """In metrics.jsonl and TensorBoard, with capacity dropping on (a tight capacity drops)."""
-  cfg = replace(tiny_config(steps=3), model=dict(MOE, moe_drop_tokens=True,
+def test_training_logs_the_router(tmp_path, monkeypatch):
+  """In metrics.jsonl and TensorBoard, with capacity dropping on. A zero router gives figures
+  worked by hand: every token's probabilities are 1/E and its top-2 are experts 0 and 1 (ties
+  go to the lower index), so f = (1, 1, 0, 0), aux = E * sum_e f_e / E = 2, max load =
+  1 / mean f = 2, z = log(E)^2. Experts 0 and 1 each keep the pairs of the first
+  C = ceil(0.5 * T * 2 / 4) = T / 4 of the T rows, so the dropped share is that of the real
+  (non-padding) rows after the first C. Logged at step 1, before any update."""
+  from bdlm_jax.feed import Feed
+  from bdlm_jax.train import init_state
+
+  def zero_router(cfg, key, mesh, params=None):
+    params = init_params(cfg, key, mesh)
+    router = params["layers"]["mlp"]["router"]
+    router["kernel"] = jnp.zeros_like(router["kernel"])
+    return init_state(cfg, key, mesh, params)
+
+  monkeypatch.setattr(loop, "init_state", zero_router)
+  cfg = replace(tiny_config(steps=1), model=dict(MOE, moe_drop_tokens=True,
                                                  moe_capacity_factor=0.5))
   loop.train(cfg, str(tmp_path), progress=False)
   with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
-    rows = [json.loads(line) for line in f]
-  last = rows[-1]
-  assert last["moe_aux_loss"] >= 1.0 - 1e-5  # E * sum f p >= 1 for k >= 1 by Cauchy-Schwarz
-  assert last["moe_max_load"] >= 1.0 and last["moe_z_loss"] > 0
-  assert 0.0 < last["moe_dropped"] < 1.0
+    row, = [json.loads(line) for line in f]
+  assert row["moe_aux_loss"] == pytest.approx(2.0, rel=1e-6)
+  assert row["moe_max_load"] == pytest.approx(2.0, rel=1e-6)
+  assert row["moe_z_loss"] == pytest.approx(np.log(E) ** 2, rel=1e-6)
+  real_T = np.asarray(next(Feed(cfg, make_mesh(cfg))).seg).reshape(-1) > 0  # the first batch
+  dropped = real_T[real_T.size // 4:].sum() / real_T.sum()
+  assert 0.7 < dropped <= 0.75 and row["moe_dropped"] == pytest.approx(dropped, rel=1e-6)
   events = b"".join(p.read_bytes() for p in (tmp_path / "tb").iterdir())
   assert all(tag.encode() in events for tag in ("moe_aux_loss", "moe_max_load", "moe_dropped"))
-  expected = last["token_loss"] + 0.01 * last["moe_aux_loss"] + 1e-3 * last["moe_z_loss"]
-  assert last["loss"] == pytest.approx(expected, rel=1e-5)
+  expected = row["token_loss"] + 0.01 * row["moe_aux_loss"] + 1e-3 * row["moe_z_loss"]
+  assert row["loss"] == pytest.approx(expected, rel=1e-5)
 
 
 def test_more_experts_per_token_than_experts_is_refused():

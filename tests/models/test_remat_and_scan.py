@@ -1,5 +1,5 @@
 """The layer scan and the remat policy: what a layer keeps for its backward, and what that
-buys in *compiled* memory (DESIGN.md section 9)."""
+buys in *compiled* memory (docs/memory.md)."""
 
 import re
 
@@ -9,7 +9,8 @@ import pytest
 from jax._src.ad_checkpoint import saved_residuals
 
 from bdlm_jax import init_params, loss_fn, make_batch, make_mesh
-from bdlm_jax.config import Config, replace
+from bdlm_jax.config import Config
+from bdlm_jax.configure import replace
 
 L, D, HEADS, KV_HEADS, HEAD_DIM = 256, 64, 4, 2, 16
 

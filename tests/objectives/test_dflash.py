@@ -1,4 +1,4 @@
-"""DFlash drafter training (DESIGN.md section 10): anchors and draft rows, the mask they imply,
+"""DFlash drafter training (docs/dflash.md): anchors and draft rows, the mask they imply,
 exactness of every strategy against one device, a frozen target, and bad input."""
 
 import functools
@@ -10,7 +10,8 @@ import pytest
 from bdlm_jax import (ConfigError, ar_logits, draft_logits, export_hf, init_params, loss_fn,
                       make_batch, make_mesh)
 from bdlm_jax.checkpoint.target import load_target
-from bdlm_jax.config import Config, replace
+from bdlm_jax.config import Config
+from bdlm_jax.configure import replace
 from bdlm_jax.kernels.mask import allowed
 from bdlm_jax.objectives import dflash
 from bdlm_jax.train import init_state, make_train_step

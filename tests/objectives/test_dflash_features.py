@@ -14,7 +14,7 @@ import pytest
 from bdlm_jax import (ConfigError, export_hf, init_params, load_config, loss_fn, make_batch,
                       make_mesh)
 from bdlm_jax.checkpoint.target import load_target
-from bdlm_jax.config import replace
+from bdlm_jax.configure import replace
 from bdlm_jax.data.features import FeatureRecords
 from bdlm_jax.feed import Feed
 from bdlm_jax.loop import train
@@ -148,9 +148,11 @@ def test_only_the_shared_weights_of_the_target_are_loaded(tiny):
   assert set(params) == {"embed", "final_norm"}  # tied embeddings: no lm_head
 
 
+@pytest.mark.filterwarnings("ignore:resuming .* with changed settings")
 def test_training_reads_features_and_resumes(tiny, tmp_path):
   workdir = str(tmp_path / "run")
   first = train(replace(tiny, train=dict(steps=2)), workdir, progress=False)
-  resumed = train(replace(tiny, train=dict(steps=4)), workdir, resume=True, progress=False)
+  resumed = train(replace(tiny, train=dict(steps=4)), workdir, resume=True, progress=False,
+                  allow_changes=True)  # a longer run
   assert [r["step"] for r in first + resumed] == [1, 2, 3, 4]
   assert all(np.isfinite(r["loss"]) for r in first + resumed)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from bdlm_jax import init_params, loss_fn, make_batch, make_mesh, sample
-from bdlm_jax.config import Config, replace
+from bdlm_jax.config import Config
+from bdlm_jax.configure import replace
 from bdlm_jax.objectives import fast_dllm_v2
 from bdlm_jax.params import merge
 from bdlm_jax.parallel.strategies import make_attend

@@ -20,7 +20,8 @@ GLOO_UNAVAILABLE = 77  # exit code: CPU cross-process collectives are missing
 
 def problem(strategy: str, data: int, seq: int, **parallel):
   """(cfg, logical tokens [S, L]): a tiny BD3-LM step; the same on every process."""
-  from bdlm_jax.config import Config, replace
+  from bdlm_jax.config import Config
+  from bdlm_jax.configure import replace
   cfg = replace(Config(),
                 model=dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
                            d_ff=64),

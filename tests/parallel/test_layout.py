@@ -1,10 +1,13 @@
-"""Layout plans hold every row where DESIGN.md section 3 says, balanced, or fail clearly."""
+"""Layout plans hold every row where docs/strategies.md says, balanced, or fail clearly."""
 
 import numpy as np
 import pytest
 
-from bdlm_jax.config import Config, ConfigError, replace
-from bdlm_jax.parallel.layout import PAD, assign_blocks, make_plan, zigzag
+from bdlm_jax.config import Config
+from bdlm_jax.configure import replace
+from bdlm_jax.errors import ConfigError
+from bdlm_jax.parallel.layout import PAD, assign_blocks, zigzag
+from bdlm_jax.parallel.registry import make_plan
 
 SHARDED = ("cp_ring", "cp_allgather", "cp_ring_balanced", "csbp_ring", "csbp_allgather")
 # (L, B, P): blocks N a multiple of 2P (pairs), N >= 2P not a multiple and P <= N < 2P (greedy).

@@ -1,4 +1,4 @@
-"""Every strategy gives the single-device loss and gradients (DESIGN.md section 3 contract).
+"""Every strategy gives the single-device loss and gradients (the contract in docs/strategies.md).
 
 Batches carry packed documents, padding and SFT-style protected tokens; block sizes cover
 N = P, N = 2P, N > 2P and P < N < 2P on 8 ranks (L = 96).
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from bdlm_jax import ConfigError, init_params, loss_fn, make_batch, make_mesh
-from bdlm_jax.config import Config, replace
+from bdlm_jax.config import Config
+from bdlm_jax.configure import replace
 
 L = 96
 BLOCKS = {"N=P": 12, "N=2P": 6, "N>2P": 4, "P<N<2P": 8}  # block sizes for P = 8

@@ -1,4 +1,4 @@
-"""Local (sliding-window) layers under every strategy (DESIGN.md section 11).
+"""Local (sliding-window) layers under every strategy (docs/local_and_moe.md).
 
 Loss and gradients equal one device for windows smaller than, equal to and larger than the
 block, and wider than a rank's share L/P; the windowed exchange brings every key a window
@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from bdlm_jax import make_mesh
-from bdlm_jax.config import replace
+from bdlm_jax.configure import replace
 from bdlm_jax.kernels.mask import RowMeta, allowed, windowed
 from bdlm_jax.kernels.tiles import plan_row_meta
-from bdlm_jax.parallel.layout import PAD, make_plan
-from bdlm_jax.parallel.probe import attention_layer_costs
+from bdlm_jax.parallel.layout import PAD
+from bdlm_jax.parallel.registry import make_plan
+from bdlm_jax.analysis.probe import attention_layer_costs
 from bdlm_jax.parallel.strategies import window_transport
 from bdlm_jax.parallel.window import exchange_plan
 from tests.parallel import test_strategies
@@ -72,7 +73,7 @@ def test_local_layers_take_their_window_and_rope_base():
 
 
 def _window_rule(q, k, window, block_size):
-  """DESIGN.md section 11, pair by pair: a noisy query of block b sees clean keys at
+  """docs/local_and_moe.md, pair by pair: a noisy query of block b sees clean keys at
   [bB - (W-1), bB); a clean query at p sees clean keys with p - pos(k) < W."""
   if q["stream"] == 0:
     return k["stream"] == 0 or k["pos"] >= q["block"] * block_size - (window - 1)

@@ -9,7 +9,8 @@ import pytest
 from jax._src.ad_checkpoint import saved_residuals
 
 from bdlm_jax import abstract_state, init_params, loss_fn, make_batch, make_mesh
-from bdlm_jax.config import Config, replace
+from bdlm_jax.config import Config
+from bdlm_jax.configure import replace
 from bdlm_jax.parallel.zero3 import STATE_AXES, param_spec
 
 L = 128

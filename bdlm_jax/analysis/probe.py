@@ -13,9 +13,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from bdlm_jax.batch import make_batch
-from bdlm_jax.config import Config, replace
+from bdlm_jax.config import Config
+from bdlm_jax.configure import replace
 from bdlm_jax.kernels.mask import RowMeta
-from bdlm_jax.parallel import hlo_stats
+from bdlm_jax.analysis import hlo_stats
 from bdlm_jax.parallel.mesh import BATCH_AXES, make_mesh, row_sharding
 from bdlm_jax.parallel.strategies import make_attend
 

@@ -2,8 +2,11 @@
 
 `step_report(cfg, mesh)` compiles `make_train_step(cfg, mesh)` from abstract inputs
 (`abstract_state`, `abstract_batch`, an abstract key): nothing is allocated, so an 8B model at
-512K tokens compiles on simulated CPU devices (set JAX_NUM_CPU_DEVICES before importing jax).
-XLA:CPU is not the GPU compiler: treat its memory as the structure to optimise (DESIGN.md 9).
+512K tokens compiles on simulated CPU devices (set JAX_NUM_CPU_DEVICES before importing jax),
+or, with a mesh on a target's devices (`targets`: a TPU topology's, mock GPU hosts), with
+that target's compiler. XLA:CPU is not the GPU compiler: treat its memory as the structure to
+optimise (docs/memory.md). Peak memory is the compiler's own `peak_memory_in_bytes` where it
+reports one (XLA:TPU, XLA:GPU), else the bound of every buffer live at once (XLA:CPU).
 
 Attention traffic is *computed* from the layout plan, not read back, because the compiled
 bytes are not those a GPU moves: XLA:CPU widens bf16 collectives to f32 (hlo_stats), and XLA
@@ -40,15 +43,18 @@ import jax
 import jax.numpy as jnp
 
 from bdlm_jax.batch import abstract_batch
-from bdlm_jax.config import (STRATEGIES, Config, ConfigError, ModelConfig, drafter_model,
-                             layer_types, override, target_depth)
+from bdlm_jax.config import Config, ModelConfig
+from bdlm_jax.configure import override
+from bdlm_jax.errors import ConfigError
+from bdlm_jax.models.drafter import drafter_model, target_depth
+from bdlm_jax.models.pattern import layer_types
 from bdlm_jax.kernels.mask import RowMeta
 from bdlm_jax.objectives import get_objective
-from bdlm_jax.parallel import hlo_stats
+from bdlm_jax.analysis import hlo_stats, targets
 from bdlm_jax.parallel.layout import LayoutPlan
 from bdlm_jax.parallel.mesh import make_mesh
-from bdlm_jax.parallel.strategies import (ATTENTION_SCOPE, TRANSPORTS, exchange_for,
-                                         plan_for, window_transport)
+from bdlm_jax.parallel.registry import get_strategy, plan_for, strategy_names
+from bdlm_jax.parallel.strategies import ATTENTION_SCOPE, exchange_for, window_transport
 from bdlm_jax.train import abstract_state, make_train_step
 
 GB = 1e9
@@ -57,15 +63,17 @@ META_ROW_BYTES = (len(RowMeta._fields) - 1) * 4
 
 
 def attention_traffic(plan: LayoutPlan, kv_row_bytes: float, grad_row_bytes: float,
-                      meta_row_bytes: float, n_layers: int,
-                      window: int | None = None) -> dict[str, float]:
+                      meta_row_bytes: float, n_layers: int, window: int | None = None,
+                      last_grad_row_bytes: float | None = None) -> dict[str, float]:
   """Operand bytes per device and step (hlo_stats convention), by kind, that the plan's
   transport issues on `n_layers` global layers, or local ones of window W. `*_row_bytes`:
   K and V (their gradients, their metadata) of one travelling row, summed over the
-  sequences a device holds."""
+  sequences a device holds; `last_grad_row_bytes`, the ring's last dK/dV hop where a
+  compiler narrows it (default `grad_row_bytes`)."""
   out = dict.fromkeys(hlo_stats.COLLECTIVE_KINDS, 0.0)
   p = plan.num_ranks
-  transport = TRANSPORTS[plan.strategy] if window is None else window_transport(plan, window)
+  transport = (get_strategy(plan.strategy).transport if window is None
+               else window_transport(plan, window))
   if p == 1 or transport == "local":
     return out
   if transport == "exchange":
@@ -76,17 +84,18 @@ def attention_traffic(plan: LayoutPlan, kv_row_bytes: float, grad_row_bytes: flo
   travel = plan.rows_per_rank - plan.n_stay
   kv, grads = travel * (kv_row_bytes + meta_row_bytes), travel * grad_row_bytes
   if transport == "ring":
-    out["collective-permute"] = n_layers * (2 * (p - 1) * kv + p * grads)
+    last = grads if last_grad_row_bytes is None else travel * last_grad_row_bytes
+    out["collective-permute"] = n_layers * (2 * (p - 1) * kv + (p - 1) * grads + last)
   else:
     out["all-gather"] = n_layers * 2 * kv
     out["reduce-scatter"] = n_layers * p * grads
   return out
 
 
-def _collective_itemsize(dtype) -> int:
-  """Bytes per element a collective of `dtype` moves on this backend (XLA:CPU widens bf16)."""
+def _collective_itemsize(dtype, platform: str) -> int:
+  """Bytes per element a collective of `dtype` moves on `platform` (XLA:CPU widens bf16)."""
   dtype = jnp.dtype(dtype)
-  return 4 if dtype == jnp.bfloat16 and jax.default_backend() == "cpu" else dtype.itemsize
+  return 4 if dtype == jnp.bfloat16 and platform == "cpu" else dtype.itemsize
 
 
 def context_traffic(plan: LayoutPlan, kv_row_bytes: float, meta_row_bytes: float,
@@ -100,17 +109,20 @@ def context_traffic(plan: LayoutPlan, kv_row_bytes: float, meta_row_bytes: float
   if p == 1 or plan.travel == "none":
     return out
   kv = n_layers * (plan.rows_per_rank - plan.n_noisy) * (kv_row_bytes + meta_row_bytes)
-  if TRANSPORTS[plan.strategy] == "ring":
+  if get_strategy(plan.strategy).transport == "ring":
     out["collective-permute"] = (p - 1) * kv
   else:
     out["all-gather"] = kv
   return out
 
 
-def config_attention_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype).itemsize):
+def config_attention_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype).itemsize,
+                             narrow_last_hop: bool = False):
   """`attention_traffic` of `cfg` (K/V in compute_dtype, dK/dV in kv_grad_dtype); for a
   drafter objective, its drafter's layers plus its frozen target's `context_traffic` over the
-  layers it runs (`target_depth`: none with precomputed features)."""
+  layers it runs (`target_depth`: none with precomputed features). `narrow_last_hop`: the
+  ring's last dK/dV hop travels in the compute dtype, as XLA:TPU compiles it (the hop's
+  only use is the K/V cotangent, so the convert moves ahead of the permute)."""
   m, p = cfg.model, cfg.parallel
   objective = get_objective(cfg.objective.name)
   sequences = cfg.train.batch_size // (p.data * p.fsdp) * objective.COPIES  # per device
@@ -120,24 +132,31 @@ def config_attention_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype
     return (kv_elems * itemsize(model.compute_dtype), kv_elems * itemsize(p.kv_grad_dtype),
             sequences * META_ROW_BYTES)
 
+  def last_hop(model: ModelConfig):
+    return dict(last_grad_row_bytes=row_bytes(model)[0] if narrow_last_hop else None)
+
   plan = plan_for(cfg)
   if objective.DRAFTER:
     kv, _, meta = row_bytes(m)
     drafter = drafter_model(cfg)
-    totals = [attention_traffic(plan, *row_bytes(drafter), drafter.n_layers)]
+    totals = [attention_traffic(plan, *row_bytes(drafter), drafter.n_layers,
+                                **last_hop(drafter))]
     totals.append(context_traffic(plan, kv, meta, target_depth(cfg)))
   else:
     kinds = layer_types(m)
     by_window = [(None, kinds.count("global")), (m.sliding_window, kinds.count("local"))]
-    totals = [attention_traffic(plan, *row_bytes(m), n, window) for window, n in by_window
-              if n]
+    totals = [attention_traffic(plan, *row_bytes(m), n, window, **last_hop(m))
+              for window, n in by_window if n]
   return {kind: sum(t[kind] for t in totals) for kind in hlo_stats.COLLECTIVE_KINDS}
 
 
-def expected_attention_operand_bytes(cfg: Config) -> float:
-  """`config_attention_traffic` in the element sizes this backend's collectives compile to:
-  what the compiled attention collectives should add up to (`StepReport.attention_check`)."""
-  return sum(config_attention_traffic(cfg, _collective_itemsize).values())
+def expected_attention_operand_bytes(cfg: Config, platform: str | None = None) -> float:
+  """`config_attention_traffic` in the element sizes collectives compile to on `platform`
+  (default: this process's backend): what the compiled attention collectives should add up
+  to (`StepReport.attention_check`)."""
+  platform = platform or jax.default_backend()
+  itemsize = lambda dtype: _collective_itemsize(dtype, platform)
+  return sum(config_attention_traffic(cfg, itemsize, narrow_last_hop=platform == "tpu").values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +166,10 @@ class StepReport:
   temp_bytes: int
   output_bytes: int
   alias_bytes: int  # outputs written into donated arguments (the new state)
+  # the compiler's own peak_memory_in_bytes (XLA:TPU, XLA:GPU); None on XLA:CPU, whose
+  # figure leaves out the temp buffers
+  compiler_peak_bytes: int | None
+  host_bytes: int  # host memory (offloaded buffers), from memory_analysis's host_* sizes
   compile_s: float  # trace + lower + compile
   collective_bytes: dict  # {kind: operand bytes}, the whole compiled step
   attention_collective_bytes: dict  # the part issued inside the attention shard_map
@@ -154,10 +177,14 @@ class StepReport:
   expected_attention_operand_bytes: float  # the plan's, in the compiled element sizes
 
   @property
-  def peak_bytes(self) -> int:
-    """arguments + temp + output - alias: every buffer live at once, an upper bound.
-    (memory_analysis's own peak_memory_in_bytes leaves out temp buffers on XLA:CPU.)"""
+  def bound_bytes(self) -> int:
+    """arguments + temp + output - alias: every buffer live at once, an upper bound."""
     return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+
+  @property
+  def peak_bytes(self) -> int:
+    """The compiler's own peak where it reports one, else `bound_bytes`."""
+    return self.bound_bytes if self.compiler_peak_bytes is None else self.compiler_peak_bytes
 
   @property
   def weight_collective_bytes(self) -> dict:
@@ -177,7 +204,8 @@ class StepReport:
     """Flat figures for a CSV row or a table."""
     out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
            if not isinstance(getattr(self, f.name), dict)}
-    out.update(peak_bytes=self.peak_bytes, attention_check=self.attention_check)
+    out.update(peak_bytes=self.peak_bytes, bound_bytes=self.bound_bytes,
+               attention_check=self.attention_check)
     for kind in hlo_stats.COLLECTIVE_KINDS:
       key = kind.replace("-", "_")
       out[f"attention_{key}_bytes"] = self.attention_collective_bytes[kind]
@@ -195,25 +223,39 @@ def compile_train_step(cfg: Config, mesh):
   return compiled, time.perf_counter() - start
 
 
-def step_report(cfg: Config, mesh=None) -> StepReport:
-  """Compiles `cfg`'s train step on `mesh` (default `make_mesh(cfg)`) and reads its costs."""
-  mesh = make_mesh(cfg) if mesh is None else mesh
-  compiled, seconds = compile_train_step(cfg, mesh)
+def compiled_memory(compiled, platform: str) -> dict:
+  """Per-device memory of a compiled step, as `StepReport` holds it: on XLA:CPU no compiler
+  peak (its peak_memory_in_bytes leaves out the temp buffers)."""
   memory = hlo_stats.memory_stats(compiled)
-  return StepReport(
+  host = sum(memory.get(f"host_{k}_size_in_bytes", 0) for k in ("argument", "temp", "output"))
+  return dict(
       argument_bytes=memory["argument_size_in_bytes"], temp_bytes=memory["temp_size_in_bytes"],
       output_bytes=memory["output_size_in_bytes"], alias_bytes=memory["alias_size_in_bytes"],
+      compiler_peak_bytes=None if platform == "cpu" else memory.get("peak_memory_in_bytes"),
+      host_bytes=host - memory.get("host_alias_size_in_bytes", 0))
+
+
+def step_report(cfg: Config, mesh=None) -> StepReport:
+  """Compiles `cfg`'s train step on `mesh` (default `make_mesh(cfg)`; its devices' platform
+  is the compiler, `targets`) and reads its costs."""
+  mesh = make_mesh(cfg) if mesh is None else mesh
+  platform = mesh.devices.flat[0].platform
+  targets.check(cfg, platform)
+  compiled, seconds = compile_train_step(cfg, mesh)
+  return StepReport(
+      **compiled_memory(compiled, platform),
       compile_s=seconds, collective_bytes=hlo_stats.collective_bytes(compiled),
       attention_collective_bytes=hlo_stats.collective_bytes(compiled, ATTENTION_SCOPE),
       attention_bytes=hlo_stats.wire_bytes(config_attention_traffic(cfg), cfg.parallel.seq),
-      expected_attention_operand_bytes=expected_attention_operand_bytes(cfg))
+      expected_attention_operand_bytes=expected_attention_operand_bytes(cfg, platform))
 
 
-def compare_strategies(cfg: Config, strategies=STRATEGIES, mesh=None,
+def compare_strategies(cfg: Config, strategies=None, mesh=None,
                        progress=lambda _: None) -> list:
-  """[(strategy, StepReport or the reason it cannot run)] for `cfg` under each strategy."""
+  """[(strategy, StepReport or the reason it cannot run)] for `cfg` under each strategy
+  (default: every registered one)."""
   out = []
-  for strategy in strategies:
+  for strategy in strategy_names() if strategies is None else strategies:
     try:
       report = step_report(override(cfg, [f"parallel.strategy={strategy}"]), mesh)
     except ConfigError as e:
@@ -228,23 +270,32 @@ def compare_strategies(cfg: Config, strategies=STRATEGIES, mesh=None,
   return out
 
 
-def device_memory_bytes(gb: float = 0.0) -> float:
-  """`gb` if set, else what the first device reports, else an H200's 141 GB."""
+def device_memory_bytes(gb: float = 0.0, target: targets.Target | None = None) -> float:
+  """`gb` if set, else the target's device memory where it knows it (a TPU chip's HBM, what
+  a GPU reports), else an H200's 141 GB."""
   if gb > 0:
     return gb * GB
-  stats = jax.devices()[0].memory_stats() or {}
-  return float(stats.get("bytes_limit", 141 * GB))
+  return (target.memory_bytes() if target else None) or 141 * GB
 
 
 def _gb(nbytes: float) -> str:
   return f"{nbytes / GB:.2f}" if nbytes == 0 or nbytes >= 0.01 * GB else f"{nbytes / GB:.1e}"
 
 
+def peak_note(rows: list[dict]) -> str:
+  """Which figure a table's peak column holds (`peak_bytes`), for its header."""
+  if any(r.get("compiler_peak_bytes") is not None for r in rows if not r.get("error")):
+    return ("Peak = the compiler's own peak_memory_in_bytes; bound = arguments + temp + output "
+            "- alias (every buffer live at once, an upper bound)")
+  return ("Peak = bound = arguments + temp + output - alias (every buffer live at once; "
+          "XLA:CPU reports no peak of its own)")
+
+
 def table(rows: list[dict], device_bytes: float, keys=("strategy",)) -> list[str]:
   """Markdown lines, one per row: `keys` columns, then the figures (GB per device) or the
-  row's `error`."""
+  row's `error`. A row written before `bound_bytes` existed holds the bound as its peak."""
   limit = f"fits {device_bytes / GB:g} GB"
-  head = ["arguments GB", "temp GB", "peak GB", "compile s", "attention GB/step",
+  head = ["arguments GB", "temp GB", "peak GB", "bound GB", "compile s", "attention GB/step",
           "attention check", limit]
   lines = ["| " + " | ".join([*keys, *head]) + " |", "|" + "---|" * (len(keys) + len(head))]
   for r in rows:
@@ -254,6 +305,7 @@ def table(rows: list[dict], device_bytes: float, keys=("strategy",)) -> list[str
     else:
       check = r["attention_check"]
       cells += [_gb(r["argument_bytes"]), _gb(r["temp_bytes"]), _gb(r["peak_bytes"]),
+                _gb(r.get("bound_bytes") or r["peak_bytes"]),
                 f"{r['compile_s']:.1f}", _gb(r["attention_bytes"]),
                 "—" if check is None else f"{check:.2f}",
                 "yes" if r["peak_bytes"] <= device_bytes else "**no**"]
@@ -276,24 +328,3 @@ def describe_objective(cfg: Config) -> str:
   return (f"{o.name} ({o.max_anchors} anchors; a {d.n_layers}-layer drafter, {d.n_heads} q / "
           f"{d.n_kv_heads} kv heads of {d.head_dim}, over the frozen target)")
 
-
-def plan_report(cfg: Config, progress=lambda _: None) -> str:
-  """mode=plan: `cfg`'s step compiled under every strategy, side by side, and the pick."""
-  mesh = make_mesh(cfg)  # too few devices is the config's error, not a strategy's
-  device = device_memory_bytes(cfg.plan.device_memory_gb)
-  strategies = [s for s in STRATEGIES if s != "none" or cfg.parallel.seq == 1]
-  rows = [dict(strategy=name, **(r.row() if isinstance(r, StepReport) else dict(error=r)))
-          for name, r in compare_strategies(cfg, strategies, mesh, progress)]
-  m, p = cfg.model, cfg.parallel
-  best = choose(rows, device)
-  return "\n".join([
-      f"Compiled train step per device ({jax.device_count()} {jax.default_backend()} devices; "
-      f"mesh data={p.data} fsdp={p.fsdp} seq={p.seq}; L={cfg.data.seq_len}, "
-      f"B={cfg.objective.block_size}, {cfg.train.batch_size} sequences/step, "
-      f"{describe_objective(cfg)}; {m.n_layers} layers, d_model {m.d_model}, remat {m.remat}, "
-      f"{m.compute_dtype} compute). Peak = arguments + temp + output - alias; attention = "
-      "K/V, dK/dV and row metadata each device sends per step (from the layout plan); "
-      "check = compiled attention collectives / the plan's.", "",
-      *table(rows, device), "",
-      f"chosen: {best['strategy']} (fits {device / GB:g} GB with the least attention "
-      "traffic)" if best else f"chosen: none (no strategy fits {device / GB:g} GB per device)"])

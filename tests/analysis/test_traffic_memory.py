@@ -1,6 +1,6 @@
 """What each strategy moves and holds, read from one compiled attention layer (fwd + bwd).
 
-Figures are per device per step, from the compiled HLO (bdlm_jax.parallel.probe), in float32
+Figures are per device per step, from the compiled HLO (bdlm_jax.analysis.probe), in float32
 (XLA:CPU runs bf16 collectives in f32). One small layer: 2 query heads, 1 K/V head, head_dim 16,
 block size 16, one sequence; every (strategy, L, P) is compiled once and shared by the tests.
 """
@@ -9,8 +9,8 @@ import functools
 
 import pytest
 
-from bdlm_jax.parallel.layout import make_plan
-from bdlm_jax.parallel.probe import attention_layer_costs
+from bdlm_jax.parallel.registry import make_plan
+from bdlm_jax.analysis.probe import attention_layer_costs
 
 B = 16
 L, P = 1024, 8  # 64 blocks: dual-end pairs, 4 pairs per rank

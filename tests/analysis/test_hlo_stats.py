@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from bdlm_jax.parallel.hlo_stats import (
+from bdlm_jax.analysis.hlo_stats import (
     COLLECTIVE_KINDS, collective_bytes, flops, memory_stats, total_collective_bytes, wire_bytes)
 
 N = 8  # devices on the 'x' axis
@@ -259,3 +259,109 @@ def test_flops_of_a_matmul_is_2mnk():
     m, k, n = 4, 32, 16
     c = jax.jit(lambda x, w: x @ w).lower(jnp.ones((m, k)), jnp.ones((k, n))).compile()
     assert flops(c) == 2 * m * n * k
+
+
+# XLA:TPU prints no known_trip_count: a loop's trips come from its bounds. `%scan` steps
+# element 0 from 0 while it is below a constant 5; `%ring` steps it from 0 (through a copy)
+# while element 2, passed through unchanged from its initial 3, is greater. A collective
+# XLA:TPU splits into a chain of pieces (one chain_id) moves its bytes once, although a piece
+# sits in a loop of data-dependent length (`%flash`, bounded by a parameter).
+TPU_HLO = """\
+HloModule tpu_forms, is_scheduled=true
+
+%scan_body (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %p = (s32[], f32[8,16]{1,0:T(8,128)}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  %x = f32[8,16]{1,0:T(8,128)} get-tuple-element(%p), index=1
+  %one = s32[]{:T(128)} constant(1)
+  %next = s32[]{:T(128)} add(%i, %one)
+  %cp = f32[8,16]{1,0:T(8,128)} collective-permute(%x), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  ROOT %t = (s32[]{:T(128)}, f32[8,16]{1,0:T(8,128)}) tuple(%next, %cp)
+}
+
+%scan_cond (q: (s32[], f32[8,16])) -> pred[] {
+  %q = (s32[]{:T(128)}, f32[8,16]{1,0:T(8,128)}) parameter(0)
+  %j = s32[]{:T(128)} get-tuple-element(%q), index=0
+  %five = s32[]{:T(128)} constant(5)
+  ROOT %lt = pred[]{:T(512)} compare(%j, %five), direction=LT
+}
+
+%ring_body (p: (s32[], bf16[4,16], s32[])) -> (s32[], bf16[4,16], s32[]) {
+  %p = (s32[]{:T(128)}, bf16[4,16]{1,0}, s32[]{:T(128)}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  %i.copy = s32[]{:T(128)} copy(%i)
+  %x = bf16[4,16]{1,0} get-tuple-element(%p), index=1
+  %n = s32[]{:T(128)} get-tuple-element(%p), index=2
+  %one = s32[]{:T(128)} constant(1)
+  %next = s32[]{:T(128)} add(%one, %i.copy)
+  %cp-start = (bf16[4,16]{1,0}, bf16[4,16]{1,0}, u32[]) collective-permute-start(%x), channel_id=2, source_target_pairs={{0,1},{1,0}}
+  %cp-done = bf16[4,16]{1,0} collective-permute-done(%cp-start)
+  ROOT %t = (s32[]{:T(128)}, bf16[4,16]{1,0}, s32[]{:T(128)}) tuple(%next, %cp-done, %n)
+}
+
+%ring_cond (q: (s32[], bf16[4,16], s32[])) -> pred[] {
+  %q = (s32[]{:T(128)}, bf16[4,16]{1,0}, s32[]{:T(128)}) parameter(0)
+  %j = s32[]{:T(128)} get-tuple-element(%q), index=0
+  %m = s32[]{:T(128)} get-tuple-element(%q), index=2
+  ROOT %gt = pred[]{:T(512)} compare(%m, %j), direction=GT
+}
+
+%piece.0 (a: f32[2,16]) -> f32[8,16] {
+  %a = f32[2,16]{1,0} parameter(0)
+  ROOT %ag = f32[8,16]{1,0} all-gather(%a), channel_id=3, dimensions={0}, frontend_attributes={chain_id="0"}
+}
+
+%piece.1 (a: f32[2,16]) -> f32[8,16] {
+  %a = f32[2,16]{1,0} parameter(0)
+  ROOT %ag.1 = f32[8,16]{1,0} all-gather(%a), channel_id=3, dimensions={0}, frontend_attributes={chain_id="0"}
+}
+
+%flash_body (p: (s32[], f32[2,16], s32[])) -> (s32[], f32[2,16], s32[]) {
+  %p = (s32[]{:T(128)}, f32[2,16]{1,0}, s32[]{:T(128)}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  %w = f32[2,16]{1,0} get-tuple-element(%p), index=1
+  %n = s32[]{:T(128)} get-tuple-element(%p), index=2
+  %one = s32[]{:T(128)} constant(1)
+  %next = s32[]{:T(128)} add(%i, %one)
+  %more = f32[8,16]{1,0} fusion(%w), kind=kOutput, calls=%piece.1
+  ROOT %t = (s32[]{:T(128)}, f32[2,16]{1,0}, s32[]{:T(128)}) tuple(%next, %w, %n)
+}
+
+%flash_cond (q: (s32[], f32[2,16], s32[])) -> pred[] {
+  %q = (s32[]{:T(128)}, f32[2,16]{1,0}, s32[]{:T(128)}) parameter(0)
+  %j = s32[]{:T(128)} get-tuple-element(%q), index=0
+  %m = s32[]{:T(128)} get-tuple-element(%q), index=2
+  ROOT %lt = pred[]{:T(512)} compare(%j, %m), direction=LT
+}
+
+ENTRY %main (x: f32[8,16], y: bf16[4,16], w: f32[2,16], k: s32[]) -> f32[8,16] {
+  %x = f32[8,16]{1,0:T(8,128)} parameter(0)
+  %y = bf16[4,16]{1,0} parameter(1)
+  %w = f32[2,16]{1,0} parameter(2)
+  %k = s32[]{:T(128)} parameter(3)
+  %zero = s32[]{:T(128)} constant(0)
+  %zero.copy = s32[]{:T(128)} copy(%zero)
+  %three = s32[]{:T(128)} constant(3)
+  %scan.init = (s32[]{:T(128)}, f32[8,16]{1,0:T(8,128)}) tuple(%zero, %x)
+  %scan = (s32[]{:T(128)}, f32[8,16]{1,0:T(8,128)}) while(%scan.init), condition=%scan_cond, body=%scan_body
+  %ring.init = (s32[]{:T(128)}, bf16[4,16]{1,0}, s32[]{:T(128)}) tuple(%zero.copy, %y, %three)
+  %ring = (s32[]{:T(128)}, bf16[4,16]{1,0}, s32[]{:T(128)}) while(%ring.init), condition=%ring_cond, body=%ring_body
+  %first = f32[8,16]{1,0} fusion(%w), kind=kOutput, calls=%piece.0
+  %flash.init = (s32[]{:T(128)}, f32[2,16]{1,0}, s32[]{:T(128)}) tuple(%zero, %w, %k)
+  %flash = (s32[]{:T(128)}, f32[2,16]{1,0}, s32[]{:T(128)}) while(%flash.init), condition=%flash_cond, body=%flash_body
+  ROOT %out = f32[8,16]{1,0} get-tuple-element(%scan), index=1
+}
+"""
+
+
+def test_tpu_loops_read_trip_counts_from_their_bounds_and_chains_count_once():
+    assert collective_bytes(TPU_HLO) == {
+        **only("collective-permute", 5 * 8 * 16 * F32 + 3 * 4 * 16 * BF16),
+        "all-gather": 2 * 16 * F32,  # the chain, once
+    }
+
+
+def test_a_chain_only_inside_a_data_dependent_loop_is_an_error():
+    text = TPU_HLO.replace("  %first = f32[8,16]{1,0} fusion(%w), kind=kOutput, calls=%piece.0\n", "")
+    with pytest.raises(ValueError, match="chain 0 runs only inside loops"):
+        collective_bytes(text)

@@ -54,9 +54,17 @@ How the HLO text is read
   reached from ``ENTRY`` through ``calls=`` (fusions, async wrappers),
   ``to_apply=`` (calls), ``body=``/``condition=`` (while), and conditional
   branches. A while body runs ``known_trip_count`` times (from the while's
-  ``backend_config``), its condition one time more; nested loops multiply.
-  A loop without a known trip count whose body holds collectives raises
-  ``ValueError`` rather than guessing.
+  ``backend_config``, as XLA:CPU and XLA:GPU print it), its condition one time more;
+  nested loops multiply. XLA:TPU prints no trip count: there it is read from the
+  loop's own bounds, the condition's ``compare`` of the induction variable (the
+  tuple element the body steps by a constant) with a constant or a loop-invariant
+  element, from its initial value in the while's operand tuple. A loop with neither
+  (a data-dependent bound) whose body holds collectives raises ``ValueError`` rather
+  than guessing.
+* XLA:TPU splits an async collective into pieces run by several fusions, possibly in
+  different loops, that share a ``chain_id`` (frontend attribute): one collective, so a
+  chain counts once, as often as the computation holding its least-run piece (a piece
+  inside a data-dependent loop continues the transfer, it does not repeat it).
 * Conditional branches are all counted, as if each ran once (an upper bound).
 * ``op_name`` keeps only collectives whose ``metadata={op_name="..."}`` contains it:
   ``"shard_map"`` selects what any ``shard_map`` issued; a ``jax.named_scope`` name selects
@@ -87,12 +95,21 @@ _DTYPE_BITS = {
 
 _MEMORY_FIELDS = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
                   "alias_size_in_bytes", "generated_code_size_in_bytes")
+# reported where the jax version has them: the compiler's own peak (meaningful on XLA:TPU and
+# XLA:GPU; XLA:CPU's leaves out temp buffers) and host memory (offloaded buffers)
+_OPTIONAL_MEMORY_FIELDS = ("peak_memory_in_bytes", "host_temp_size_in_bytes",
+                           "host_argument_size_in_bytes", "host_output_size_in_bytes",
+                           "host_alias_size_in_bytes", "host_generated_code_size_in_bytes")
 
 # Attributes that name called computations: `calls=%f`, `body=%b`, `branch_computations={%a, %b}`.
 _CALLEE_RE = re.compile(
     r"(?:^|[\s,])(calls|to_apply|body|condition|true_computation|false_computation|"
     r"branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
 _TRIP_COUNT_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+_CHAIN_RE = re.compile(r'chain_id="([^"]+)"')
+_INDEX_RE = re.compile(r"(?:^|[\s,])index=(\d+)")
+_DIRECTION_RE = re.compile(r"direction=(\w+)")
+_FLIPPED = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE"}  # a < b  <=>  b > a
 _ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
 _COMMENT_RE = re.compile(r"/\*.*?\*/")
 _STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
@@ -117,6 +134,8 @@ class _Computation:
     name: str
     instrs: list[_Instr] = field(default_factory=list)
     shapes: dict[str, str] = field(default_factory=dict)  # instruction name -> shape
+    defs: dict[str, _Instr] = field(default_factory=dict)  # instruction name -> instruction
+    root: _Instr | None = None
 
 
 def _matching(s: str, start: int) -> int:
@@ -198,6 +217,9 @@ def _parse_module(text: str) -> tuple[dict[str, _Computation], str]:
             if instr is not None:
                 cur.instrs.append(instr)
                 cur.shapes[instr.name] = instr.shape
+                cur.defs[instr.name] = instr
+                if line.startswith("ROOT "):
+                    cur.root = instr
     if entry is None:
         raise ValueError("no ENTRY computation found in the HLO text")
     return comps, entry
@@ -256,9 +278,95 @@ def _callees(instr: _Instr) -> list[tuple[str, str]]:
     return out
 
 
-def _trip_count(instr: _Instr) -> int | None:
+def _trip_count(instr: _Instr, caller: _Computation,
+                comps: dict[str, _Computation]) -> int | None:
+    """Iterations of the while ``instr``: its ``known_trip_count``, else its bounds."""
     m = _TRIP_COUNT_RE.search(instr.attrs)
-    return int(m.group(1)) if m else None
+    if m:
+        return int(m.group(1))
+    return _bounded_trip_count(instr, caller, comps)
+
+
+def _source(comp: _Computation, name: str) -> _Instr | None:
+    """The instruction behind ``name``, through copies, bitcasts and converts."""
+    instr = comp.defs.get(name)
+    while instr is not None and instr.opcode in ("copy", "bitcast", "convert"):
+        instr = comp.defs.get(instr.operands[0][1])
+    return instr
+
+
+def _constant(instr: _Instr | None) -> int | None:
+    if instr is None or instr.opcode != "constant":
+        return None
+    try:
+        return int(instr.operands[0][1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _element(comp: _Computation, name: str) -> int | None:
+    """i where ``name`` is element i of ``comp``'s tuple parameter, else None."""
+    instr = _source(comp, name)
+    if instr is None or instr.opcode != "get-tuple-element":
+        return None
+    param = comp.defs.get(instr.operands[0][1])
+    m = _INDEX_RE.search(instr.attrs)
+    return int(m.group(1)) if m and param is not None and param.opcode == "parameter" else None
+
+
+def _bounded_trip_count(instr: _Instr, caller: _Computation,
+                        comps: dict[str, _Computation]) -> int | None:
+    """Iterations read from the loop's own bounds, as XLA:TPU leaves them: the
+    condition's root compares the induction variable (element i, stepped by a constant
+    in the body) with a constant or a loop-invariant element j; i's (and j's) initial
+    value is a constant of the while's operand tuple. None for any other form."""
+    attrs = dict(_callees(instr))
+    cond, body = comps.get(attrs.get("condition")), comps.get(attrs.get("body"))
+    init = _source(caller, instr.operands[0][1]) if instr.operands else None
+    if cond is None or body is None or cond.root is None or body.root is None or \
+            init is None or init.opcode != "tuple" or cond.root.opcode != "compare":
+        return None
+    direction = _DIRECTION_RE.search(cond.root.attrs)
+    if direction is None or direction.group(1) not in _FLIPPED:
+        return None
+
+    def initial(i):
+        return _constant(_source(caller, init.operands[i][1])) if i < len(init.operands) \
+            else None
+
+    def step(i):  # the body's new element i = element i + constant, else None
+        new = _source(body, body.root.operands[i][1]) if i < len(body.root.operands) else None
+        if new is None or new.opcode != "add":
+            return None
+        (_, a), (_, b) = new.operands
+        for x, c in ((a, b), (b, a)):
+            if _element(body, x) == i and _constant(_source(body, c)) is not None:
+                return _constant(_source(body, c))
+        return None
+
+    def bound(name):  # a constant, or an element the body passes through unchanged
+        value = _constant(_source(cond, name))
+        j = _element(cond, name)
+        if value is None and j is not None and j < len(body.root.operands) and \
+                _element(body, body.root.operands[j][1]) == j:
+            value = initial(j)
+        return value
+
+    (_, lhs), (_, rhs) = cond.root.operands
+    op = direction.group(1)
+    i = _element(cond, lhs)
+    if i is None or step(i) is None:
+        i, lhs, rhs, op = _element(cond, rhs), rhs, lhs, _FLIPPED[op]
+    if i is None or step(i) in (None, 0):
+        return None
+    start, stride, limit = initial(i), step(i), bound(rhs)
+    if start is None or limit is None:
+        return None
+    if op in ("LE", "GE"):
+        limit += 1 if op == "LE" else -1
+    span = limit - start if op in ("LT", "LE") else start - limit
+    stride = stride if op in ("LT", "LE") else -stride
+    return max(0, -(-span // stride)) if stride > 0 else None
 
 
 def _selected(instr: _Instr, op_name: str | None) -> bool:
@@ -268,33 +376,35 @@ def _selected(instr: _Instr, op_name: str | None) -> bool:
     return m is not None and op_name in m.group(1)
 
 
-def _computation_bytes(name: str, comps: dict[str, _Computation],
-                       memo: dict[str, dict[str, int]], op_name: str | None) -> dict[str, int]:
-    """Bytes per kind for one execution of computation ``name``, callees included."""
-    if name in memo:
-        return memo[name]
-    comp = comps[name]
-    out = dict.fromkeys(COLLECTIVE_KINDS, 0)
-    for instr in comp.instrs:
-        kind = _collective_kind(instr.opcode)
-        if kind is not None and _selected(instr, op_name):
-            out[kind] += _operand_bytes(instr, comp)
-        for key, callee in _callees(instr):
-            sub = _computation_bytes(callee, comps, memo, op_name)
-            times = 1
-            if instr.opcode == "while":
-                trips = _trip_count(instr)
-                if trips is None:
-                    if any(sub.values()):
-                        raise ValueError(
-                            f"while loop %{instr.name} in %{name} has collectives in "
-                            f"%{callee} but no known_trip_count in its backend_config")
-                    trips = 0
-                times = trips + 1 if key == "condition" else trips
-            for k in COLLECTIVE_KINDS:
-                out[k] += times * sub[k]
-    memo[name] = out
-    return out
+def _execution_counts(comps: dict[str, _Computation],
+                      entry: str) -> tuple[dict[str, int | None], dict[str, str]]:
+    """(runs per execution of ENTRY by computation, None where a loop's trip count is
+    unknown; for those, the loop that made it so)."""
+    order, seen = [], set()
+
+    def visit(name):  # post-order over the call graph (a DAG)
+        seen.add(name)
+        for instr in comps[name].instrs:
+            for _, callee in _callees(instr):
+                if callee not in seen:
+                    visit(callee)
+        order.append(name)
+
+    visit(entry)
+    counts: dict[str, int | None] = dict.fromkeys(order, 0)
+    counts[entry], unknown = 1, {}
+    for name in reversed(order):  # every caller before its callees
+        comp = comps[name]
+        for instr in comp.instrs:
+            trips = _trip_count(instr, comp, comps) if instr.opcode == "while" else 1
+            for key, callee in _callees(instr):
+                times = None if trips is None or counts[name] is None else \
+                    counts[name] * (trips + 1 if key == "condition" else trips)
+                if times is None:
+                    unknown.setdefault(callee, unknown.get(name, f"%{instr.name} in %{name}"))
+                counts[callee] = None if times is None or counts[callee] is None \
+                    else counts[callee] + times
+    return counts, unknown
 
 
 # ----------------------------------------------------------------------------- public API
@@ -315,7 +425,32 @@ def collective_bytes(compiled: Any, op_name: str | None = None) -> dict[str, int
     it are counted. See the module docstring for the details.
     """
     comps, entry = _parse_module(_hlo_text(compiled))
-    return dict(_computation_bytes(entry, comps, {}, op_name))
+    counts, unknown = _execution_counts(comps, entry)
+    out = dict.fromkeys(COLLECTIVE_KINDS, 0)
+    chains: dict[str, tuple[str, int, list]] = {}  # chain_id -> (kind, bytes, piece counts)
+    for name, times in counts.items():
+        comp = comps[name]
+        for instr in comp.instrs:
+            kind = _collective_kind(instr.opcode)
+            if kind is None or not _selected(instr, op_name):
+                continue
+            chain = _CHAIN_RE.search(instr.attrs)
+            if chain:
+                chains.setdefault(chain.group(1), (kind, _operand_bytes(instr, comp), []))[2] \
+                    .append(times)
+            elif times is None:
+                raise ValueError(
+                    f"while loop {unknown[name]} has collectives in %{name} but no "
+                    f"known_trip_count in its backend_config and no bounds to read one from")
+            else:
+                out[kind] += times * _operand_bytes(instr, comp)
+    for chain, (kind, nbytes, pieces) in chains.items():
+        known = [t for t in pieces if t is not None]
+        if not known:
+            raise ValueError(f"collective chain {chain} runs only inside loops without a "
+                             f"known trip count")
+        out[kind] += min(known) * nbytes
+    return out
 
 
 def total_collective_bytes(compiled: Any) -> int:
@@ -339,8 +474,10 @@ def memory_stats(compiled: Any) -> dict[str, int]:
 
     Keys: ``temp_size_in_bytes``, ``argument_size_in_bytes``,
     ``output_size_in_bytes``, ``alias_size_in_bytes``,
-    ``generated_code_size_in_bytes``, plus ``peak_memory_in_bytes`` where the jax
-    version reports it. Under SPMD the sizes are those of one device's shards.
+    ``generated_code_size_in_bytes``, plus ``peak_memory_in_bytes`` and the host
+    memory sizes (``host_temp_size_in_bytes``, ...) where the jax version reports
+    them. XLA:CPU's ``peak_memory_in_bytes`` leaves out temp buffers; XLA:TPU's is
+    the compiler's own peak. Under SPMD the sizes are those of one device's shards.
     """
     stats = compiled.memory_analysis()
     if stats is None:
@@ -348,8 +485,9 @@ def memory_stats(compiled: Any) -> dict[str, int]:
     if isinstance(stats, (list, tuple)):  # older jax: one entry per program
         (stats,) = stats
     out = {k: int(getattr(stats, k)) for k in _MEMORY_FIELDS}
-    if getattr(stats, "peak_memory_in_bytes", None) is not None:
-        out["peak_memory_in_bytes"] = int(stats.peak_memory_in_bytes)
+    for k in _OPTIONAL_MEMORY_FIELDS:
+        if getattr(stats, k, None) is not None:
+            out[k] = int(getattr(stats, k))
     return out
 
 

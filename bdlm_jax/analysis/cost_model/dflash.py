@@ -1,0 +1,214 @@
+"""DFlash drafter training (docs/dflash.md) on one node of 8 H100.
+
+A Qwen3-8B target, frozen, runs a causal forward over the L context rows; a 5-layer drafter
+trains over A draft blocks. The drafter's work comes from its real plans (`make_plan(...,
+draft_blocks=A)`), the target's from the context zigzag its rows sit on (`context_work`:
+context parallel where K/V travel, the whole context on every GPU under bp); useful FLOPs are
+`model_flops_per_step` of the dflash config.
+"""
+
+import dataclasses
+
+from bdlm_jax.analysis.cost_model.projection import BASELINES, CSBP
+from bdlm_jax.analysis.cost_model.setting import Assumptions, Hardware
+from bdlm_jax.analysis.cost_model.timing import attention_s
+from bdlm_jax.analysis.cost_model.work import (PlanWork, context_work, distinct_plans, kv_row,
+                                               plan_work)
+from bdlm_jax.analysis.hlo_stats import COLLECTIVE_KINDS, wire_bytes
+from bdlm_jax.analysis.step_report import attention_traffic, context_traffic
+from bdlm_jax.config import Config, ModelConfig
+from bdlm_jax.configure import replace
+from bdlm_jax.metrics import linear_flops_per_row, model_flops_per_step, param_count
+from bdlm_jax.models.drafter import drafter_model, target_depth, target_layer_ids
+from bdlm_jax.parallel.registry import SINGLE_DEVICE, get_strategy, strategy_names
+
+# Qwen3-8B as the frozen target, DFlash's Qwen3-8B drafter (5 layers of the target's width
+# and heads, d_ff 12288, blocks of 16; its context: 5 target layers' outputs -> fc -> RMSNorm).
+TARGET = ModelConfig(vocab_size=151936, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8,
+                     head_dim=128, d_ff=12288, rope_theta=1e6, qk_norm=True,
+                     tie_embeddings=False, compute_dtype="bfloat16")
+DRAFT_LAYERS = 5
+BLOCK = 16
+SEQ_LENS = (512 * 1024, 1024 * 1024)
+# Anchors per sequence: SpecForge's DFlash recipe for Qwen3-8B draws 512 (at 3K tokens); the
+# same 512 at 512K-1M is one anchor per 1-2K tokens. A = L/64 (a quarter of the rows drafted)
+# is the sensitivity row: the drafter's own share of the step grows with A.
+ANCHORS = (("512 (SpecForge recipe)", lambda seq_len: 512),
+           ("L/64 (sensitivity)", lambda seq_len: seq_len // 64))
+
+
+def dflash_config(seq_len: int, anchors: int, target: ModelConfig = TARGET,
+                  draft_layers: int = DRAFT_LAYERS, block_size: int = BLOCK) -> Config:
+  """The bdlm_jax config of a dflash run: `model` the target, `drafter` its widths' defaults."""
+  return replace(Config(), model=dataclasses.asdict(target), data=dict(seq_len=seq_len),
+                 objective=dict(name="dflash", block_size=block_size, max_anchors=anchors),
+                 drafter=dict(n_layers=draft_layers), train=dict(batch_size=1))
+
+
+def drafter_params(cfg: Config) -> int:
+  """Trainable parameters: the drafter's layers, fc and its two norms (the embedding and LM
+  head are the frozen target's)."""
+  d = drafter_model(cfg)
+  n_feat = len(target_layer_ids(cfg))
+  return param_count(dataclasses.replace(d, vocab_size=0)) + n_feat * d.d_model ** 2 + d.d_model
+
+
+def dflash_works(strategy: str, cfg: Config, num_gpus: int) -> tuple[PlanWork, PlanWork]:
+  """(drafter, target) work of one sequence: over every GPU, or one GPU when the strategy
+  does not split sequences (`none`: data parallel). The drafter's pairs are its draft
+  queries' (own block's draft rows, context before the anchor), split by whose K/V they
+  read."""
+  p = num_gpus if get_strategy(strategy).splits_sequences else 1
+  o = cfg.objective
+  return (plan_work(strategy, cfg.data.seq_len, o.block_size, p, draft_blocks=o.max_anchors),
+          context_work(strategy, cfg.data.seq_len, p))
+
+
+def dflash_step_time(cfg: Config, drafter: PlanWork, target: PlanWork, hw: Hardware,
+                     a: Assumptions) -> dict:
+  """Seconds of one sequence's step on its GPUs, and where they go. The target runs forward
+  only (no remat, no backward, its ring moves K/V one way); the drafter forward + backward
+  under full remat, its context k/v projections inside each (rematerialised) layer, fc once.
+  Every rank runs its context rows (L/P, or L under bp and none) through the target, fc and
+  the drafter's context k/v; its draft rows through the drafter's layers and the LM head."""
+  m, d = cfg.model, drafter_model(cfg)
+  n_feat = len(target_layer_ids(cfg))
+  matmul = hw.matmul_tflops * 1e12
+  ctx_rows = drafter.plan.rows_per_rank - drafter.plan.n_noisy
+  draft_rows = drafter.plan.n_noisy
+  t_attn, _, t_busy = attention_s(m, target, target.stay_pairs, target.travel_pairs, hw, a)
+  depth = target_depth(cfg)  # the target layers a step runs
+  run = dataclasses.replace(m, n_layers=depth)
+  t_linear = target.plan.rows_per_rank * linear_flops_per_row(run) / matmul
+  fwd, bwd, busy = attention_s(d, drafter, drafter.stay_pairs, drafter.travel_pairs, hw, a)
+  ctx_kv = 2 * d.d_model * kv_row(d)  # each drafter layer's k/v of the context
+  d_linear = ((draft_rows * linear_flops_per_row(d) + ctx_rows * ctx_kv * d.n_layers)
+              * (3 + a.remat_forward)
+              + 3 * 2 * (ctx_rows * n_feat * m.d_model * d.d_model
+                         + draft_rows * d.d_model * m.vocab_size)) / matmul
+  parts = dict(target_linear_s=t_linear, target_attention_s=depth * t_attn,
+               target_attention_busy_s=depth * t_busy, drafter_linear_s=d_linear,
+               drafter_attention_s=d.n_layers * (fwd + bwd),
+               drafter_attention_busy_s=d.n_layers * (1 + a.attention_bwd_factor) * busy)
+  total = t_linear + parts["target_attention_s"] + d_linear + parts["drafter_attention_s"]
+  return dict(total_s=total, **parts, comm_bytes_per_step=dflash_comm_bytes(cfg, drafter, a))
+
+
+def dflash_comm_bytes(cfg: Config, drafter: PlanWork, a: Assumptions) -> float:
+  """Bytes a GPU sends for attention in one step: the target's context K/V + metadata
+  forward only on the layers it runs (`context_traffic`), and the drafter's travelling K/V
+  as its transport moves them forward and backward (`attention_traffic`: draft and context
+  rows under cp_*, context rows under csbp_*, nothing under bp)."""
+  m, d = cfg.model, drafter_model(cfg)
+  plan = drafter.plan
+  traffic = attention_traffic(plan, kv_row(d) * a.compute_bytes, kv_row(d) * a.kv_grad_bytes,
+                              a.meta_bytes_per_row, d.n_layers)
+  context = context_traffic(plan, kv_row(m) * a.compute_bytes, a.meta_bytes_per_row,
+                            target_depth(cfg))
+  return wire_bytes({k: traffic[k] + context[k] for k in COLLECTIVE_KINDS}, plan.num_ranks)
+
+
+def dflash_memory(cfg: Config, drafter: PlanWork, target: PlanWork, hw: Hardware,
+                  a: Assumptions) -> dict:
+  """Bytes per GPU, assumed. States: the frozen target's bf16 weights and the drafter's
+  params, grads and Adam moments, ZeRO-3 over every GPU (`none` too: 8 data-parallel GPUs).
+  Held through the step: the target's features at the chosen layers ([ctx rows, n + 1, D]:
+  `Transformer.features` keeps a spare slot), the fc + norm output and its f32 gradient, the
+  drafter's saved layer inputs and attention outputs (full remat). The largest transient:
+  one target layer's forward (two gathered layers' weights, its projections and MLP over the
+  context rows, the K/V its transport holds), one drafter layer's backward (its context K/V
+  recomputed with f32 grads, the travelling K/V buffers, the draft rows' linear layers), or
+  one loss chunk."""
+  m, d, e = cfg.model, drafter_model(cfg), a.compute_bytes
+  n_feat = len(target_layer_ids(cfg))
+  g = hw.num_gpus
+  ctx, q = drafter.plan.rows_per_rank - drafter.plan.n_noisy, drafter.plan.n_noisy
+  states = param_count(m) * e / g + drafter_params(cfg) * a.state_bytes_per_param / g
+  target_layer = (param_count(m) - m.vocab_size * m.d_model * 2 - m.d_model) / m.n_layers
+  held = (ctx * (n_feat + 1) * m.d_model * e + ctx * d.d_model * (e + 4)
+          + d.n_layers * q * ((d.d_model + d.n_heads * d.head_dim) * e + 4 * d.n_heads))
+  kv_t, kv_d = kv_row(m), kv_row(d)
+  t_kv = {"local": 0, "ring": 2 * target.n_travel * kv_t * e,
+          "allgather": target.plan.num_ranks * target.n_travel * kv_t * e}[target.transport]
+  target_tmp = (2 * target_layer * e + t_kv + ctx * (3 * m.d_model + m.n_heads * m.head_dim
+                                                     + kv_t + 3 * m.d_ff) * e)
+  d_kv = {"local": 0, "ring": 2 * drafter.n_travel * kv_d * (e + a.kv_grad_bytes),
+          "allgather": (drafter.n_stay + drafter.plan.num_ranks * drafter.n_travel) * kv_d
+          * (e + 4)}[drafter.transport]
+  q_row = d.n_heads * d.head_dim
+  d_linear = 2 * (q * 3 * d.d_ff + q * (d.d_model + q_row + kv_d // 2)) * e + q * q_row * 4
+  drafter_tmp = ctx * kv_d * (e + 4) + d_kv + d_linear
+  logits_tmp = 2 * min(m.logits_chunk or q, q) * m.vocab_size * 4
+  transient = max(target_tmp, drafter_tmp, logits_tmp)
+  return dict(total_bytes=states + held + transient, states_bytes=states, held_bytes=held,
+              transient_bytes=transient, target_tmp_bytes=target_tmp,
+              drafter_tmp_bytes=drafter_tmp)
+
+
+def dflash_project(hw: Hardware, a: Assumptions, seq_lens=SEQ_LENS, anchors=ANCHORS,
+                   strategies=None, target: ModelConfig = TARGET,
+                   draft_layers: int = DRAFT_LAYERS) -> list[dict]:
+  """One row per (L, anchor rule, strategy) on `hw` (8 GPUs), for every registered strategy
+  with a plan of its own (`distinct_plans`) unless `strategies` are given. `seq_s` is the time
+  per sequence: the step time of one sequence over all GPUs, or where a strategy does not
+  split sequences (`none`, data parallel: one sequence per GPU) a GPU's step time / the GPU
+  count."""
+  rows = []
+  for seq_len in seq_lens:
+    for anchor_rule, count in anchors:
+      cfg = dflash_config(seq_len, count(seq_len), target, draft_layers)
+      useful = model_flops_per_step(cfg)
+      names = strategies or distinct_plans(strategy_names(), seq_len, cfg.objective.block_size,
+                                            hw.num_gpus, count(seq_len))
+      for s in names:
+        drafter, target_work = dflash_works(s, cfg, hw.num_gpus)
+        row = dict(seq_len=seq_len, anchors=count(seq_len), anchor_rule=anchor_rule,
+                   strategy=s, **dflash_step_time(cfg, drafter, target_work, hw, a),
+                   **dflash_memory(cfg, drafter, target_work, hw, a))
+        row["seq_s"] = row["total_s"] / (1 if get_strategy(s).splits_sequences
+                                         else hw.num_gpus)
+        row["fits"] = row["total_bytes"] <= hw.usable_bytes
+        row["mfu"] = useful / (row["seq_s"] * hw.num_gpus * hw.peak_tflops * 1e12)
+        row["dominant"] = _dominant(row)
+        rows.append(row)
+  return rows
+
+
+def _dominant(row: dict) -> str:
+  """The largest part of a dflash step (waiting for the ring or exposed transfers apart)."""
+  parts = {"target linear": row["target_linear_s"],
+           "target attention": row["target_attention_busy_s"],
+           "target K/V transfer/wait": row["target_attention_s"] - row["target_attention_busy_s"],
+           "drafter linear": row["drafter_linear_s"],
+           "drafter attention": row["drafter_attention_busy_s"],
+           "drafter K/V transfer/wait": (row["drafter_attention_s"]
+                                         - row["drafter_attention_busy_s"])}
+  name = max(parts, key=parts.get)
+  return f"{name} {parts[name] / row['total_s']:.0%}"
+
+
+def drafter_s(row: dict) -> float:
+  """The drafter's part of a step: what it would take were the target's features given."""
+  return row["drafter_linear_s"] + row["drafter_attention_s"]
+
+
+def dflash_speedups(rows: list[dict]) -> list[dict]:
+  """Per (L, anchor rule): best fitting CSBP over the best fitting baseline (cp_*, bp), and
+  over every baseline and data parallelism with memory ignored."""
+  out = []
+  for key in dict.fromkeys((r["seq_len"], r["anchor_rule"]) for r in rows):
+    group = {r["strategy"]: r for r in rows if (r["seq_len"], r["anchor_rule"]) == key}
+    baselines = [s for s in BASELINES if s in group]
+    best = lambda names, fit=True: min((group[s] for s in names if s in group
+                                        and (group[s]["fits"] or not fit)),
+                                       key=lambda r: r["seq_s"], default=None)
+    base, csbp, csbp_any = best(baselines), best(CSBP), best(CSBP, False)
+    out.append(dict(seq_len=key[0], anchor_rule=key[1], anchors=csbp_any["anchors"],
+                    baseline=base and base["strategy"], csbp=csbp and csbp["strategy"],
+                    speedup=base["seq_s"] / csbp["seq_s"] if base and csbp else None,
+                    over_any={s: group[s]["seq_s"] / csbp_any["seq_s"]
+                              for s in baselines + [SINGLE_DEVICE] if s in group},
+                    drafter_only={s: drafter_s(group[s]) / drafter_s(csbp_any)
+                                  for s in baselines},
+                    target_share=1 - drafter_s(csbp_any) / csbp_any["total_s"]))
+  return out

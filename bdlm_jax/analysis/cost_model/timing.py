@@ -1,0 +1,168 @@
+"""Seconds of one step: FLOPs at achieved TFLOP/s, and an alpha-beta network.
+
+A ring step hides its K/V hop under its compute, but each hop is a matched send/receive
+between neighbours, so a rank with little work at one step waits for its neighbours: the
+ring is timed step by step from each rank's work at that step. All-gather and reduce-scatter
+are exposed (attention needs the gathered K/V; the backward gathers them again), as is an
+MoE's token exchange (the MLP waits for its rows) and a local layer's windowed exchange.
+"""
+
+import numpy as np
+
+from bdlm_jax.analysis.cost_model.setting import GB, Assumptions, Hardware
+from bdlm_jax.analysis.cost_model.work import (PlanWork, attention_kinds, expert_params,
+                                               kv_row, moe_layers, step_comm_bytes)
+from bdlm_jax.config import ModelConfig
+from bdlm_jax.metrics import linear_flops_per_row, param_count
+from bdlm_jax.parallel.strategies import exchange_for, window_transport
+
+
+def pair_s(m: ModelConfig, hw: Hardware) -> float:
+  """Seconds of one (query, key) pair's forward, over every query head."""
+  return 4 * m.n_heads * m.head_dim / (hw.attention_tflops * 1e12)
+
+
+def hop_s(nbytes: float, hw: Hardware, num_ranks: int) -> float:
+  """One ring hop, at the slowest link's pace (InfiniBand once the ring leaves a node)."""
+  if num_ranks == 1:
+    return 0.0  # a one-rank ring keeps everything in place
+  if num_ranks > hw.gpus_per_node:
+    return hw.ib_alpha_us * 1e-6 + nbytes / (hw.ib_gb_s * GB)
+  return hw.nvlink_alpha_us * 1e-6 + nbytes / (hw.nvlink_gb_s * GB)
+
+
+def ring_s(start: np.ndarray, compute: np.ndarray, kv_hop: float, grad_hop: float,
+           overlap: bool) -> float:
+  """Seconds until every rank finishes the ring; `compute` [P, P] is rank r's work at step s.
+
+  Each ppermute is a matched send/receive with both ring neighbours, so a rank's step s+1
+  starts when its own compute is done and the K/V shift (issued at the start of step s)
+  has completed on it and its neighbours. Step s forwards the K/V (all but the last step);
+  the backward (grad_hop > 0) then passes the dK/dV accumulators on, after the compute that
+  updates them (our ring's scan step holds both). Without overlap the shift runs first.
+  """
+  neighbours = lambda t: np.maximum(np.maximum(t, np.roll(t, 1)), np.roll(t, -1))
+  steps = compute.shape[1]
+  for s in range(steps):
+    kv_done = neighbours(start) + kv_hop if s < steps - 1 else start
+    done = np.maximum(start + compute[:, s], kv_done) if overlap else kv_done + compute[:, s]
+    start = neighbours(done) + grad_hop if grad_hop else done
+  return float(start.max())
+
+
+def ring_steps(travel: np.ndarray) -> np.ndarray:
+  """[P, P]: rank r's travelling pairs at ring step s, on the K/V of rank (r - s) % P (the
+  ring shifts i -> i+1)."""
+  p = travel.shape[0]
+  ranks = np.arange(p)
+  return np.stack([travel[ranks, (ranks - s) % p] for s in range(p)], axis=1)
+
+
+def moe_exchange(m: ModelConfig, rows: int, hw: Hardware, a: Assumptions) -> tuple[float, float]:
+  """(bytes, seconds) per GPU and step of an MoE's token exchange, experts split over every
+  GPU: per MoE layer each of the rows' k (token, expert) pairs goes to its expert's GPU
+  (d_model in the compute dtype) and its output comes back; in the forward, again in the
+  remat's forward, and in the backward (the gradients, the reverse way). The router is taken
+  as balanced (every pair kept, a 1/G share staying on its GPU); the exchange is exposed,
+  its inter-node share on InfiniBand alongside the NVLink share."""
+  g = hw.num_gpus
+  if not moe_layers(m) or g == 1:
+    return 0.0, 0.0
+  one_way = rows * m.moe_top_k * m.d_model * a.compute_bytes
+  exchanges = moe_layers(m) * 2 * (2 + a.remat_forward)
+  nvlink = one_way * (min(g, hw.gpus_per_node) - 1) / g / (hw.nvlink_gb_s * GB)
+  if g > hw.gpus_per_node:
+    seconds = hw.ib_alpha_us * 1e-6 + max(
+        nvlink, one_way * (g - hw.gpus_per_node) / g / (hw.ib_gb_s * GB))
+  else:
+    seconds = hw.nvlink_alpha_us * 1e-6 + nvlink
+  return exchanges * one_way, exchanges * seconds
+
+
+def attention_s(m: ModelConfig, work: PlanWork, stay: np.ndarray, travel: np.ndarray,
+                hw: Hardware, a: Assumptions) -> tuple[float, float, float]:
+  """(forward, backward, busiest rank's compute) seconds of one layer on the plan's own
+  transport, each rank computing `stay` [P] + `travel` [P, P] (query, key) pairs."""
+  p = work.plan.num_ranks
+  stay_s = stay * pair_s(m, hw)
+  bwd = a.attention_bwd_factor
+  kv_bytes = work.n_travel * (kv_row(m) * a.compute_bytes + a.meta_bytes_per_row)
+  grad_bytes = work.n_travel * kv_row(m) * a.kv_grad_bytes
+  if work.transport == "ring":
+    compute = ring_steps(travel) * pair_s(m, hw)
+    if a.balanced_ring_steps:
+      compute = np.repeat(compute.mean(axis=1, keepdims=True), p, axis=1)
+    kv_hop, grad_hop = hop_s(kv_bytes, hw, p), hop_s(grad_bytes, hw, p)
+    attn_fwd = ring_s(stay_s, compute, kv_hop, 0.0, a.ring_overlap)
+    attn_bwd = ring_s(bwd * stay_s, bwd * compute, kv_hop, grad_hop, a.ring_overlap)
+    busy = (stay_s + compute.sum(axis=1)).max()
+  else:
+    busy = (stay_s + travel.sum(axis=1) * pair_s(m, hw)).max()
+    gather = scatter = 0.0
+    if work.transport == "allgather":  # NCCL ring gather / scatter, exposed
+      gather = (p - 1) * hop_s(kv_bytes, hw, p)
+      scatter = (p - 1) * hop_s(grad_bytes, hw, p)
+    attn_fwd, attn_bwd = busy + gather, bwd * busy + gather + scatter
+  return attn_fwd, attn_bwd, busy
+
+
+def local_attention_s(m: ModelConfig, work: PlanWork, window: int, hw: Hardware,
+                      a: Assumptions) -> tuple[float, float, float]:
+  """`attention_s` of a local layer of window W, on the transport `window_transport` picks.
+
+  The windowed exchange: each rank computes its windowed pairs (`attention_work(W)`; without
+  tile skipping its queries x [own ; received] rows), after one exposed `ppermute` per ring
+  distance carrying K/V + metadata; the backward returns their dK/dV (K/V's dtype) the
+  reverse way, and reuses the received rows that remat saved. On the global transport (or
+  none, `bp`) with a window mask: that transport's timing with each rank's pairs scaled to
+  its windowed share (the plan gives windowed pairs per rank, not per K/V owner; without
+  tile skipping, the global visits' pairs, a mask-unaware kernel skipping no window)."""
+  plan = work.plan
+  windowed = work.windowed_pairs(window)
+  if window_transport(plan, window) != "exchange":
+    stay, travel = work.executed(a.tile_skipping)
+    if a.tile_skipping:
+      full = work.stay_pairs + work.travel_pairs.sum(axis=1)
+      share = np.divide(windowed, full, out=np.zeros(len(full)), where=full > 0)
+      stay, travel = stay * share, travel * share[:, None]
+    return attention_s(m, work, stay, travel, hw, a)
+  exchange = exchange_for(plan, window)
+  rows = plan.rows_per_rank
+  pairs = windowed if a.tile_skipping else rows * (rows + exchange.rows_sent())
+  busy = np.max(pairs) * pair_s(m, hw)
+  hops = lambda row_bytes: sum(hop_s(send.shape[1] * row_bytes, hw, plan.num_ranks)
+                               for send in exchange.send)
+  bwd = a.attention_bwd_factor
+  return (busy + hops(kv_row(m) * a.compute_bytes + a.meta_bytes_per_row),
+          bwd * busy + hops(kv_row(m) * a.compute_bytes), busy)
+
+
+def step_time(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) -> dict:
+  """Seconds of one step (one sequence over the seq ranks), and where they go; each layer
+  kind (global, local of window W) timed on its own transport."""
+  attention = busy = 0.0
+  for window, n in attention_kinds(m):
+    if window is None:
+      attn_fwd, attn_bwd, layer_busy = attention_s(m, work, *work.executed(a.tile_skipping),
+                                                   hw, a)
+    else:
+      attn_fwd, attn_bwd, layer_busy = local_attention_s(m, work, window, hw, a)
+    attention += n * (attn_fwd + attn_bwd)
+    busy += n * (1 + a.attention_bwd_factor) * layer_busy
+  rows = work.plan.rows_per_rank  # padding rows run through the linear layers too
+  matmul = hw.matmul_tflops * 1e12
+  linear = rows * linear_flops_per_row(m) * (3 + a.remat_forward) / matmul
+  logits = 3 * 2 * work.plan.n_noisy * m.d_model * m.vocab_size / matmul
+  moe_bytes, moe_s = moe_exchange(m, rows, hw, a)
+  return dict(total_s=linear + logits + attention + moe_s, attention_s=attention,
+              linear_s=linear + logits, attention_busy_s=busy,
+              comm_bytes_per_step=step_comm_bytes(work, m, a),
+              moe_exchange_s=moe_s, moe_exchange_bytes=moe_bytes)
+
+
+def param_traffic_s(m: ModelConfig, hw: Hardware, a: Assumptions) -> float:
+  """ZeRO-3 weight traffic per step (gather bf16 twice, reduce-scatter f32 grads), the same
+  for every strategy and assumed hidden under the linear layers' compute; an MoE's experts,
+  split over the GPUs, do not move."""
+  n = (param_count(m) - expert_params(m)) * (hw.num_gpus - 1) / hw.num_gpus
+  return n * (2 * a.compute_bytes + 4) / (hw.ib_gb_s * GB)

@@ -1,0 +1,152 @@
+"""mode=plan: the train step compiled under every strategy (`step_report`), each one's step
+time projected by the cost model, and the fastest that fits.
+
+Fit is the compiled peak; time is the cost model's (`cost_model.timing`, `cost_model.dflash`
+for a drafter) on the strategy's own plan, on H200s, as many as the mesh has, under the
+default assumptions in the config's dtypes and remat. Least attention traffic is not the
+pick: `bp` sends nothing but repeats the clean prefix on every rank, and whether that costs
+more than the K/V hops it saves depends on the sizes.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from bdlm_jax.analysis import step_report, targets
+from bdlm_jax.analysis.cost_model.dflash import dflash_step_time, dflash_works
+from bdlm_jax.analysis.cost_model.setting import GB, Assumptions, Hardware
+from bdlm_jax.analysis.cost_model.timing import step_time
+from bdlm_jax.analysis.cost_model.work import work_of
+from bdlm_jax.config import Config
+from bdlm_jax.configure import override
+from bdlm_jax.objectives import get_objective
+from bdlm_jax.parallel.mesh import make_mesh
+from bdlm_jax.parallel.registry import get_strategy, plan_for, strategy_names
+
+# What a batch of S sequences divides by S: each FLOP and byte S times, each hop's latency once.
+RATES = ("matmul_tflops", "attention_tflops", "nvlink_gb_s", "ib_gb_s")
+
+
+def mesh_hardware(num_devices: int, hw: Hardware = Hardware()) -> Hardware:
+  """`hw`'s GPUs and links, in as many nodes as `num_devices` fill (one, if fewer than a
+  node's GPUs): a ring within a node runs on NVLink, across nodes on InfiniBand."""
+  per_node = min(num_devices, hw.gpus_per_node)
+  nodes = -(-num_devices // per_node)
+  name = f"{nodes * per_node}x H200 ({nodes} node{'s' * (nodes > 1)} x {per_node})"
+  return dataclasses.replace(hw, name=name, nodes=nodes, gpus_per_node=per_node)
+
+
+def assumptions(cfg: Config) -> Assumptions:
+  """The cost model's defaults, in `cfg`'s compute and dK/dV dtypes and remat."""
+  itemsize = lambda dtype: jnp.dtype(dtype).itemsize
+  return dataclasses.replace(Assumptions(), compute_bytes=itemsize(cfg.model.compute_dtype),
+                             kv_grad_bytes=itemsize(cfg.parallel.kv_grad_dtype),
+                             remat_forward=int(cfg.model.remat == "full"))
+
+
+def sequences(cfg: Config) -> int:
+  """Sequences one device runs at once: its share of a micro-batch (`mesh.check_config`),
+  times the objective's copies."""
+  p, t = cfg.parallel, cfg.train
+  copies = get_objective(cfg.objective.name).COPIES
+  return t.batch_size // (p.data * p.fsdp * t.grad_accum) * copies
+
+
+def projected_step(cfg: Config, hw: Hardware, a: Assumptions) -> dict:
+  """Seconds of `cfg`'s train step per device under its strategy: `compute_s` on the busiest
+  rank, `wait_s` the rest (K/V hops not hidden, waiting for ring neighbours, an MoE's token
+  exchange). A micro-batch's sequences run as one batch: as one sequence at 1/S of every rate."""
+  s = sequences(cfg)
+  batch = dataclasses.replace(hw, **{rate: getattr(hw, rate) / s for rate in RATES})
+  if get_objective(cfg.objective.name).DRAFTER:
+    t = dflash_step_time(cfg, *dflash_works(cfg.parallel.strategy, cfg, cfg.parallel.seq),
+                         batch, a)
+    compute = sum(t[f"{who}_{part}_s"] for who in ("target", "drafter")
+                  for part in ("linear", "attention_busy"))
+  else:
+    t = step_time(cfg.model, work_of(plan_for(cfg)), batch, a)
+    compute = t["linear_s"] + t["attention_busy_s"]
+  steps = cfg.train.grad_accum
+  return dict(total_s=steps * t["total_s"], compute_s=steps * compute,
+              wait_s=steps * (t["total_s"] - compute))
+
+
+def fastest_that_fit(rows: list[dict], device_bytes: float) -> list[dict]:
+  """The rows that compiled and fit `device_bytes`, least projected time (then peak) first."""
+  fit = [r for r in rows if not r.get("error") and r["peak_bytes"] <= device_bytes]
+  return sorted(fit, key=lambda r: (r["total_s"], r["peak_bytes"]))
+
+
+def _ms(seconds: float) -> str:
+  return f"{seconds * 1e3:.3g} ms"
+
+
+def verdict(rows: list[dict], device_bytes: float, where: str) -> list[str]:
+  """`chosen: <strategy> (...)` with why, the runner-up, and any faster strategy that does
+  not fit (a larger device would pick it)."""
+  ranked = fastest_that_fit(rows, device_bytes)
+  limit = f"{device_bytes / GB:g} GB"
+  if not ranked:
+    return [f"chosen: none (no strategy fits {limit} per device)"]
+  best = ranked[0]
+  if len(ranked) == 1:
+    lines = [f"chosen: {best['strategy']} (projected {_ms(best['total_s'])}/step {where}; "
+             f"the only strategy that fits {limit})", "runner-up: none"]
+  else:
+    second = ranked[1]
+    gap = lambda key: second[key] - best[key]  # what the runner-up spends beyond the pick
+    less = lambda d: f"{_ms(abs(d))} {'less' if d >= 0 else 'more'}"
+    lines = [f"chosen: {best['strategy']} (projected {_ms(best['total_s'])}/step {where}; the "
+             f"fastest of the {len(ranked)} that fit {limit}: {less(gap('wait_s'))} K/V "
+             f"transfer and waiting than the runner-up, {less(gap('compute_s'))} compute)",
+             f"runner-up: {second['strategy']} (projected {_ms(second['total_s'])}/step, "
+             f"{second['total_s'] / best['total_s']:.3g}x)"]
+  over = [f"{r['strategy']} ({_ms(r['total_s'])}/step, peak {r['peak_bytes'] / GB:.3g} GB)"
+          for r in rows if not r.get("error") and r["peak_bytes"] > device_bytes
+          and r["total_s"] < best["total_s"]]
+  return lines + ([f"faster but over {limit}: {', '.join(over)}"] if over else [])
+
+
+def describe(hw: Hardware, a: Assumptions) -> str:
+  """The hardware and the assumptions that move a strategy's time, for the report."""
+  return (f"{hw.name}: {hw.matmul_tflops:g} TFLOP/s GEMM, {hw.attention_tflops:g} TFLOP/s "
+          f"attention, NVLink {hw.nvlink_gb_s:g} GB/s + {hw.nvlink_alpha_us:g} us a hop, "
+          f"InfiniBand {hw.ib_gb_s:g} GB/s + {hw.ib_alpha_us:g} us; the default assumptions in "
+          "the config's dtypes and remat: "
+          f"{'' if a.tile_skipping else 'no '}tile skipping, ring hops "
+          f"{'hidden under' if a.ring_overlap else 'before'} compute, backward "
+          f"{a.attention_bwd_factor:g}x forward, K/V in {a.compute_bytes} B, dK/dV in "
+          f"{a.kv_grad_bytes} B, linear layers at {3 + a.remat_forward}x their forward FLOPs")
+
+
+def plan_report(cfg: Config, progress=lambda _: None) -> str:
+  """mode=plan: `cfg`'s step compiled under every strategy, side by side, and the pick."""
+  p = cfg.parallel
+  target = targets.resolve(cfg.plan.target, p.data * p.fsdp * p.seq)
+  mesh = make_mesh(cfg, target.devices)  # too few devices is the config's error
+  device = step_report.device_memory_bytes(cfg.plan.device_memory_gb, target)
+  strategies = [s for s in strategy_names()
+                if get_strategy(s).splits_sequences or cfg.parallel.seq == 1]
+  hw, a = mesh_hardware(p.data * p.fsdp * p.seq), assumptions(cfg)
+  rows = []
+  for name, r in step_report.compare_strategies(cfg, strategies, mesh, progress):
+    if isinstance(r, str):
+      rows.append({"strategy": name, "projected ms/step": "", "error": r})
+      continue
+    step = projected_step(override(cfg, [f"parallel.strategy={name}"]), hw, a)
+    rows.append({"strategy": name, "projected ms/step": f"{step['total_s'] * 1e3:.3g}",
+                 **step, **r.row()})
+  m = cfg.model
+  return "\n".join([
+      f"Compiled train step per device ({target.describe()}; "
+      f"mesh data={p.data} fsdp={p.fsdp} seq={p.seq}; L={cfg.data.seq_len}, "
+      f"B={cfg.objective.block_size}, {cfg.train.batch_size} sequences/step, "
+      f"{step_report.describe_objective(cfg)}; {m.n_layers} layers, d_model {m.d_model}, "
+      f"remat {m.remat}, {m.compute_dtype} compute). {step_report.peak_note(rows)}; attention "
+      "= K/V, dK/dV and row metadata each device sends per step (from the layout plan); "
+      "check = compiled attention collectives / the plan's.", "",
+      f"Projected = the cost model's step time (analysis/cost_model) on {describe(hw, a)}; "
+      f"{sequences(cfg)} sequences per device as one batch. It models GPUs only: the memory "
+      "is the target compiler's, the time an H200's.", "",
+      *step_report.table(rows, device, keys=("strategy", "projected ms/step")), "",
+      *verdict(rows, device, f"on {hw.name}, default assumptions")])

@@ -1,0 +1,90 @@
+"""Loading a config: parse it, let each section check its own fields, then run the rules
+that join sections where they live (the objective's, the strategy's layout, the mesh's,
+expert parallelism's). Everything that can fail without devices or data fails here, at
+load time, with a message that names the key."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import traceback
+from typing import Iterable
+
+from bdlm_jax import objectives
+from bdlm_jax.config import Config, apply_overrides, updated
+from bdlm_jax.errors import ConfigError
+from bdlm_jax.parallel import experts, mesh, registry
+from bdlm_jax.parallel.registry import plan_for
+
+
+def validate(cfg: Config) -> None:
+  """Checks every rule that can be checked without devices or data."""
+  cfg.validate()
+  objective = objectives.get_objective(cfg.objective.name)
+  strategy = registry.get_strategy(cfg.parallel.strategy)
+  objectives.check_config(cfg)
+  if not strategy.splits_sequences and cfg.parallel.seq != 1:
+    raise ConfigError(
+        f"parallel.strategy={strategy.name!r} needs parallel.seq=1 (got {cfg.parallel.seq}); "
+        f"pick one that splits sequences, such as csbp_ring")
+  if strategy.needs_noisy_stream and not objective.NOISY_STREAM:
+    raise ConfigError(
+        f"parallel.strategy={strategy.name!r} splits corrupted blocks and cannot run the "
+        f"{cfg.objective.name!r} objective, which has no corrupted stream; use one of "
+        f"{list(registry.strategy_names(needs_noisy_stream=False))}")
+  mesh.check_config(cfg)
+  experts.check_config(cfg)
+  plan_for(cfg)  # the layout (block count vs ranks, divisibility) fails here, not at a batch
+
+
+def override(cfg: Config, overrides: Iterable[str] = ()) -> Config:
+  """Returns a copy of `cfg` with `a.b=c` overrides applied and validated."""
+  out = apply_overrides(cfg, overrides)
+  validate(out)
+  return out
+
+
+def replace(cfg: Config, **sections: dict) -> Config:
+  """Functional update by section, validated: replace(cfg, model=dict(n_layers=4))."""
+  out = updated(cfg, **sections)
+  validate(out)
+  return out
+
+
+def load_config(path: str, overrides: Iterable[str] = ()) -> Config:
+  """Loads `get_config()` from a Python file, then applies `overrides`."""
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file not found: {path}")
+  spec = importlib.util.spec_from_file_location("_bdlm_config", path)
+  module = importlib.util.module_from_spec(spec)
+  with _config_file_errors(path):
+    spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"config file {path} does not define get_config()")
+  with _config_file_errors(path):
+    cfg = module.get_config()
+  if isinstance(cfg, dict):
+    cfg = Config.from_dict(cfg)
+  if not isinstance(cfg, Config):
+    raise ConfigError(f"get_config() in {path} must return a bdlm_jax Config, got {type(cfg)}")
+  return override(cfg, overrides)
+
+
+@contextlib.contextmanager
+def _config_file_errors(path: str):
+  """A config file that fails to run (a typo, a bad import) is a ConfigError naming the file
+  and line, so the CLI reports it in one line instead of a traceback."""
+  try:
+    yield
+  except ConfigError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    if isinstance(e, SyntaxError):
+      line, text = e.lineno, e.msg
+    else:
+      frames = [f.lineno for f in traceback.extract_tb(e.__traceback__)
+                if os.path.abspath(f.filename) == os.path.abspath(path)]
+      line, text = (frames[-1] if frames else None), str(e)
+    where = f"{path}, line {line}" if line else path
+    raise ConfigError(f"config file {where} raised {type(e).__name__}: {text}") from e

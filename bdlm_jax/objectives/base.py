@@ -1,0 +1,73 @@
+"""The objective protocol: what `loss_fn`, the layouts, the sampler, eval and the reports
+read from an objective, so that none of them branches on its name.
+
+`loss_fn` runs any objective as rows -> corrupt -> model -> score:
+`logical_rows` (host) lays out the logical rows that `make_batch` permutes; in the step
+`corrupt` draws the noise, `hidden` runs the model over the rows and returns those of
+`LOSS_SLOT`, and `score` sums the loss of one chunk of them.
+"""
+
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import jax
+
+from bdlm_jax.config import Config, ObjectiveConfig
+from bdlm_jax.errors import ConfigError
+
+
+@runtime_checkable
+class Objective(Protocol):
+  NAME: str  # objective.name
+  LOSS_SLOT: str  # "noisy", "clean" or "all": the rows of each rank whose logits are scored
+  NOISY_STREAM: bool  # rows are [x_t ; x_0] (block diffusion), or the clean tokens alone (ar)
+  COPIES: int  # sequences `corrupt` runs per batch sequence
+  TOKEN_SHIFT: bool  # row i's logits predict token i + 1 of a block (what the sampler reads)
+  MASK_TOKEN: bool  # it writes objective.mask_token_id into inputs, so data may not hold it
+  # A drafter over a frozen target (dflash): the noisy stream is its draft blocks, the
+  # clean stream the target's context, and params are {FROZEN: target, ...: drafter}
+  DRAFTER: bool
+  FROZEN: tuple[str, ...]  # top-level parameter subtrees that get no gradient
+  ATTEND_ROWS: tuple[str, ...]  # the `make_attend(rows=...)` variants `hidden` uses
+
+  def check_config(self, cfg: Config) -> None:
+    """Rules this objective adds to a config (raises ConfigError)."""
+
+  def evaluated(self, cfg: ObjectiveConfig, t_min: float) -> dict:
+    """The objective.* overrides under which held-out eval scores it (bd3lm: the NELBO)."""
+
+  def logical_rows(self, tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
+    """Host side: the logical rows (labels, maskable, ...) that `make_batch` lays out."""
+
+  def corrupt(self, key, batch, seq_len: int, cfg: ObjectiveConfig) -> tuple:
+    """In the step: (batch, inputs, scored, weight); an objective may add copies."""
+
+  def hidden(self, spec, model, batch, inputs, layer_weights) -> tuple[Any, tuple, dict]:
+    """(final hidden states of the LOSS_SLOT rows, teacher hidden states scored with them,
+    router statistics) of one step; `spec` is the resolved step (`bdlm_jax.spec`)."""
+
+  score: Callable[..., jax.Array]  # (logits, labels, scored, weight, *teacher, cfg=) -> sum
+
+
+def protocol_members() -> tuple[str, ...]:
+  """The names an objective must define."""
+  methods = [n for n, v in vars(Objective).items() if callable(v) and not n.startswith("_")]
+  return tuple(dict.fromkeys([*Objective.__annotations__, *methods]))
+
+
+def model_hidden(spec, model, batch, inputs, layer_weights):
+  """The model over every row of the layout, its LOSS_SLOT rows kept: the `hidden` of every
+  objective that trains the model itself. Router statistics count each real row once (not
+  padding, not `bp`'s replicated copies)."""
+  counted = (batch.seg > 0) & spec.plan.first_copies[None]
+  hidden, stats = model.forward(inputs, batch.pos, batch.meta, spec.attend["all"],
+                                layer_weights=layer_weights, row_weight_BR=counted,
+                                dispatch=spec.dispatch)
+  return spec.plan.slot_rows(hidden, spec.objective.LOSS_SLOT), (), stats
+
+
+def check_block_size(cfg: Config) -> None:
+  """Blocks tile the sequence."""
+  if cfg.data.seq_len % cfg.objective.block_size:
+    raise ConfigError(
+        f"data.seq_len={cfg.data.seq_len} is not a multiple of objective.block_size="
+        f"{cfg.objective.block_size}; choose a block size that divides the sequence length")

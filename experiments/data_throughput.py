@@ -1,0 +1,124 @@
+"""Input pipeline tokens/s at L = 256K: tokenizing on the fly vs ids prepared once.
+
+  python experiments/data_throughput.py              # ~2 minutes on 2 CPU cores
+  python experiments/data_throughput.py --quick      # smoke run, seconds
+
+Generates a corpus of long documents (Zipf-distributed words, 8K to 1.5M characters each),
+trains a small byte-level BPE tokenizer on it (tokenizers, offline), prepares both tokenizers'
+ids with mode=prepare, then times `make_dataset`'s packed batches of `--seq_len` tokens on
+the on-the-fly path (data.source=text) and the prepared one (data.source=tokens), same seed.
+Tokens/s counts real tokens (segment > 0) per second of `next(batches)` after one warm-up
+batch. Prints a Markdown table.
+"""
+
+import argparse
+import dataclasses
+import os
+import tempfile
+import time
+
+import numpy as np
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from bdlm_jax.config import Config, DataConfig, PrepareConfig
+from bdlm_jax.data import make_dataset
+from bdlm_jax.data.prepare import prepare
+
+EOS = "<|endoftext|>"
+
+
+def write_corpus(path: str, megabytes: float, doc_words: tuple[int, int], seed: int = 0) -> None:
+  """One document per line: words drawn Zipf-wise from a made-up 20K-word vocabulary, a
+  log-uniform number of them in `doc_words` per document."""
+  rng = np.random.default_rng(seed)
+  letters = np.array(list("etaoinshrdlucmfwypvbgkjqxz"))
+  words = ["".join(rng.choice(letters, rng.integers(1, 11))) for _ in range(20_000)]
+  p = 1.0 / np.arange(1, len(words) + 1)
+  words, p = np.array(words), p / p.sum()
+  written = 0
+  with open(path, "w") as f:
+    while written < megabytes * 1e6:
+      n_words = int(np.exp(rng.uniform(*np.log(doc_words))))
+      line = " ".join(words[rng.choice(len(words), n_words, p=p)]) + "\n"
+      f.write(line)
+      written += len(line)
+
+
+def train_bpe(corpus: str, path: str, vocab_size: int) -> str:
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  with open(corpus) as f:
+    sample = [f.readline()[:200_000] for _ in range(8)]
+  tok.train_from_iterator(sample, trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=[EOS],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tok.save(path)
+  return path
+
+
+def tokens_per_s(data: DataConfig, batch_size: int, vocab_size: int, seconds: float) -> float:
+  it = make_dataset(data, batch_size=batch_size, seed=0, vocab_size=vocab_size)
+  next(it)  # warm-up: threads started, read-ahead filled
+  tokens, start = 0, time.perf_counter()
+  while time.perf_counter() - start < seconds:
+    tokens += int(np.count_nonzero(next(it)["segment_ids"]))
+  return tokens / (time.perf_counter() - start)
+
+
+def measure(seq_len: int, batch_size: int, corpus_mb: float, seconds: float, processes: int,
+            doc_words: tuple[int, int] = (1_500, 250_000)) -> list[dict]:
+  """One row per tokenizer: the corpus's counts, prepare's time and both paths' tokens/s."""
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    corpus = os.path.join(tmp, "corpus.txt")
+    write_corpus(corpus, corpus_mb, doc_words)
+    bpe = train_bpe(corpus, os.path.join(tmp, "tokenizer.json"), 8192)
+    for name, tokenizer, vocab_size in (("byte", "byte", 260), ("BPE 8K", bpe, 8192)):
+      text = DataConfig(source="text", path=corpus, tokenizer=tokenizer, seq_len=seq_len)
+      out_dir = os.path.join(tmp, f"ids_{vocab_size}")
+      start = time.perf_counter()
+      meta = prepare(Config(data=text, prepare=PrepareConfig(
+          out_dir=out_dir, num_processes=processes)), progress=False)[out_dir]
+      prepare_s = time.perf_counter() - start
+      ids = dataclasses.replace(text, source="tokens", path=out_dir)
+      rows.append(dict(tokenizer=name, documents=meta["documents"], tokens=meta["tokens"],
+                       prepare_s=prepare_s,
+                       on_the_fly=tokens_per_s(text, batch_size, vocab_size, seconds),
+                       prepared=tokens_per_s(ids, batch_size, vocab_size, seconds)))
+  return rows
+
+
+def table(rows: list[dict], processes: int) -> str:
+  lines = [f"| tokenizer | documents | tokens | prepare (once, {processes} processes) | "
+           f"on the fly | prepared | ratio |", "|---|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    lines.append(
+        f"| {r['tokenizer']} | {r['documents']:,} | {r['tokens'] / 1e6:.1f}M | "
+        f"{r['prepare_s']:.1f} s ({r['tokens'] / r['prepare_s'] / 1e6:.2f}M tokens/s) | "
+        f"{r['on_the_fly'] / 1e6:.2f}M tokens/s | {r['prepared'] / 1e6:.2f}M tokens/s | "
+        f"{r['prepared'] / r['on_the_fly']:.1f}x |")
+  return "\n".join(lines)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--seq_len", type=int, default=262_144)
+  parser.add_argument("--batch_size", type=int, default=2)
+  parser.add_argument("--corpus_mb", type=float, default=40)
+  parser.add_argument("--seconds", type=float, default=20, help="timed per measurement")
+  parser.add_argument("--processes", type=int, default=2, help="prepare.num_processes")
+  parser.add_argument("--quick", action="store_true", help="tiny corpus and documents, L = 4096")
+  args = parser.parse_args()
+  if args.quick:
+    args.seq_len, args.corpus_mb, args.seconds = 4096, 1, 0.5
+  rows = measure(args.seq_len, args.batch_size, args.corpus_mb, args.seconds, args.processes,
+                 doc_words=(100, 5_000) if args.quick else (1_500, 250_000))
+  print(f"L = {args.seq_len:,}, batch {args.batch_size}, {os.cpu_count()} CPU cores, "
+        f"data.num_threads=2, corpus {args.corpus_mb:g} MB\n")
+  print(table(rows, args.processes))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,99 @@
+"""mode=plan's pick: the fastest projected step among the strategies whose compiled peak fits,
+not the least attention traffic (bp sends none, yet repeats the clean prefix on every rank).
+
+Rows are made up where the claim is about the choice; the projections are the cost model's on
+small configs (no compile)."""
+
+import pytest
+
+from bdlm_jax.analysis import hlo_stats
+from bdlm_jax.analysis import plan_mode as pm
+from bdlm_jax.analysis import step_report as sr
+from bdlm_jax.analysis.cost_model.timing import step_time
+from bdlm_jax.analysis.cost_model.work import work_of
+from bdlm_jax.configure import override, replace
+from bdlm_jax.parallel.registry import plan_for
+from tests.analysis.test_step_report import config
+
+GB = sr.GB
+# parallel_bench's model (experiments/results/parallel_bench.md), one sequence over 8 ranks
+BENCH = dict(d_model=128, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=16, d_ff=256)
+
+
+def row(strategy, total_ms, peak_gb, attention_gb, compute_ms=0.0):
+  s = total_ms / 1e3
+  return dict(strategy=strategy, total_s=s, compute_s=compute_ms / 1e3,
+              wait_s=s - compute_ms / 1e3, peak_bytes=peak_gb * GB,
+              attention_bytes=attention_gb * GB)
+
+
+def test_the_pick_is_the_fastest_that_fits_not_the_least_traffic():
+  """bp sends nothing but is projected slowest; cp_allgather is fastest but does not fit."""
+  rows = [row("bp", 30.0, 10, 0, compute_ms=30.0), row("csbp_ring", 10.0, 10, 1, 8.0),
+          row("cp_ring", 12.0, 10, 2, 8.0), row("cp_allgather", 5.0, 90, 2, 4.0),
+          dict(strategy="csbp_allgather", error="compile failed")]
+  assert [r["strategy"] for r in pm.fastest_that_fit(rows, 80 * GB)] == \
+      ["csbp_ring", "cp_ring", "bp"]
+  chosen, runner_up, over = pm.verdict(rows, 80 * GB, "on test hardware")
+  assert chosen.startswith("chosen: csbp_ring (projected 10 ms/step on test hardware; the "
+                           "fastest of the 3 that fit 80 GB: 2 ms less K/V transfer and "
+                           "waiting than the runner-up")
+  assert runner_up == "runner-up: cp_ring (projected 12 ms/step, 1.2x)"
+  assert over == "faster but over 80 GB: cp_allgather (5 ms/step, peak 90 GB)"
+
+
+def test_when_one_strategy_fits_or_none_the_verdict_says_so():
+  rows = [row("bp", 30.0, 10, 0), row("csbp_ring", 10.0, 90, 1)]
+  assert pm.verdict(rows, 80 * GB, "on X")[:2] == [
+      "chosen: bp (projected 30 ms/step on X; the only strategy that fits 80 GB)",
+      "runner-up: none"]
+  assert pm.verdict(rows, 1 * GB, "on X") == ["chosen: none (no strategy fits 1 GB per device)"]
+
+
+def test_the_projection_sends_the_bytes_the_table_prints():
+  """The cost model's K/V bytes, in the config's dtypes, times the sequences a device holds,
+  are the plan's attention bytes of the report (`config_attention_traffic`)."""
+  for strategy in ("csbp_ring", "cp_allgather", "bp"):
+    cfg = config(strategy, train=dict(batch_size=4))
+    step = step_time(cfg.model, work_of(plan_for(cfg)), pm.mesh_hardware(8), pm.assumptions(cfg))
+    assert step["comm_bytes_per_step"] * pm.sequences(cfg) == \
+        hlo_stats.wire_bytes(sr.config_attention_traffic(cfg), 8)
+
+
+def test_a_batch_of_sequences_pays_each_hops_latency_once():
+  """bp sends nothing: 4 sequences take 4x one; a ring's hops start once for all 4."""
+  hw = pm.mesh_hardware(8)
+  for strategy, scales in (("bp", True), ("csbp_ring", False)):
+    one, four = (pm.projected_step(config(strategy, train=dict(batch_size=n)), hw,
+                                   pm.assumptions(config(strategy)))["total_s"] for n in (1, 4))
+    assert (four == pytest.approx(4 * one)) == scales and four <= 4 * one * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seq_len, bp_fastest", [(1024, True), (16384, False)])
+def test_bp_is_projected_fastest_only_while_hop_latency_outweighs_its_repeated_prefix(
+    seq_len, bp_fastest):
+  """On H200s a small step is latency-bound: bp, which sends nothing, wins at parallel_bench's
+  sizes (where the CPU-simulated measurement, every rank's work on shared cores, ranks it
+  slowest); once compute dominates, its clean prefix repeated on every rank loses."""
+  cfg = replace(config(), model=BENCH, data=dict(seq_len=seq_len))
+  hw, a = pm.mesh_hardware(8), pm.assumptions(cfg)
+  time = {s: pm.projected_step(override(cfg, [f"parallel.strategy={s}"]), hw, a)["total_s"]
+          for s in ("bp", "csbp_ring", "cp_ring")}
+  assert (min(time, key=time.get) == "bp") == bp_fastest
+
+
+def test_plan_report_prints_the_projection_and_never_chooses_what_does_not_fit(monkeypatch):
+  """Made-up compiled figures: bp, projected fastest on the tiny step, is over the memory."""
+  def fake(strategy, peak):
+    kinds = dict.fromkeys(hlo_stats.COLLECTIVE_KINDS, 0)
+    return sr.StepReport(peak, 0, 0, 0, None, 0, 0.0, kinds, kinds, 0.0, 0.0)
+  peaks = dict(bp=0.03, csbp_ring=0.005, cp_ring=0.006)
+  monkeypatch.setattr(sr, "compare_strategies",
+                      lambda *_: [(s, fake(s, gb * GB)) for s, gb in peaks.items()])
+  lines = pm.plan_report(replace(config(), plan=dict(device_memory_gb=0.01))).splitlines()
+  assert "on 8x H200 (1 node x 8): 600 TFLOP/s GEMM" in lines[2]
+  assert lines[4].startswith("| strategy | projected ms/step | arguments GB |")
+  chosen, runner_up, over = lines[-3:]
+  assert chosen.startswith("chosen: csbp_ring (projected ")
+  assert runner_up.startswith("runner-up: cp_ring (projected ")
+  assert over.startswith("faster but over 0.01 GB: bp (")

@@ -1,0 +1,84 @@
+"""plan.target=tpu:<topology>: the real train step compiled by XLA:TPU ahead of time for a small
+topology's devices (libtpu, no TPU). Its ring moves exactly the plan's attention bytes, its
+peak is the compiler's own. Skipped where libtpu is not installed (requirements-tpu.txt).
+
+A tiny model in bf16 (the wire dtype the plan counts: at float32, XLA:TPU's default matmul
+precision lets it send K/V as bf16), one compile per strategy, shared by the tests.
+"""
+
+import functools
+
+import pytest
+
+pytest.importorskip("libtpu")
+
+from bdlm_jax.analysis import plan_mode  # noqa: E402
+from bdlm_jax.analysis import step_report as sr  # noqa: E402
+from bdlm_jax.analysis import targets  # noqa: E402
+from bdlm_jax.config import Config  # noqa: E402
+from bdlm_jax.configure import override, replace  # noqa: E402
+from bdlm_jax.errors import ConfigError  # noqa: E402
+from bdlm_jax.parallel.mesh import make_mesh  # noqa: E402
+
+TARGET = "tpu:v5e:2x2"  # 4 TPU v5e chips
+TINY = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=64,
+            attention_chunk=32, remat="full", compute_dtype="bfloat16")
+
+
+def config(strategy="csbp_ring", **sections) -> Config:
+  base = dict(model=TINY, data=dict(seq_len=128), objective=dict(block_size=16),
+              parallel=dict(strategy=strategy, seq=4), train=dict(batch_size=1),
+              plan=dict(target=TARGET))
+  return replace(Config(), **{**base, **sections})
+
+
+@functools.cache
+def report(strategy="csbp_ring") -> sr.StepReport:
+  cfg = config(strategy)
+  return sr.step_report(cfg, make_mesh(cfg, targets.resolve(TARGET).devices))
+
+
+@pytest.mark.parametrize("strategy", ["csbp_ring", "cp_ring"])
+def test_tpu_ring_moves_exactly_the_plans_attention_bytes(strategy):
+  """XLA:TPU keeps bf16 K/V at 2 bytes and sends the ring's last dK/dV hop in bf16 (its only
+  use is the bf16 K/V cotangent), both in the plan's TPU figure: every byte accounted for,
+  the layer scan's and the ring's trip counts read from the loops' bounds."""
+  r = report(strategy)
+  assert r.attention_check == 1.0
+  assert r.attention_collective_bytes["collective-permute"] == \
+      sr.expected_attention_operand_bytes(config(strategy), "tpu")
+
+
+def test_csbp_sends_half_the_attention_bytes_of_cp_on_tpu():
+  assert 2 * sum(report("csbp_ring").attention_collective_bytes.values()) == \
+      sum(report("cp_ring").attention_collective_bytes.values())
+
+
+def test_tpu_peak_is_the_compilers_own_and_below_the_every_buffer_bound():
+  r = report()
+  assert r.compiler_peak_bytes is not None and r.peak_bytes == r.compiler_peak_bytes
+  assert 0 < r.peak_bytes < r.bound_bytes
+  assert r.host_bytes == 0  # nothing offloaded
+  assert r.weight_collective_bytes["all-gather"] > 0  # ZeRO-3's weight gathers, chains counted
+
+
+def test_plan_header_names_the_compiler_the_chip_and_which_peak(monkeypatch):
+  monkeypatch.setattr(sr, "compare_strategies",
+                      lambda *_: [(s, report(s)) for s in ("cp_ring", "csbp_ring")])
+  text = plan_mode.plan_report(config())
+  assert "XLA:TPU ahead of time (compiled, not run) for 4 TPU v5 lite devices" in text
+  assert "Peak = the compiler's own peak_memory_in_bytes" in text
+  assert "| peak GB | bound GB |" in text
+  assert "fits 16.9114 GB" in text  # v5e's 15.75 GiB of HBM, as XLA:TPU compiles against
+  assert any(line.startswith("chosen: ") for line in text.splitlines())
+
+
+def test_tpu_target_refuses_the_triton_kernel_and_names_xla():
+  cfg = override(config(), ["model.attention_impl=pallas"])
+  with pytest.raises(ConfigError, match="set model.attention_impl=xla"):
+    sr.step_report(cfg, make_mesh(cfg, targets.resolve(TARGET).devices))
+
+
+def test_an_unknown_topology_is_a_config_error():
+  with pytest.raises(ConfigError, match="cannot describe topology 'v9z:2x2'"):
+    targets.resolve("tpu:v9z:2x2")
