@@ -183,8 +183,8 @@ def _check_same_run(ckpt: Checkpointer, step: int, cfg: Config, allow_changes: b
   if not allow_changes:
     raise ConfigError(
         f"checkpoint {where} was trained with " + "; ".join(changes) + ". These change the "
-        f"run from here on (its learning-rate schedule, batches or data): resume with the "
-        f"run's settings, or pass --allow-changes to resume with the new ones")
+        "run from here on (its learning-rate schedule, batches or data): resume with the "
+        "run's settings, or pass --allow-changes to resume with the new ones")
   warnings.warn(f"resuming {where} with changed settings: " + "; ".join(changes))
 
 

@@ -8,8 +8,7 @@ import jax
 from flax import nnx
 
 from bdlm_jax.config import Config, ModelConfig
-from bdlm_jax.models.drafter import drafter_model, target_layer_ids
-from bdlm_jax.models.drafter import DFlash
+from bdlm_jax.models.drafter import DFlash, drafter_model, target_layer_ids
 from bdlm_jax.models.transformer import STACKS, Transformer
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel.zero3 import zero3_shardings

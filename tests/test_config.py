@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from bdlm_jax.config import Config, all_keys
+from bdlm_jax.config import Config
 from bdlm_jax.configure import load_config, override, replace
 from bdlm_jax.errors import ConfigError
 
