@@ -27,7 +27,7 @@ MLP_TYPES = ("dense", "moe")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama, Qwen3), GeGLU (Gemma 3)
 MOE_DISPATCHES = ("ragged_all_to_all", "all_gather")  # parallel.moe_dispatch
 DTYPES = ("float32", "bfloat16")
-REMAT = ("none", "full")
+REMAT = ("none", "full", "offload")
 MODES = ("train", "eval", "sample", "export", "plan", "prepare")
 # "tokens": a folder of token ids written by mode=prepare (bdlm_jax/data/prepare.py).
 DATA_SOURCES = ("arithmetic", "text", "jsonl", "array_record", "tokens")
@@ -125,15 +125,42 @@ class ModelConfig(Section):
   query_pre_attn_scalar: int = 0  # attention logits scaled by its ** -0.5; 0: head_dim
   mlp_activation: str = "silu"  # of the gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
   logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
+  # Gemma 4's departures (docs/gemma4.md), all off elsewhere. Global layers with their own
+  # head dim and K/V heads (0: head_dim, n_kv_heads), their keys and values from one
+  # projection (attention_k_eq_v), and RoPE on only the first `global_partial_rotary_factor`
+  # of their frequency pairs, each pair's frequency still over the whole head dim (HF's
+  # "proportional" RoPE). The last layer is global whatever the pattern says
+  # (last_layer_global). Values get an RMSNorm without weight (v_norm).
+  global_head_dim: int = 0
+  global_n_kv_heads: int = 0
+  attention_k_eq_v: bool = False
+  global_partial_rotary_factor: float = 1.0
+  last_layer_global: bool = False
+  v_norm: bool = False
+  # Every MoE layer runs a dense MLP (d_ff) beside its experts, each output normed, their
+  # sum normed by post_mlp_norm; the experts read their own norm of the residual.
+  moe_beside_dense: bool = False
+  # Gemma 4's router: it reads the residual through an RMSNorm without weight, times a
+  # learned scale and d_model ** -0.5; a learned per-expert scale multiplies the k weights.
+  moe_router_norm: bool = False
+  layer_scalar: bool = False  # each layer's output times a fixed per-layer scalar
+  # DiffusionGemma's self-conditioning module: a canvas's input embeddings plus a gated MLP
+  # (d_ff) of the soft embeddings of the previous denoising step's logits.
+  self_conditioning: bool = False
   tie_embeddings: bool = True
   norm_eps: float = 1e-6
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
   # "full": a layer keeps only its input and the attention core's output + LSE for the
-  # backward, and recomputes projections, norms and the MLP; "none" keeps everything.
+  # backward, and recomputes projections, norms and the MLP; "offload": the same, kept in
+  # host memory; "none" keeps everything.
   remat: str = "none"
+  # A layer's row-wise work (norms, q/k/v/o projections, RoPE, MLP or experts) in this many
+  # chunks of each device's rows (the last one shorter if need be), each rematerialised: no
+  # [rows, d_ff] intermediate exists whole. 1: all rows at once.
+  row_chunks: int = 1
   attention_impl: str = "xla"
-  attention_chunk: int = 512  # keys per step of the flash-style loop
+  attention_chunk: int = 512  # queries and keys per tile of the flash-style loop (xla)
   # Rows of each sequence held on a device whose float32 logits exist at once in the loss,
   # [local sequences, chunk, vocab] (recomputed in the backward); 0: all rows at once.
   logits_chunk: int = 1024
@@ -151,6 +178,10 @@ class ModelConfig(Section):
       query_pre_attn_scalar=Holds(">= 0 (0: head_dim)", lambda x: x >= 0),
       logit_softcap=Holds(">= 0 (0: no soft cap)", lambda x: x >= 0),
       logits_chunk=Holds(">= 0 (0: no chunking)", lambda x: x >= 0),
+      global_head_dim=Holds(">= 0 (0: model.head_dim)", lambda x: x >= 0),
+      global_n_kv_heads=Holds(">= 0 (0: model.n_kv_heads)", lambda x: x >= 0),
+      global_partial_rotary_factor=Holds("in (0, 1]", lambda x: 0 < x <= 1),
+      row_chunks=AT_LEAST_1,
       attention_impl=OneOf(ATTENTION_IMPLS), param_dtype=OneOf(DTYPES),
       compute_dtype=OneOf(DTYPES), remat=OneOf(REMAT), mlp_activation=OneOf(MLP_ACTIVATIONS))
 
@@ -191,6 +222,17 @@ class ModelConfig(Section):
                         f"model.n_kv_heads={self.n_kv_heads}")
     if self.head_dim % 2:
       raise ConfigError(f"model.head_dim={self.head_dim} must be even for RoPE")
+    if self.global_head_dim % 2:
+      raise ConfigError(f"model.global_head_dim={self.global_head_dim} must be even for RoPE")
+    if self.n_heads % (self.global_n_kv_heads or self.n_kv_heads):
+      raise ConfigError(f"model.n_heads={self.n_heads} must be a multiple of "
+                        f"model.global_n_kv_heads={self.global_n_kv_heads}")
+    if (self.moe_beside_dense or self.moe_router_norm) and not self.moe_experts:
+      raise ConfigError("model.moe_beside_dense and model.moe_router_norm shape MoE layers, "
+                        "but model.moe_experts=0")
+    if self.moe_beside_dense and not self.post_norms:
+      raise ConfigError("model.moe_beside_dense norms the dense and expert outputs' sum with "
+                        "the post-MLP norm: set model.post_norms=true")
 
 
 @dataclasses.dataclass
@@ -283,7 +325,6 @@ class ParallelConfig(Section):
   data: int = 1
   fsdp: int = 1
   seq: int = 1
-  tensor: int = 1  # reserved axis; only 1 is supported today
   # dtype of the travelling dK/dV (ring accumulators, all-gather's reduce-scatter); K/V
   # themselves travel in model.compute_dtype.
   kv_grad_dtype: str = "float32"
@@ -300,7 +341,7 @@ class ParallelConfig(Section):
   process_id: int = -1
   distributed: bool = False
 
-  RULES = dict(data=AT_LEAST_1, fsdp=AT_LEAST_1, seq=AT_LEAST_1, tensor=AT_LEAST_1,
+  RULES = dict(data=AT_LEAST_1, fsdp=AT_LEAST_1, seq=AT_LEAST_1,
                kv_grad_dtype=OneOf(DTYPES), moe_dispatch=OneOf(MOE_DISPATCHES),
                num_processes=Holds(">= 0 (0: from the environment)", lambda x: x >= 0),
                process_id=Holds(">= -1 (-1: from the environment)", lambda x: x >= -1))
@@ -311,8 +352,6 @@ class ParallelConfig(Section):
     return comma_list(self.expert_axes)
 
   def check(self) -> None:
-    if self.tensor != 1:
-      raise ConfigError("parallel.tensor > 1 is not supported yet; set parallel.tensor=1")
     for axis in self.expert_axis_names:
       OneOf(("data", "fsdp", "seq")).check("parallel.expert_axes entry", axis)
     if len(set(self.expert_axis_names)) != len(self.expert_axis_names):
@@ -405,6 +444,9 @@ class PlanConfig(Section):
   # the compiler and devices (bdlm_jax.analysis.targets): cpu (XLA:CPU on this host's
   # devices), tpu:<topology> (XLA:TPU ahead of time, e.g. tpu:v5p:2x2x4), gpu (XLA:GPU)
   target: str = "cpu"
+  # also print the chosen strategy's memory at its peak by category, read from XLA's buffer
+  # assignment (analysis/buffers.py; one more compile)
+  breakdown: bool = False
 
   RULES = dict(device_memory_gb=Holds(">= 0 (0: the target's)", lambda x: x >= 0),
                target=Holds("cpu, gpu or tpu:<topology> (e.g. tpu:v5p:2x2x4)",
@@ -454,6 +496,11 @@ class Config(Section):
     return _from_dict(cls, d, prefix="")
 
 
+# Keys earlier versions wrote into checkpoints' configs that no longer mean anything: read
+# and dropped, so those checkpoints still load. parallel.tensor: a reserved axis never used.
+RETIRED_KEYS = frozenset({"parallel.tensor"})
+
+
 def _from_dict(cls, d: dict, prefix: str):
   if not isinstance(d, dict):
     where = f"config section '{prefix[:-1]}'" if prefix else "a config"
@@ -462,6 +509,8 @@ def _from_dict(cls, d: dict, prefix: str):
   hints = typing.get_type_hints(cls)
   kwargs = {}
   for name, value in d.items():
+    if f"{prefix}{name}" in RETIRED_KEYS:
+      continue
     if name not in fields:
       raise unknown_key(f"{prefix}{name}", [prefix + f for f in fields])
     if dataclasses.is_dataclass(hints[name]):

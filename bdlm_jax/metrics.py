@@ -10,7 +10,7 @@ from etils import epath
 
 from bdlm_jax.config import Config, ModelConfig
 from bdlm_jax.models.drafter import drafter_model, target_depth, target_layer_ids
-from bdlm_jax.models.pattern import layer_types, mlp_types
+from bdlm_jax.models.pattern import attention_shape, layer_types, mlp_types
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel.registry import SINGLE_DEVICE, make_plan
 
@@ -18,29 +18,35 @@ from bdlm_jax.parallel.registry import SINGLE_DEVICE, make_plan
 _PEAK_TFLOPS = {"h200": 989.0, "h100": 989.0, "a100": 312.0, "tpu v5": 197.0, "tpu v4": 275.0}
 
 
-def _layer_weights(m: ModelConfig, mlp: str, active: bool) -> int:
-  """One layer's linear weights: attention projections and its MLP, dense or a mixture of
-  experts (the router, and all E experts or, `active`, the k a row is sent to)."""
-  attention = (m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim  # qkv
-               + m.n_heads * m.head_dim * m.d_model)  # o
+def _layer_weights(m: ModelConfig, mlp: str, active: bool, kind: str = "global") -> int:
+  """One layer's linear weights: attention projections (of its kind's shapes) and its MLP,
+  dense or a mixture of experts (the router, and all E experts or, `active`, the k a row is
+  sent to; with `moe_beside_dense` a dense MLP beside them)."""
+  kv_heads, head_dim, k_eq_v = attention_shape(m, kind)
+  attention = (m.d_model * (m.n_heads + (1 if k_eq_v else 2) * kv_heads) * head_dim  # qkv
+               + m.n_heads * head_dim * m.d_model)  # o
+  dense = 3 * m.d_model * m.d_ff
   if mlp == "dense":
-    return attention + 3 * m.d_model * m.d_ff
+    return attention + dense
   experts = m.moe_top_k if active else m.moe_experts
-  return attention + m.d_model * m.moe_experts + experts * 3 * m.d_model * (m.moe_d_ff or m.d_ff)
+  return (attention + m.d_model * m.moe_experts + experts * 3 * m.d_model * (m.moe_d_ff or m.d_ff)
+          + (dense if m.moe_beside_dense else 0))
 
 
 def linear_flops_per_row(m: ModelConfig) -> int:
   """Forward FLOPs of one row through every layer's linear maps: 2 per active weight."""
-  return sum(2 * _layer_weights(m, kind, active=True) for kind in mlp_types(m))
+  return sum(2 * _layer_weights(m, mlp, True, kind)
+             for mlp, kind in zip(mlp_types(m), layer_types(m)))
 
 
 def param_count(m: ModelConfig, active: bool = False) -> int:
   """The model's parameters (what memory holds), or with `active` those one token computes
   with (an MoE layer's router and the k experts it is sent to: what its FLOPs count)."""
-  norms = 2 * m.d_model + (2 * m.head_dim if m.qk_norm else 0)
+  norms = lambda kind: 2 * m.d_model + (2 * attention_shape(m, kind).head_dim if m.qk_norm
+                                        else 0)
   embed = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
-  return (embed + sum(_layer_weights(m, kind, active) + norms for kind in mlp_types(m))
-          + m.d_model)
+  return (embed + sum(_layer_weights(m, mlp, active, kind) + norms(kind)
+                      for mlp, kind in zip(mlp_types(m), layer_types(m))) + m.d_model)
 
 
 def model_flops_per_step(cfg: Config) -> float:
@@ -62,9 +68,10 @@ def model_flops_per_step(cfg: Config) -> float:
   block_size = cfg.objective.block_size if diffusion else 1
   plan = make_plan(SINGLE_DEVICE, cfg.data.seq_len, block_size, 1, diffusion)
   kinds = layer_types(m)
-  pairs = (kinds.count("global") * plan.attention_work().sum()
-           + kinds.count("local") * plan.attention_work(m.sliding_window).sum())
-  attention = 4 * float(pairs) * m.n_heads * m.head_dim
+  pairs = {"global": plan.attention_work().sum(),
+           "local": plan.attention_work(m.sliding_window).sum() if "local" in kinds else 0}
+  attention = 4 * m.n_heads * sum(float(pairs[k]) * attention_shape(m, k).head_dim
+                                  for k in kinds)
   return 3.0 * cfg.train.batch_size * objective.COPIES * (linear + attention)
 
 

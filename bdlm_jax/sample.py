@@ -44,6 +44,7 @@ from bdlm_jax.errors import ConfigError
 from bdlm_jax.objectives import get_objective, reserved_mask_id
 from bdlm_jax.kernels import with_windows, xla
 from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta, row_meta
+from bdlm_jax.models.pattern import split_attention
 from bdlm_jax.params import merge
 
 
@@ -190,6 +191,11 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
   eos_id = checked_tokenizer(cfg).eos_id if eos_id is None else eos_id
   if strategy not in ("confidence", "first_hitting"):
     raise ConfigError(f"sample strategy {strategy!r} is not 'confidence' or 'first_hitting'")
+  if use_cache and split_attention(cfg.model):
+    raise ConfigError("sample.use_cache keeps every layer's K/V in one array, but this model's "
+                      "global layers have K/V of other shapes than its local ones "
+                      "(model.global_head_dim, global_n_kv_heads, attention_k_eq_v); set "
+                      "sample.use_cache=false")
   prompt = np.asarray(prompt_tokens).reshape(-1)
   if not prompt.size or max_new_tokens < 1 or steps < 0:
     raise ConfigError(f"need a non-empty prompt, max_new_tokens >= 1 and steps_per_block >= 0; "

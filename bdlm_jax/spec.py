@@ -17,6 +17,7 @@ from bdlm_jax.parallel.experts import expert_dispatch
 from bdlm_jax.parallel.layout import LayoutPlan
 from bdlm_jax.parallel.mesh import row_sharding
 from bdlm_jax.parallel.registry import plan_for
+from bdlm_jax.parallel.rows import row_runner
 from bdlm_jax.parallel.strategies import make_attend
 
 
@@ -28,6 +29,7 @@ class StepSpec:
   objective: Objective
   attend: dict[str, Callable]  # `make_attend(rows=...)` of each of the objective's ATTEND_ROWS
   dispatch: Callable | None  # the MoE layers' expert dispatch (None: run where the rows are)
+  rows: Callable  # how a layer runs its row-wise work in parts (models.transformer.RowsFn)
 
   def rows_sharded(self, x):
     """`x` [S, R, ...] constrained to the batch's row sharding (a no-op on one device)."""
@@ -41,4 +43,5 @@ def resolve(cfg: Config, mesh=None) -> StepSpec:
   plan = plan_for(cfg)
   objective = get_objective(cfg.objective.name)
   attend = {rows: make_attend(cfg, mesh, rows, plan) for rows in objective.ATTEND_ROWS}
-  return StepSpec(cfg, mesh, plan, objective, attend, expert_dispatch(cfg, mesh))
+  return StepSpec(cfg, mesh, plan, objective, attend, expert_dispatch(cfg, mesh),
+                  row_runner(mesh))

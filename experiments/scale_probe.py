@@ -23,6 +23,9 @@ mock hosts beyond this GPU host; writes scale_probe_gpu.*). Each
 compile runs in its own subprocess (host memory is freed after each; a crash or a timeout is
 a row, not the end of the run) with no persistent compilation cache (compile times are real).
 A strategy the config rejects (ConfigError) or that fails to compile is reported as such.
+`--breakdown` reads each compile's buffers live at its peak by category (state, saved residuals,
+ring buffers, loss chunk, ...; `bdlm_jax.analysis.buffers`), prints them under each row and
+writes them to scale_probe*_breakdown.md.
 `--depth-check N` also compiles the first strategy at the first L with N layers, so the
 markdown shows how compile time grows with depth (the layer scan should keep it flat).
 `--jobs 2` halves the wall time on two cores, at the price of noisier compile times.
@@ -47,7 +50,10 @@ each MoE setting is compiled twice: the real step with `parallel.moe_dispatch=al
 (which gathers the group's tokens; most of its memory on CPU is that dense `ragged_dot`),
 and the ragged dispatch with shape-faithful stand-ins (`_ragged_standins`: the same
 buffers, not the same FLOPs or collectives), the latter being the figure the cost model
-reads. The markdown puts both next to the cost model's analytic figure for the ragged path.
+reads. `--dispatch real` compiles the ragged dispatch with the model's own `ragged_dot` and
+`ragged_all_to_all` instead (its rows carry the override `RAGGED`), which an accelerator
+compiler builds (XLA:TPU does) and XLA:CPU refuses, row by row. The markdown puts them next
+to the cost model's analytic figure for the ragged path.
 
 `--objective dflash` (docs/dflash.md) compiles a drafter's step instead: the model is
 the frozen target (its causal forward over the L context rows, no backward), and a
@@ -67,11 +73,11 @@ import sys
 
 import jax
 
-from bdlm_jax.analysis import step_report, targets
+from bdlm_jax.analysis import buffers, isolated, step_report, targets
 from bdlm_jax.analysis.cost_model import setting
-from bdlm_jax.analysis.cost_model.memory import peak_memory
+from bdlm_jax.analysis.cost_model.memory import RAGGED_DISPATCH, peak_memory
 from bdlm_jax.analysis.cost_model.work import plan_work
-from bdlm_jax.config import Config, ModelConfig
+from bdlm_jax.config import REMAT, Config, ModelConfig
 from bdlm_jax.configure import override, replace
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.metrics import param_count
@@ -100,6 +106,7 @@ KEYS = ("model", "seq_len", "strategy", "devices", "layers", "block_size", "rema
         "standins", "objective", "anchors", "drafter_layers", "target")
 # An MoE's experts over the seq axis, its rows moved by a dispatch XLA:CPU compiles.
 EXPERT_PARALLEL = ("parallel.expert_axes=seq", "parallel.moe_dispatch=all_gather")
+RAGGED = (RAGGED_DISPATCH,)  # the GPU's (and TPU's) dispatch
 # --ablate: (what changes, config overrides) against the defaults of `probe_config`. The
 # state sharding (ZeRO-3 over fsdp x seq) and the layer scan have no switch: their effect is
 # in the arguments column and in the depth check of the main table.
@@ -130,7 +137,7 @@ def probe_config(model: str, seq_len: int, strategy: str, devices: int, layers: 
                                **(dict(max_anchors=anchors) if drafter else {})),
                 drafter=dict(n_layers=drafter_layers) if drafter else {},
                 parallel=dict(strategy=strategy, seq=devices), train=dict(batch_size=1))
-  moe = (*EXPERT_PARALLEL, *(["parallel.moe_dispatch=ragged_all_to_all"] if standins else []))
+  moe = (*EXPERT_PARALLEL, *(RAGGED if standins else ()))
   return override(cfg, (*(moe if m.moe_experts else ()), *overrides))
 
 
@@ -151,22 +158,8 @@ def _ragged_standins() -> None:
 
 
 def job_config(job: dict) -> Config:
-  """`probe_config` of a job (its target aside)."""
-  return probe_config(**{k: v for k, v in job.items() if k != "target"})
-
-
-def _worker_env(job: dict) -> dict:
-  """The compile's environment: simulated CPU devices; for a TPU target, XLA:CPU as the
-  runtime beside libtpu's compile-only client (concurrent jobs may load libtpu); for a GPU
-  target, the GPU runtime (mocked beyond this host by `targets`)."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(job["devices"]))
-  if targets.platform_of(job["target"]) == "tpu":
-    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
-  if targets.platform_of(job["target"]) == "gpu":
-    del env["JAX_PLATFORMS"], env["JAX_NUM_CPU_DEVICES"]
-    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # it compiles; another process may run
-  env.pop("JAX_COMPILATION_CACHE_DIR", None)
-  return env
+  """`probe_config` of a job (its target and breakdown aside)."""
+  return probe_config(**{k: v for k, v in job.items() if k not in ("target", "breakdown")})
 
 
 def measure(job: dict, timeout_s: float) -> dict:
@@ -175,18 +168,7 @@ def measure(job: dict, timeout_s: float) -> dict:
     targets.check(job_config(job), targets.platform_of(job["target"]))
   except ConfigError as e:
     return dict(error=str(e))
-  env = _worker_env(job)
-  try:
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
-                           json.dumps(job)], env=env, capture_output=True, text=True,
-                          timeout=timeout_s)
-  except subprocess.TimeoutExpired:
-    return dict(error=f"compile timed out after {timeout_s:.0f} s")
-  lines = done.stdout.strip().splitlines()
-  if done.returncode or not lines:
-    why = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    return dict(error=f"crashed (exit {done.returncode}): {why}")
-  return json.loads(lines[-1])
+  return isolated.run_worker(__file__, job, job["devices"], job["target"], timeout_s)
 
 
 def _worker(job: dict) -> None:
@@ -194,8 +176,12 @@ def _worker(job: dict) -> None:
     _ragged_standins()
   try:
     cfg = job_config(job)
-    target = targets.resolve(job["target"], job["devices"])
-    row = step_report.step_report(cfg, make_mesh(cfg, target.devices)).row()
+    mesh = make_mesh(cfg, targets.resolve(job["target"], job["devices"]).devices)
+    if job.get("breakdown"):
+      report, breakdown = buffers.step_breakdown(cfg, mesh)
+      row = dict(report.row(), breakdown="\n".join(breakdown.lines()))
+    else:
+      row = step_report.step_report(cfg, mesh).row()
   except ConfigError as e:
     row = dict(error=str(e))
   except Exception as e:  # noqa: BLE001 (a strategy that does not compile is a finding)
@@ -210,7 +196,7 @@ def jobs(args) -> list[dict]:
   for model in args.models:
     job = lambda seq_len, strategy, layers, overrides=(), standins=False: dict(
         model=model, seq_len=seq_len, strategy=strategy, devices=args.devices, layers=layers,
-        block_size=args.block_size, remat=args.remat, overrides=list(overrides),
+        block_size=args.block_size, remat=args.remat, overrides=[*args.set, *overrides],
         standins=standins, objective=args.objective,
         anchors=args.anchors if args.objective == "dflash" else 0,
         drafter_layers=args.drafter_layers if args.objective == "dflash" else 0,
@@ -219,8 +205,9 @@ def jobs(args) -> list[dict]:
     if args.ablate:
       return [dict(job(args.lens[0], s, layers, overrides), variant=label)
               for s in args.strategies for label, overrides in ABLATIONS]
-    variants = (False, True) if MODELS[model].moe_experts else (False,)
-    out += [job(n, s, layers, standins=v) for n in args.lens for s in args.strategies
+    ragged = dict(standins=True) if args.dispatch == "standins" else dict(overrides=RAGGED)
+    variants = ({}, ragged) if MODELS[model].moe_experts else ({},)
+    out += [job(n, s, layers, **v) for n in args.lens for s in args.strategies
             for v in variants]
     if args.depth_check and args.depth_check != layers:
       checks.append(dict(job(args.lens[0], args.strategies[0], args.depth_check),
@@ -232,17 +219,29 @@ def run(args, progress=print) -> list[dict]:
   """Measures every job, `args.jobs` compiles at a time, in order."""
   todo = jobs(args)
   with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-    results = pool.map(lambda j: measure({k: j[k] for k in KEYS}, args.timeout), todo)
+    results = pool.map(lambda j: measure(dict({k: j[k] for k in KEYS},
+                                              breakdown=args.breakdown), args.timeout), todo)
     rows = []
     for job, result in zip(todo, results):
       rows.append(dict(job, **result))
       progress(_line(rows[-1]))
+      if rows[-1].get("breakdown"):
+        progress(rows[-1]["breakdown"])
   return rows
+
+
+def breakdown_markdown(rows: list[dict], command: str) -> str:
+  """`--breakdown`: each row's buffers live at the peak, under its setting."""
+  lines = ["## Memory at the peak by category (compile only)", "", f"{_produced(command)}", ""]
+  for r in rows:
+    lines += [f"### {_line(r)}", "", r.get("breakdown") or r.get("error", ""), ""]
+  return "\n".join(lines)
 
 
 def _line(r: dict) -> str:
   head = (f"{r['model']} L={r['seq_len']} {r['strategy']} ({r['layers']} layers"
-          f"{', ragged stand-ins' if r.get('standins') else ''}): ")
+          f"{', ragged stand-ins' if r.get('standins') else ''}"
+          f"{''.join(', ' + o for o in r.get('overrides') or [])}): ")
   if r.get("error"):
     return head + r["error"]
   return head + (f"peak {r['peak_bytes'] / GB:.2f} GB, attention {r['attention_bytes'] / GB:.2f}"
@@ -304,8 +303,7 @@ def model_section(rows: list[dict], model: str, args, device_bytes: float) -> li
   """One model's table (the real step), best pick per L and depth check; for an MoE also
   the ragged dispatch's stand-in compile and the cost model's analytic figure."""
   m = MODELS[model]
-  mine = [r for r in rows if r["model"] == model and not r.get("depth_check")
-          and not r.get("standins")]
+  mine = _real_step_rows(rows, model)
   lines = [f"### {model}", "",
            f"{_params(m)}: d_model {m.d_model}, {mine[0]['layers']} layers, {m.n_heads} q / "
            f"{m.n_kv_heads} kv heads of {m.head_dim}, d_ff {m.moe_d_ff or m.d_ff}, vocab "
@@ -352,33 +350,45 @@ def _drafter_line(model: str, row: dict) -> str:
           f"{', '.join(map(str, target_layer_ids(cfg)))}.")
 
 
+def _real_step_rows(rows: list[dict], model: str) -> list[dict]:
+  """`model`'s rows of the step as configured: no depth check, no other MoE dispatch."""
+  return [r for r in rows if r["model"] == model and not r.get("depth_check")
+          and not r.get("standins") and RAGGED_DISPATCH not in (r.get("overrides") or [])]
+
+
 def _dispatch_table(rows: list[dict], model: str, args, device_bytes: float) -> list[str]:
   """Peak GB per device of the MoE step by dispatch: compiled all_gather, compiled ragged
-  with stand-ins, and the cost model's analytic ragged figure."""
+  with stand-ins and with its own ops (`--dispatch real`), and the cost model's analytic
+  ragged figure."""
   ours = [r for r in rows if r["model"] == model and not r.get("depth_check")]
   m = dataclasses.replace(MODELS[model], n_layers=ours[0]["layers"])
   hw = setting.Hardware(nodes=1, gpus_per_node=args.devices)
   gb = lambda r: "—" if r is None or r.get("error") else f"{r['peak_bytes'] / GB:.2f}"
-  lines = ["Peak GB per device by token dispatch. *all_gather*: the table above, inflated by "
-           "jax's CPU `ragged_dot`, a dense matmul over each local expert's masked copy of the "
-           "rows (no grouped matmul on XLA:CPU). *ragged, stand-ins*: "
+  dense = (", inflated by jax's CPU `ragged_dot`, a dense matmul over each local expert's "
+           "masked copy of the rows (no grouped matmul on XLA:CPU)" if args.target == "cpu"
+           else "")
+  lines = [f"Peak GB per device by token dispatch. *all_gather*: the table above{dense}. "
+           "*ragged, stand-ins*: "
            "`parallel.moe_dispatch=ragged_all_to_all`, the GPU's, compiled with shape-faithful "
            "stand-ins for `ragged_all_to_all` (XLA:CPU cannot compile it) and `ragged_dot`: "
-           "the ragged path's buffers. *analytic*: the cost model's "
-           "assumption for the ragged path (states + saved layer inputs and attention outputs "
-           "+ one layer's backward), which reads about half of XLA:CPU's figure for the dense "
-           "models.", "",
-           "| seq_len | strategy | all_gather GB | ragged, stand-ins GB | analytic GB | "
-           f"ragged fits {device_bytes / GB:g} GB |", "|---|---|---|---|---|---|"]
-  for real in (r for r in ours if not r.get("standins")):
-    stand = next((r for r in ours if r.get("standins") and (r["seq_len"], r["strategy"])
-                  == (real["seq_len"], real["strategy"])), None)
+           "the ragged path's buffers. *ragged*: the same dispatch with its own ops "
+           "(`--dispatch real`), where the compiler builds it (not XLA:CPU). *analytic*: the "
+           "cost model's assumption for the ragged path (states + saved layer inputs and "
+           "attention outputs + one layer's backward), which reads about half of XLA:CPU's "
+           "figure for the dense models.", "",
+           "| seq_len | strategy | all_gather GB | ragged, stand-ins GB | ragged GB | "
+           f"analytic GB | ragged fits {device_bytes / GB:g} GB |", "|" + "---|" * 7]
+  for real in _real_step_rows(rows, model):
+    same = lambda r: (r["seq_len"], r["strategy"]) == (real["seq_len"], real["strategy"])
+    stand = next((r for r in ours if r.get("standins") and same(r)), None)
+    ragged = next((r for r in ours if RAGGED_DISPATCH in r["overrides"] and same(r)), None)
     work = plan_work(real["strategy"], real["seq_len"], args.block_size, args.devices)
     analytic = peak_memory(m, work, hw, setting.Assumptions())["total_bytes"]
-    fits = "—" if gb(stand) == "—" else ("yes" if stand["peak_bytes"] <= device_bytes
-                                         else "**no**")
+    decides = ragged if gb(ragged) != "—" else stand
+    fits = "—" if gb(decides) == "—" else ("yes" if decides["peak_bytes"] <= device_bytes
+                                           else "**no**")
     lines.append(f"| {real['seq_len']} | {real['strategy']} | {gb(real)} | {gb(stand)} | "
-                 f"{analytic / GB:.2f} | {fits} |")
+                 f"{gb(ragged)} | {analytic / GB:.2f} | {fits} |")
   return lines
 
 
@@ -417,8 +427,8 @@ def plot(rows: list[dict], args, device_bytes: float, path: str) -> None:
                            squeeze=False)
   for ax, model in zip(axes[0], args.models):
     for i, strategy in enumerate(args.strategies):
-      pts = [(r["seq_len"], r["peak_bytes"] / GB) for r in rows if r["model"] == model
-             and r["strategy"] == strategy and not r.get("error") and not r.get("depth_check")]
+      pts = [(r["seq_len"], r["peak_bytes"] / GB) for r in _real_step_rows(rows, model)
+             if r["strategy"] == strategy and not r.get("error")]
       if pts:
         ax.plot(*zip(*sorted(pts)), marker="o", label=strategy, color=f"C{i}")
     ax.axhline(device_bytes / GB, color="k", linestyle="--", linewidth=1,
@@ -429,8 +439,11 @@ def plot(rows: list[dict], args, device_bytes: float, path: str) -> None:
     ax.set_ylabel("peak GB per device (compiled)")
     ax.set_title(f"{model}, {args.devices} devices")
     ax.grid(alpha=0.3)
-  axes[0][-1].legend(fontsize=8)
-  fig.tight_layout()
+  # one legend for every panel (a strategy missing from the last panel still gets its line)
+  handles = {label: h for ax in axes[0] for h, label in zip(*ax.get_legend_handles_labels())}
+  fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 7),
+             fontsize=8, frameon=False)
+  fig.tight_layout(rect=(0, 0.1, 1, 1))
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
@@ -508,13 +521,21 @@ def main(argv=None):
   parser.add_argument("--devices", type=int, default=16, help="P: the seq axis")
   parser.add_argument("--block-size", type=int, default=64)
   parser.add_argument("--layers", type=int, default=0, help="override every model's depth")
-  parser.add_argument("--remat", default="full", choices=("none", "full"))
+  parser.add_argument("--remat", default="full", choices=REMAT)
+  parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                      help="config overrides for every compile (run.py's --set syntax), e.g. "
+                           "model.row_chunks=16")
   parser.add_argument("--device-memory-gb", type=float, default=0.0,
                       help="per device; 0: the target's (a TPU chip's HBM, what a GPU reports), "
                            "else 141 (an H200)")
   parser.add_argument("--target", default="cpu",
                       help="the compiler: cpu, tpu:<topology> (e.g. tpu:v5p:2x2x4; needs "
                            "libtpu) or gpu (bdlm_jax.analysis.targets)")
+  parser.add_argument("--breakdown", action="store_true",
+                      help="also each compile's buffers live at its peak, by category")
+  parser.add_argument("--dispatch", default="standins", choices=("standins", "real"),
+                      help="an MoE's ragged dispatch: with shape-faithful stand-ins (XLA:CPU "
+                           "compiles them) or its own ragged_dot / ragged_all_to_all")
   parser.add_argument("--depth-check", type=int, default=4,
                       help="also compile the first (L, strategy) at this depth (0: off)")
   parser.add_argument("--timeout", type=float, default=600.0, help="seconds per compile")
@@ -552,6 +573,10 @@ def main(argv=None):
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, name)
   fresh = run(args)
+  if args.breakdown:
+    with open(f"{path}_breakdown.md", "w") as f:
+      f.write(breakdown_markdown(fresh, command))
+    fresh = [{k: v for k, v in r.items() if k != "breakdown"} for r in fresh]
   rows = merge(read(f"{path}.csv") if os.path.exists(f"{path}.csv") else [], fresh)
   _check_same_setting(rows, args, path)
   measured = args.models

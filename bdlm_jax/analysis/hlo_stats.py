@@ -65,16 +65,24 @@ How the HLO text is read
   different loops, that share a ``chain_id`` (frontend attribute): one collective, so a
   chain counts once, as often as the computation holding its least-run piece (a piece
   inside a data-dependent loop continues the transfer, it does not repeat it).
+* XLA:TPU rewrites some collectives and prints them without an op_name: a small int32
+  all-gather as an all-reduce (add) of buffers that are zeros but for the device's shard
+  (a ``dynamic-update-slice`` into a ``broadcast`` of 0), counted as the all-gather it is
+  (its shard's bytes); a reduce-scatter as an all-reduce (f32 in, bf16 out) of the full
+  input and a slice, counted as that all-reduce (the same operand bytes).
 * Conditional branches are all counted, as if each ran once (an upper bound).
 * ``op_name`` keeps only collectives whose ``metadata={op_name="..."}`` contains it:
   ``"shard_map"`` selects what any ``shard_map`` issued; a ``jax.named_scope`` name selects
   what was traced inside that scope, forward and backward (``strategies.ATTENTION_SCOPE``).
+  A collective with no op_name of its own takes that of the instruction computing what it
+  moves (through copies, bitcasts, converts and fusions), else of those using its result.
 * Not counted: ``send``/``recv``, ``collective-broadcast``,
   ``ragged-all-to-all``, and collectives hidden inside custom calls.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -369,13 +377,6 @@ def _bounded_trip_count(instr: _Instr, caller: _Computation,
     return max(0, -(-span // stride)) if stride > 0 else None
 
 
-def _selected(instr: _Instr, op_name: str | None) -> bool:
-    if op_name is None:
-        return True
-    m = _OP_NAME_RE.search(instr.attrs)
-    return m is not None and op_name in m.group(1)
-
-
 def _execution_counts(comps: dict[str, _Computation],
                       entry: str) -> tuple[dict[str, int | None], dict[str, str]]:
     """(runs per execution of ENTRY by computation, None where a loop's trip count is
@@ -407,6 +408,79 @@ def _execution_counts(comps: dict[str, _Computation],
     return counts, unknown
 
 
+# ----------------------------------------------------------------------------- what moves
+
+def _definition(comp: _Computation, name: str, comps: dict[str, _Computation],
+                caller: tuple[_Instr, _Computation] | None = None):
+    """(instruction, its computation, the fusion it sits in) that computes ``name``: through
+    copies, bitcasts and converts, into a fusion's root, and from a fused parameter out to
+    the fusion's operand (``caller``: the fusion and the computation holding it)."""
+    instr = _source(comp, name)
+    if instr is not None and instr.opcode == "fusion":
+        fused = comps.get(dict(_callees(instr)).get("calls"))
+        if fused is not None and fused.root is not None:
+            return _definition(fused, fused.root.name, comps, (instr, comp))
+    if instr is not None and instr.opcode == "parameter" and caller is not None:
+        fusion, outer = caller
+        index = int(instr.operands[0][1])
+        if index < len(fusion.operands):
+            return _definition(outer, fusion.operands[index][1], comps)
+    return instr, comp, caller
+
+
+def _gathered_shards(instr: _Instr, comp: _Computation, comps: dict[str, _Computation]):
+    """[(computation, shard name)] where ``instr`` is an all-gather in the form XLA:TPU gives
+    small int32 ones: an all-reduce (add) of buffers that are zeros but for this device's
+    shard (``dynamic-update-slice`` into a ``broadcast`` of 0); else None."""
+    reducer = comps.get(dict(_callees(instr)).get("to_apply"))
+    if _collective_kind(instr.opcode) != "all-reduce" or reducer is None or \
+            reducer.root is None or reducer.root.opcode != "add":
+        return None
+    shards = []
+    for _, name in instr.operands:
+        update, where, caller = _definition(comp, name, comps)
+        if update is None or update.opcode != "dynamic-update-slice":
+            return None
+        base, base_comp, _ = _definition(where, update.operands[0][1], comps, caller)
+        if base is None or base.opcode != "broadcast" or \
+                _constant(_definition(base_comp, base.operands[0][1], comps)[0]) != 0:
+            return None
+        shards.append((where, update.operands[1][1]))
+    return shards
+
+
+def _op_name(instr: _Instr | None) -> str | None:
+    m = _OP_NAME_RE.search(instr.attrs) if instr is not None else None
+    return m.group(1) if m else None
+
+
+def _users(comp: _Computation, name: str) -> list[_Instr]:
+    """The instructions of ``comp`` that read ``name``, or an element of it."""
+    direct = [i for i in comp.instrs if any(n == name for _, n in i.operands)]
+    return [u for i in direct
+            for u in (_users(comp, i.name) if i.opcode == "get-tuple-element" else [i])]
+
+
+def _moved(instr: _Instr, comp: _Computation, comps: dict[str, _Computation]):
+    """(kind, operand bytes, op_name) of the collective ``instr``. A collective XLA:TPU
+    creates (an all-gather rewritten as an all-reduce, a reduce-scatter as an all-reduce and
+    a slice) prints no op_name: it takes that of the instruction computing what it moves,
+    else of those using what it delivers. An all-gather in all-reduce form
+    (`_gathered_shards`) counts as the all-gather, its shard's bytes."""
+    shards = _gathered_shards(instr, comp, comps)
+    if shards is None:
+        kind, nbytes = _collective_kind(instr.opcode), _operand_bytes(instr, comp)
+        moved = [(comp, name) for _, name in instr.operands]
+    else:
+        kind, moved = "all-gather", shards
+        nbytes = sum(_shape_bytes(where.shapes[name]) for where, name in shards)
+    names = itertools.chain(  # lazily: most collectives name themselves
+        [_op_name(instr)],
+        (_op_name(_definition(where, name, comps)[0]) for where, name in moved),
+        (_op_name(user) for user in _users(comp, instr.name)))
+    return kind, nbytes, next((n for n in names if n is not None), None)
+
+
 # ----------------------------------------------------------------------------- public API
 
 def _hlo_text(compiled: Any) -> str:
@@ -431,19 +505,20 @@ def collective_bytes(compiled: Any, op_name: str | None = None) -> dict[str, int
     for name, times in counts.items():
         comp = comps[name]
         for instr in comp.instrs:
-            kind = _collective_kind(instr.opcode)
-            if kind is None or not _selected(instr, op_name):
+            if _collective_kind(instr.opcode) is None:
+                continue
+            kind, nbytes, issued_by = _moved(instr, comp, comps)
+            if op_name is not None and (issued_by is None or op_name not in issued_by):
                 continue
             chain = _CHAIN_RE.search(instr.attrs)
             if chain:
-                chains.setdefault(chain.group(1), (kind, _operand_bytes(instr, comp), []))[2] \
-                    .append(times)
+                chains.setdefault(chain.group(1), (kind, nbytes, []))[2].append(times)
             elif times is None:
                 raise ValueError(
                     f"while loop {unknown[name]} has collectives in %{name} but no "
                     f"known_trip_count in its backend_config and no bounds to read one from")
             else:
-                out[kind] += times * _operand_bytes(instr, comp)
+                out[kind] += times * nbytes
     for chain, (kind, nbytes, pieces) in chains.items():
         known = [t for t in pieces if t is not None]
         if not known:

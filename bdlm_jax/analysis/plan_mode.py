@@ -1,8 +1,10 @@
 """mode=plan: the train step compiled under every strategy (`step_report`), each one's step
 time projected by the cost model, and the fastest that fits.
 
-Fit is the compiled peak; time is the cost model's (`cost_model.timing`, `cost_model.dflash`
-for a drafter) on the strategy's own plan, on H200s, as many as the mesh has, under the
+Fit is the compiled peak of `plan.target`'s compiler, which every verdict names (XLA:TPU's own
+peak against a TPU chip's HBM; XLA:CPU's every-buffer bound against an H200's 141 GB); time
+is the cost model's (`cost_model.timing`, `cost_model.dflash` for a drafter) on the
+strategy's own plan, on H200s whatever the target, as many as the mesh has, under the
 default assumptions in the config's dtypes and remat. Least attention traffic is not the
 pick: `bp` sends nothing but repeats the clean prefix on every rank, and whether that costs
 more than the K/V hops it saves depends on the sizes.
@@ -12,7 +14,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from bdlm_jax.analysis import step_report, targets
+from bdlm_jax.analysis import buffers, step_report, targets
 from bdlm_jax.analysis.cost_model.dflash import dflash_step_time, dflash_works
 from bdlm_jax.analysis.cost_model.setting import GB, Assumptions, Hardware
 from bdlm_jax.analysis.cost_model.timing import step_time
@@ -41,7 +43,7 @@ def assumptions(cfg: Config) -> Assumptions:
   itemsize = lambda dtype: jnp.dtype(dtype).itemsize
   return dataclasses.replace(Assumptions(), compute_bytes=itemsize(cfg.model.compute_dtype),
                              kv_grad_bytes=itemsize(cfg.parallel.kv_grad_dtype),
-                             remat_forward=int(cfg.model.remat == "full"))
+                             remat_forward=int(cfg.model.remat != "none"))
 
 
 def sequences(cfg: Config) -> int:
@@ -81,27 +83,34 @@ def _ms(seconds: float) -> str:
   return f"{seconds * 1e3:.3g} ms"
 
 
-def verdict(rows: list[dict], device_bytes: float, where: str) -> list[str]:
-  """`chosen: <strategy> (...)` with why, the runner-up, and any faster strategy that does
-  not fit (a larger device would pick it)."""
+def _memory(row: dict, compiler: str) -> str:
+  """A row's peak with the compiler and the figure it is: 'XLA:TPU peak 37.6 GB'."""
+  figure = "bound" if row.get("compiler_peak_bytes") is None else "peak"
+  return f"{compiler} {figure} {row['peak_bytes'] / GB:.3g} GB"
+
+
+def verdict(rows: list[dict], device_bytes: float, where: str, compiler: str) -> list[str]:
+  """`chosen: <strategy> (...)` with why and the `compiler`'s figure it fits by, the
+  runner-up, and any faster strategy that does not fit (a larger device would pick it)."""
   ranked = fastest_that_fit(rows, device_bytes)
   limit = f"{device_bytes / GB:g} GB"
   if not ranked:
-    return [f"chosen: none (no strategy fits {limit} per device)"]
+    return [f"chosen: none (no strategy fits {limit} per device by {compiler}'s figures)"]
   best = ranked[0]
+  fits = f"fits: {_memory(best, compiler)} of {limit}"
   if len(ranked) == 1:
     lines = [f"chosen: {best['strategy']} (projected {_ms(best['total_s'])}/step {where}; "
-             f"the only strategy that fits {limit})", "runner-up: none"]
+             f"{fits}, the only strategy that does)", "runner-up: none"]
   else:
     second = ranked[1]
     gap = lambda key: second[key] - best[key]  # what the runner-up spends beyond the pick
     less = lambda d: f"{_ms(abs(d))} {'less' if d >= 0 else 'more'}"
-    lines = [f"chosen: {best['strategy']} (projected {_ms(best['total_s'])}/step {where}; the "
-             f"fastest of the {len(ranked)} that fit {limit}: {less(gap('wait_s'))} K/V "
+    lines = [f"chosen: {best['strategy']} (projected {_ms(best['total_s'])}/step {where}; "
+             f"{fits}; the fastest of the {len(ranked)} that fit: {less(gap('wait_s'))} K/V "
              f"transfer and waiting than the runner-up, {less(gap('compute_s'))} compute)",
              f"runner-up: {second['strategy']} (projected {_ms(second['total_s'])}/step, "
              f"{second['total_s'] / best['total_s']:.3g}x)"]
-  over = [f"{r['strategy']} ({_ms(r['total_s'])}/step, peak {r['peak_bytes'] / GB:.3g} GB)"
+  over = [f"{r['strategy']} ({_ms(r['total_s'])}/step, {_memory(r, compiler)})"
           for r in rows if not r.get("error") and r["peak_bytes"] > device_bytes
           and r["total_s"] < best["total_s"]]
   return lines + ([f"faster but over {limit}: {', '.join(over)}"] if over else [])
@@ -117,6 +126,15 @@ def describe(hw: Hardware, a: Assumptions) -> str:
           f"{'hidden under' if a.ring_overlap else 'before'} compute, backward "
           f"{a.attention_bwd_factor:g}x forward, K/V in {a.compute_bytes} B, dK/dV in "
           f"{a.kv_grad_bytes} B, linear layers at {3 + a.remat_forward}x their forward FLOPs")
+
+
+def device_memory_name(cfg: Config, target: targets.Target) -> str:
+  """What the peaks must fit (`step_report.device_memory_bytes`), in words."""
+  if cfg.plan.device_memory_gb > 0:
+    return "plan.device_memory_gb"
+  known = target.memory_bytes()
+  return (f"one {target.chip}'s memory ({known / targets.GIB:.2f} GiB)" if known else
+          "an H200's 141 GB (the target reports no device memory)")
 
 
 def plan_report(cfg: Config, progress=lambda _: None) -> str:
@@ -137,16 +155,34 @@ def plan_report(cfg: Config, progress=lambda _: None) -> str:
     rows.append({"strategy": name, "projected ms/step": f"{step['total_s'] * 1e3:.3g}",
                  **step, **r.row()})
   m = cfg.model
+  time_caveat = f" (no model of a {target.chip}'s time)" if target.platform == "tpu" else ""
   return "\n".join([
       f"Compiled train step per device ({target.describe()}; "
       f"mesh data={p.data} fsdp={p.fsdp} seq={p.seq}; L={cfg.data.seq_len}, "
       f"B={cfg.objective.block_size}, {cfg.train.batch_size} sequences/step, "
       f"{step_report.describe_objective(cfg)}; {m.n_layers} layers, d_model {m.d_model}, "
-      f"remat {m.remat}, {m.compute_dtype} compute). {step_report.peak_note(rows)}; attention "
+      f"remat {m.remat}, {m.compute_dtype} compute). {step_report.peak_note(rows)}; fits = "
+      f"{target.compiler}'s figure against {device_memory_name(cfg, target)}; attention "
       "= K/V, dK/dV and row metadata each device sends per step (from the layout plan); "
       "check = compiled attention collectives / the plan's.", "",
       f"Projected = the cost model's step time (analysis/cost_model) on {describe(hw, a)}; "
-      f"{sequences(cfg)} sequences per device as one batch. It models GPUs only: the memory "
-      "is the target compiler's, the time an H200's.", "",
+      f"{sequences(cfg)} sequences per device as one batch. It models H200s only: the memory "
+      f"is {target.compiler}'s, the time an H200's{time_caveat}.", "",
       *step_report.table(rows, device, keys=("strategy", "projected ms/step")), "",
-      *verdict(rows, device, f"on {hw.name}, default assumptions")])
+      *verdict(rows, device, f"on {hw.name}, default assumptions{time_caveat}",
+               target.compiler),
+      *(breakdown_lines(cfg, rows, device, mesh) if cfg.plan.breakdown else [])])
+
+
+def breakdown_lines(cfg: Config, rows: list[dict], device_bytes: float, mesh) -> list[str]:
+  """plan.breakdown: the buffers live at the peak of the chosen strategy's step (of the one
+  with the least peak where none fits), by category: what to turn on next."""
+  compiled = [r for r in rows if not r.get("error")]
+  ranked = fastest_that_fit(rows, device_bytes) or sorted(compiled,
+                                                          key=lambda r: r["peak_bytes"])
+  if not ranked:
+    return []
+  name = ranked[0]["strategy"]
+  _, breakdown = buffers.step_breakdown(override(cfg, [f"parallel.strategy={name}"]), mesh)
+  return ["", f"Breakdown of {name}'s step (compiled again with XLA's buffer-assignment dump):",
+          "", *breakdown.lines()]

@@ -8,8 +8,9 @@ does.
 import os
 
 SECTIONS = ("parallel_bench.md", "scale_probe.md", "scale_probe_ablation.md",
-            "scale_probe_tpu.md", "cost_model.md", "parallel_bench_dflash.md",
-            "scale_probe_dflash.md", "window_traffic.md", "block_size_sweep.md")
+            "scale_probe_tpu.md", "cost_model.md", "cost_model_scaling.md",
+            "parallel_bench_dflash.md", "scale_probe_dflash.md", "window_traffic.md",
+            "block_size_sweep.md")
 HEADER = ("# Results\n\n"
           "Generated; do not edit. Regenerate with "
           "`python experiments/parallel_bench.py --quick && python experiments/scale_probe.py "
@@ -18,6 +19,8 @@ HEADER = ("# Results\n\n"
           "--strategies csbp_ring csbp_allgather && python experiments/scale_probe.py --target "
           "tpu:v5p:2x2x4 --models llama3-8b --lens 262144 524288 1048576 --depth-check 0 "
           "&& python experiments/cost_model.py "
+          "--kernel-csv experiments/results/kernel_bench.csv "
+          "&& python experiments/cost_model.py --scaling "
           "--kernel-csv experiments/results/kernel_bench.csv` "
           "(and `python experiments/window_traffic.py`, `python experiments/block_size_sweep.py` "
           "for the last sections).\n")

@@ -213,13 +213,14 @@ class StepReport:
     return out
 
 
-def compile_train_step(cfg: Config, mesh):
-  """(compiled, seconds): the real train step compiled from abstract inputs."""
+def compile_train_step(cfg: Config, mesh, compiler_options: dict | None = None):
+  """(compiled, seconds): the real train step compiled from abstract inputs (with XLA's
+  `compiler_options`, e.g. `buffers.dump_options`)."""
   key = jax.eval_shape(lambda: jax.random.key(0))
   start = time.perf_counter()
   lowered = make_train_step(cfg, mesh).lower(abstract_state(cfg, mesh),
                                              abstract_batch(cfg, mesh), key)
-  compiled = lowered.compile()
+  compiled = lowered.compile(compiler_options=compiler_options)
   return compiled, time.perf_counter() - start
 
 
@@ -235,13 +236,14 @@ def compiled_memory(compiled, platform: str) -> dict:
       host_bytes=host - memory.get("host_alias_size_in_bytes", 0))
 
 
-def step_report(cfg: Config, mesh=None) -> StepReport:
+def step_report(cfg: Config, mesh=None, compiler_options: dict | None = None) -> StepReport:
   """Compiles `cfg`'s train step on `mesh` (default `make_mesh(cfg)`; its devices' platform
-  is the compiler, `targets`) and reads its costs."""
+  is the compiler, `targets`; `compiler_options` as `compile_train_step`'s) and reads its
+  costs."""
   mesh = make_mesh(cfg) if mesh is None else mesh
   platform = mesh.devices.flat[0].platform
   targets.check(cfg, platform)
-  compiled, seconds = compile_train_step(cfg, mesh)
+  compiled, seconds = compile_train_step(cfg, mesh, compiler_options)
   return StepReport(
       **compiled_memory(compiled, platform),
       compile_s=seconds, collective_bytes=hlo_stats.collective_bytes(compiled),

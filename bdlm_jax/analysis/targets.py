@@ -31,6 +31,9 @@ TPU_HBM_BYTES = {
     "TPU v5": 95.74 * GIB,       # v5p
     "TPU v6 lite": 31.25 * GIB,  # v6e (Trillium)
 }
+# The public name of a TPU device kind jax reports ("TPU v5" is a v5p chip, "TPU v5 lite" a
+# v5e), for reports; a kind not listed prints as jax names it.
+TPU_PUBLIC_NAMES = {"TPU v5": "TPU v5p", "TPU v5 lite": "TPU v5e", "TPU v6 lite": "TPU v6e"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +50,17 @@ class Target:
   def device_kind(self) -> str:
     return self.devices[0].device_kind
 
+  @property
+  def chip(self) -> str:
+    """The device's public name (`TPU_PUBLIC_NAMES`), e.g. TPU v5p for jax's "TPU v5"."""
+    return TPU_PUBLIC_NAMES.get(self.device_kind, self.device_kind)
+
   def describe(self, devices: int | None = None) -> str:
     """The compiler and (the first `devices` of) its devices, for a report's header."""
     how = {"cpu": "", "tpu": " ahead of time (compiled, not run)",
            "gpu": " (a mock topology beyond this host's GPUs: compiled, not run)"}
     return (f"{self.compiler}{how[self.platform]} for {devices or len(self.devices)} "
-            f"{self.device_kind} devices (plan.target={self.name})")
+            f"{self.chip} devices (plan.target={self.name})")
 
   def memory_bytes(self) -> float | None:
     """One device's memory where the target knows it: a TPU chip's HBM (`TPU_HBM_BYTES`),

@@ -30,22 +30,33 @@ MAX_SHARD_BYTES = 5 * 2**30
 _OUR_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
 
 
-def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES,
+              vision_from: str | None = None) -> None:
   """Writes config.json, generation_config.json and model.safetensors (or shards + index) in
   `cfg.export.dtype`, into a new or empty `out_dir` (`check_out_dir`).
 
+  A DiffusionGemma (`model.self_conditioning`) takes the vision tower of the HF folder
+  `vision_from` (its vision_config and tensors, as they are); without one, its config.json
+  names the smallest Gemma 4 vision tower, which transformers initialises at random.
   Sharded params are gathered to the host one tensor at a time; only process 0 writes.
   """
   check_out_dir(out_dir, cfg.export.overwrite)
   dtype = jax.numpy.dtype(cfg.export.dtype)
-  host, tensors = {}, {}
+  host, parts = {}, {}
   for t in tensor_map(cfg.model):
     if t.path not in host:  # a stacked weight is gathered once for all its layers
       x = to_host(get_path(params, t.path))
       # An offset comes off in float32, before the cast (Gemma's norm weights: scale - 1).
       host[t.path] = (x.astype(np.float32) - t.offset if t.offset else x).astype(dtype)
     x = host[t.path][t.index]  # its layer's (and expert's) slice of a stacked weight
-    tensors[t.name] = np.ascontiguousarray(x.T if t.transposed else x)
+    x = np.swapaxes(x, -1, -2) if t.transposed else x
+    for name in (t.name, *t.copies):
+      parts.setdefault(name, {})[t.part[0] if t.part else 0] = x
+  tensors = {name: np.ascontiguousarray(np.concatenate([p[i] for i in sorted(p)], axis=-2)
+                                        if len(p) > 1 else p[0]) for name, p in parts.items()}
+  vision = None
+  if vision_from and cfg.model.self_conditioning:
+    vision, tensors = _with_vision_tower(vision_from, tensors)
   if jax.process_index() != 0:
     return
   try:
@@ -69,7 +80,7 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
   extra = {"bdlm_mask_token_id": cfg.objective.mask_token_id,
            "bdlm_block_size": cfg.objective.block_size, "bdlm_objective": cfg.objective.name}
   _write_json(os.path.join(out_dir, "config.json"),
-              hf_config(cfg.model, cfg.export.dtype, cfg.data.seq_len, extra))
+              hf_config(cfg.model, cfg.export.dtype, cfg.data.seq_len, extra, vision))
   _write_json(os.path.join(out_dir, "generation_config.json"), _generation_config(cfg))
 
 
@@ -99,6 +110,18 @@ def export_checkpoint(cfg: Config, workdir: str) -> tuple[int, str]:
   step, state = restore_state(cfg, workdir, make_mesh(cfg), cfg.export.checkpoint_step)
   export_hf(state.params, cfg, cfg.export.out_dir)
   return step, cfg.export.out_dir
+
+
+def _with_vision_tower(folder: str, tensors: dict) -> tuple[dict, dict]:
+  """(vision_config, tensors plus the vision tower's) of a DiffusionGemma folder."""
+  from bdlm_jax.checkpoint.hf_gemma4 import VISION_PREFIXES
+  from bdlm_jax.checkpoint.hf_import import _TensorFiles, read_hf_config
+  vision = read_hf_config(folder).get("vision_config")
+  if not vision:
+    raise ConfigError(f"vision_from={folder!r} has no vision_config in its config.json")
+  with _TensorFiles(folder) as files:
+    tower = {n: files.get_slice(n)[:] for n in sorted(files.names) if n.startswith(VISION_PREFIXES)}
+  return vision, {**tensors, **tower}
 
 
 def _split(tensors: dict, max_bytes: int) -> list[dict]:

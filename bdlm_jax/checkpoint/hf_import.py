@@ -19,6 +19,7 @@ import numpy as np
 import safetensors
 from jax.sharding import SingleDeviceSharding
 
+from bdlm_jax.checkpoint.hf_gemma4 import DIFFUSION_GEMMA, VISION_PREFIXES
 from bdlm_jax.checkpoint.hf_names import (IGNORED_SUFFIXES, Tensor, get_path,
                                           model_config_from_hf, set_path, shape_fields,
                                           tensor_map)
@@ -29,16 +30,19 @@ from bdlm_jax.params import transformer_params
 from bdlm_jax.parallel.zero3 import zero3_shardings
 
 INDEX_FILE = "model.safetensors.index.json"
-VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # [vocab, d_model] in HF
+VOCAB_TENSORS = ("model.embed_tokens.weight", "model.decoder.embed_tokens.weight",
+                 "lm_head.weight")  # [vocab, d_model] in HF
 # ModelConfig fields a config.json sets that leave the params' shapes alone.
 _BEHAVIOUR_KEYS = ("rope_theta", "rope_local_theta", "norm_eps", "layer_pattern",
                    "sliding_window", "scale_embeddings", "query_pre_attn_scalar",
-                   "mlp_activation", "logit_softcap", "moe_top_k", "moe_norm_topk")
+                   "mlp_activation", "logit_softcap", "moe_top_k", "moe_norm_topk",
+                   "global_partial_rotary_factor", "last_layer_global", "v_norm")
 
 
 def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dict]:
-  """(cfg, params) from a Llama, Qwen3, Qwen3-MoE or Gemma 3 (text) Hugging Face folder,
-  params placed on `mesh`.
+  """(cfg, params) from a Llama, Qwen3, Qwen3-MoE, Gemma 3 (text), Gemma 4 (text) or
+  DiffusionGemma (its text model: the vision tower is left out, with a warning) Hugging Face
+  folder, params placed on `mesh`.
 
   `cfg.model` comes from config.json (params and compute in `dtype`); every other section
   keeps the `Config()` defaults, except:
@@ -49,7 +53,9 @@ def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dic
     beyond its vocabulary as Fast-dLLM v2 uses 151665 of Qwen2.5, a reserved placeholder).
     Failing that, or without a tokenizer.json to tell free ids from real tokens, [MASK] gets
     a new row: `model.vocab_size` grows by one and the new embedding (and head) row is the
-    mean of the others, a neutral start that training then moves.
+    mean of the others, a neutral start that training then moves. A DiffusionGemma folder
+    never gets one (its canvases are corrupted with uniform tokens, not [MASK]): its
+    vocabulary stays the folder's, and [MASK] falls back to the last id.
   """
   hf = read_hf_config(path)
   model = dict(model_config_from_hf(hf, path), param_dtype=dtype, compute_dtype=dtype)
@@ -62,6 +68,8 @@ def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dic
     data["tokenizer"] = path
     if mask is None:
       mask = pick_mask_id(HFTokenizer(path), model["vocab_size"])
+  if mask is None and hf.get("model_type") == DIFFUSION_GEMMA:
+    mask = model["vocab_size"] - 1
   if mask is None:
     mask, model["vocab_size"] = model["vocab_size"], model["vocab_size"] + 1
   cfg = replace(defaults, model=model, data=data,
@@ -128,7 +136,7 @@ def _read_params(path: str, cfg: Config, mesh, layers: bool = True) -> dict:
       want = get_path(abstract, where)
       lead = len(tensors[0].index)  # stacked axes: 0, 1 (layers) or 2 (layers, experts)
       shape = want.shape[lead:]
-      hf_shape = tuple(shape[::-1] if tensors[0].transposed else shape)
+      hf_shape = tensors[0].hf_shape(shape)
       grid = np.empty(want.shape[:lead], object)  # the HF tensor of each stacked slice
       for t in tensors:
         grid[t.index] = files.get_slice(t.name)
@@ -140,8 +148,13 @@ def _read_params(path: str, cfg: Config, mesh, layers: bool = True) -> dict:
                             f"{tuple(grid[t.index].get_shape())}, but config.json implies "
                             f"{hf_shape}")
       set_path(params, where, _place(grid, tensors[0], want, get_path(shardings, where)))
-    used = {t.name for t in tensor_map(cfg.model)}
-    unused = sorted(n for n in files.names - used if not n.endswith(IGNORED_SUFFIXES)
+    used = {name for t in tensor_map(cfg.model) for name in (t.name, *t.copies)}
+    vision = sorted(n for n in files.names if n.startswith(VISION_PREFIXES))
+    if vision:
+      warnings.warn(f"{path}: the vision tower ({len(vision)} tensors under "
+                    f"{', '.join(VISION_PREFIXES)}) is left out: bdlm_jax imports the text model")
+    unused = sorted(n for n in files.names - used - set(vision)
+                    if not n.endswith(IGNORED_SUFFIXES)
                     and not (n == "lm_head.weight" and cfg.model.tie_embeddings))
     if unused:
       warnings.warn(f"{path}: ignoring tensors this architecture does not use: {unused}")
@@ -154,7 +167,8 @@ def _place(grid: np.ndarray, hf: Tensor, want, sharding) -> jax.Array:
   of each). `hf` says how HF stores it: transposed, or offset (added in float32 before the
   cast, as HF computes it)."""
   def read_one(tensor, index):
-    x = tensor[index[::-1]].T if hf.transposed else tensor[index]
+    x = tensor[hf.hf_index(index, want.shape[grid.ndim:])]
+    x = np.swapaxes(x, -1, -2) if hf.transposed else x
     return x.astype(np.float32) + hf.offset if hf.offset else x
 
   def read(index):

@@ -1,4 +1,5 @@
-"""Hugging Face Llama/Qwen3/Qwen3-MoE/Gemma 3 <-> bdlm_jax: tensor names and model config fields.
+"""Hugging Face Llama/Qwen3/Qwen3-MoE/Gemma 3 <-> bdlm_jax: tensor names and model config fields
+(Gemma 4 and DiffusionGemma: hf_gemma4.py).
 
 The one place that knows both vocabularies; import (hf_import.py) and export (hf_export.py)
 read the same tables in opposite directions. Llama and Qwen3 match our decoder exactly:
@@ -15,8 +16,9 @@ weights are [out, in]; our flax kernels are [in, out].
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
+from bdlm_jax.checkpoint import hf_gemma4
+from bdlm_jax.checkpoint.hf_tensor import (ACTIVATIONS, LAYER_TYPES, Tensor, require,
+                                           shared_config, shortest_period)
 from bdlm_jax.config import ModelConfig
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.models.pattern import layer_types, mlp_types
@@ -24,7 +26,8 @@ from bdlm_jax.models.transformer import layer_slots
 
 GEMMA3 = "gemma3_text"
 QWEN3_MOE = "qwen3_moe"
-MODEL_TYPES = ("llama", "qwen3", QWEN3_MOE, GEMMA3)
+GEMMA4_TYPES = ("gemma4_text", "diffusion_gemma")  # hf_gemma4.py
+MODEL_TYPES = ("llama", "qwen3", QWEN3_MOE, GEMMA3, *GEMMA4_TYPES)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  QWEN3_MOE: "Qwen3MoeForCausalLM", GEMMA3: "Gemma3ForCausalLM"}
 # Tensors an HF folder may hold that carry nothing we need (old Llama checkpoints keep the
@@ -69,8 +72,6 @@ _NORMS = {"llama": _LLAMA_NORMS, "qwen3": _LLAMA_NORMS, QWEN3_MOE: _LLAMA_NORMS,
 }}
 _QK_NORMS = {"self_attn.q_norm.weight": ("attn", "q_norm"),
              "self_attn.k_norm.weight": ("attn", "k_norm")}
-_LAYER_TYPES = {"full_attention": "global", "sliding_attention": "local"}  # HF -> ours
-_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF -> ours
 # Gemma3TextConfig's defaults, for keys a hand-written config.json may leave out.
 _GEMMA3_DEFAULTS = dict(head_dim=256, hidden_activation="gelu_pytorch_tanh", rope_theta=1e6,
                         rope_local_base_freq=1e4, query_pre_attn_scalar=256, sliding_window=4096,
@@ -81,32 +82,12 @@ _QWEN3_MOE_DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermedi
                            decoder_sparse_step=1, mlp_only_layers=[])
 
 
-class Tensor(NamedTuple):
-  """Where one HF tensor lives in our params pytree.
-
-  Layer weights are stacked (`layers` holds one array per weight with a leading layer
-  axis), so HF's `model.layers.{i}.X` is slice `layer` = i of the array at `path`; expert
-  weights have an expert axis next, so `model.layers.{i}.mlp.experts.{e}.X` is slice [i, e].
-  """
-
-  name: str  # HF tensor name
-  path: tuple  # keys into our params pytree
-  transposed: bool  # HF nn.Linear [out, in] vs our kernel [in, out]
-  layer: int | None  # index on the stacked layer axis, None for unstacked weights
-  offset: float = 0.0  # ours = HF + offset, in float32 (1 for Gemma's (1 + w) norms)
-  expert: int | None = None  # index on the expert axis (after the layer axis), if any
-
-  @property
-  def index(self) -> tuple:
-    """Which slice of the array at `path` this tensor is: () for a whole array, (layer,)
-    for a layer weight, (layer, expert) for an expert's."""
-    return tuple(i for i in (self.layer, self.expert) if i is not None)
-
-
 def hf_model_type(m: ModelConfig) -> str:
-  """The HF family that expresses `m`: Gemma 3 when it has Gemma's norms and embedding
-  scale, else Qwen3-MoE (experts), Qwen3 (q/k norms) or Llama; a ConfigError when no family
-  fits."""
+  """The HF family that expresses `m`: Gemma 4 or DiffusionGemma when it has their features
+  (`hf_gemma4.model_type`), Gemma 3 when it has Gemma's norms and embedding scale, else
+  Qwen3-MoE (experts), Qwen3 (q/k norms) or Llama; a ConfigError when no family fits."""
+  if any(getattr(m, k) for k in hf_gemma4.FEATURES) or m.global_partial_rotary_factor != 1:
+    return hf_gemma4.model_type(m)
   gemma = ("post_norms", "scale_embeddings", "qk_norm")
   if m.moe_experts and (m.post_norms or m.scale_embeddings or not m.qk_norm):
     raise ConfigError(
@@ -139,6 +120,8 @@ def hf_model_type(m: ModelConfig) -> str:
 def tensor_map(m: ModelConfig) -> list[Tensor]:
   """Every HF tensor of `m`, with where it lives in our params pytree."""
   model_type = hf_model_type(m)
+  if model_type in GEMMA4_TYPES:
+    return hf_gemma4.tensor_map(m, model_type)
   offset = 1.0 if model_type == GEMMA3 else 0.0
   norms = {**_NORMS[model_type], **(_QK_NORMS if m.qk_norm else {})}
   per_layer = [(name, (*path, "scale"), False, offset) for name, path in norms.items()]
@@ -161,20 +144,16 @@ def tensor_map(m: ModelConfig) -> list[Tensor]:
 def shape_fields(m: ModelConfig) -> dict:
   """The ModelConfig fields that fix the params' shapes: with experts, their width
   (moe_d_ff, 0 meaning d_ff) and which layers have them; d_ff only if some layer is dense."""
-  out = {k: getattr(m, k) for k in (*SHAPE_KEYS, "qk_norm", "post_norms", "moe_experts")}
+  out = {k: getattr(m, k) for k in (*SHAPE_KEYS, "qk_norm", "post_norms", "moe_experts",
+                                    "global_head_dim", "global_n_kv_heads", "attention_k_eq_v",
+                                    "moe_beside_dense", "moe_router_norm", "layer_scalar",
+                                    "self_conditioning")}
   if m.moe_experts:
     out["moe_d_ff"] = m.moe_d_ff or m.d_ff
     out["mlp_types"] = mlp_types(m)
     if "dense" not in out["mlp_types"]:
       del out["d_ff"]
   return out
-
-
-def shortest_period(kinds: list) -> list:
-  """The shortest prefix that repeats to `kinds` (a layer pattern's period)."""
-  n = len(kinds)
-  return kinds[:next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p]
-                                                       for i in range(n)))]
 
 
 def get_path(tree, path: tuple):
@@ -195,7 +174,9 @@ def model_config_from_hf(hf: dict, where: str) -> dict:
   if model_type not in MODEL_TYPES:
     raise ConfigError(f"{where}: model_type={model_type!r} is not supported; bdlm_jax imports "
                       f"{list(MODEL_TYPES)}")
-  _require(hf, where, "attention_bias", (False,), "attention projections have no bias")
+  if model_type in GEMMA4_TYPES:
+    return hf_gemma4.model_fields(hf, where)
+  require(hf, where, "attention_bias", (False,), "attention projections have no bias")
   n_heads = hf["num_attention_heads"]
   fields = dict(
       vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
@@ -203,9 +184,9 @@ def model_config_from_hf(hf: dict, where: str) -> dict:
       d_ff=hf["intermediate_size"], norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
   if model_type == GEMMA3:
     return {**fields, **_gemma3_fields(hf, where)}
-  _require(hf, where, "hidden_act", ("silu",), "the MLP is SwiGLU")
-  _require(hf, where, "mlp_bias", (False,), "MLP projections have no bias")
-  _require(hf, where, "use_sliding_window", (False,), "every layer attends to the full context")
+  require(hf, where, "hidden_act", ("silu",), "the MLP is SwiGLU")
+  require(hf, where, "mlp_bias", (False,), "MLP projections have no bias")
+  require(hf, where, "use_sliding_window", (False,), "every layer attends to the full context")
   if any(t != "full_attention" for t in hf.get("layer_types") or ()):
     raise ConfigError(f"{where}: layer_types={hf['layer_types']} has sliding-window layers; "
                       f"bdlm_jax supports only 'full_attention'")
@@ -245,18 +226,12 @@ def _qwen3_moe_fields(hf: dict, where: str) -> dict:
               moe_aux_weight=float(hf["router_aux_loss_coef"]))
 
 
-def _require(hf: dict, where: str, key: str, allowed: tuple, what: str) -> None:
-  if hf.get(key, allowed[0]) not in allowed:
-    raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported ({what}); bdlm_jax "
-                      f"needs {key} in {allowed}")
-
-
 def _gemma3_fields(hf: dict, where: str) -> dict:
   """The fields a Gemma 3 config.json sets beyond the shared ones (a key left out or null
   takes Gemma3TextConfig's default)."""
   hf = {**_GEMMA3_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
-  _require(hf, where, "hidden_activation", tuple(_ACTIVATIONS), "the MLP is GeGLU or SwiGLU")
-  _require(hf, where, "use_bidirectional_attention", (False,), "attention is causal")
+  require(hf, where, "hidden_activation", tuple(ACTIVATIONS), "the MLP is GeGLU or SwiGLU")
+  require(hf, where, "use_bidirectional_attention", (False,), "attention is causal")
   if hf.get("attn_logit_softcapping") is not None:
     raise ConfigError(f"{where}: attn_logit_softcapping={hf['attn_logit_softcapping']!r} is not "
                       f"supported (bdlm_jax's attention kernels do not soft-cap attention "
@@ -265,14 +240,14 @@ def _gemma3_fields(hf: dict, where: str) -> dict:
   every = hf["sliding_window_pattern"]  # the layer_types of configs from before layer_types
   hf_types = hf.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else
                                        "sliding_attention" for i in range(n_layers)]
-  unknown = sorted(set(hf_types) - set(_LAYER_TYPES))
+  unknown = sorted(set(hf_types) - set(LAYER_TYPES))
   if unknown:
     raise ConfigError(f"{where}: layer_types has the unsupported type(s) {unknown}; bdlm_jax "
-                      f"knows {list(_LAYER_TYPES)}")
+                      f"knows {list(LAYER_TYPES)}")
   if len(hf_types) != n_layers:
     raise ConfigError(f"{where}: layer_types has {len(hf_types)} entries for "
                       f"num_hidden_layers={n_layers}")
-  types = [_LAYER_TYPES[t] for t in hf_types]
+  types = [LAYER_TYPES[t] for t in hf_types]
   has_local = "local" in types
   rope = hf.get("rope_parameters") or {}
   if "full_attention" in rope or "sliding_attention" in rope:  # transformers >= 5
@@ -290,7 +265,7 @@ def _gemma3_fields(hf: dict, where: str) -> dict:
       rope_local_theta=(_plain_rope_theta(local, local_key, where, hf["rope_local_base_freq"])
                         if has_local else 0.0),
       query_pre_attn_scalar=int(hf["query_pre_attn_scalar"]),
-      mlp_activation=_ACTIVATIONS[hf["hidden_activation"]],
+      mlp_activation=ACTIVATIONS[hf["hidden_activation"]],
       logit_softcap=float(hf.get("final_logit_softcapping") or 0.0),
       tie_embeddings=bool(hf["tie_word_embeddings"]))
 
@@ -305,23 +280,17 @@ def _plain_rope_theta(params: dict, key: str, where: str, default: float) -> flo
   return float(params.get("rope_theta", default))
 
 
-def hf_config(m: ModelConfig, dtype: str, max_positions: int, extra: dict) -> dict:
-  """config.json for `m` that transformers loads as its family (`hf_model_type`)."""
+def hf_config(m: ModelConfig, dtype: str, max_positions: int, extra: dict,
+              vision: dict | None = None) -> dict:
+  """config.json for `m` that transformers loads as its family (`hf_model_type`; `vision`:
+  a DiffusionGemma's vision_config)."""
   model_type = hf_model_type(m)
+  if model_type in GEMMA4_TYPES:
+    return hf_gemma4.hf_config(m, model_type, dtype, max_positions, extra, vision)
   out = {
       "architectures": [ARCHITECTURES[model_type]],
       "model_type": model_type,
-      "vocab_size": m.vocab_size,
-      "hidden_size": m.d_model,
-      "num_hidden_layers": m.n_layers,
-      "num_attention_heads": m.n_heads,
-      "num_key_value_heads": m.n_kv_heads,
-      "head_dim": m.head_dim,
-      "intermediate_size": m.d_ff,
-      "rms_norm_eps": m.norm_eps,
-      "attention_bias": False,
-      "tie_word_embeddings": m.tie_embeddings,
-      "max_position_embeddings": max_positions,
+      **shared_config(m, max_positions),
       "dtype": dtype,
   }
   if model_type == GEMMA3:
@@ -359,8 +328,8 @@ def _gemma3_config(m: ModelConfig, max_positions: int) -> dict:
   period = len(m.layer_period)
   local_theta = m.rope_local_theta or m.rope_theta
   out = {
-      "hidden_activation": {ours: hf for hf, ours in _ACTIVATIONS.items()}[m.mlp_activation],
-      "layer_types": [{ours: hf for hf, ours in _LAYER_TYPES.items()}[k] for k in kinds],
+      "hidden_activation": {ours: hf for hf, ours in ACTIVATIONS.items()}[m.mlp_activation],
+      "layer_types": [{ours: hf for hf, ours in LAYER_TYPES.items()}[k] for k in kinds],
       # Unused without local layers, but transformers builds their mask anyway.
       "sliding_window": m.sliding_window or max_positions,
       "rope_theta": m.rope_theta,

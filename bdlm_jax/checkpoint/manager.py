@@ -34,7 +34,7 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"  # of a step folder Orbax is still writing
 # Model keys that change how the model runs, not what its parameters mean: a run may resume
 # with a different kernel, remat policy, compute dtype or loss chunk.
 RUNTIME_MODEL_KEYS = ("attention_impl", "attention_chunk", "remat", "compute_dtype",
-                      "logits_chunk")
+                      "logits_chunk", "row_chunks")
 
 # Settings a run may resume with changed (`trajectory_changes`): how it runs, logs and
 # checkpoints, not what it computes (every mesh, strategy and micro-batching gives the same

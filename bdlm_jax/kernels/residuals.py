@@ -12,12 +12,19 @@ from jax.ad_checkpoint import checkpoint_name
 
 OUT, LSE = "attention_out", "attention_lse"
 EXCHANGED = "attention_exchanged_kv"  # K/V rows a local layer's windowed exchange received
-NAMES = (OUT, LSE, EXCHANGED)
+LAYER_INPUT = "layer_input"  # what a layer reads: the scan carry
+SAVED = (LAYER_INPUT, OUT, LSE, EXCHANGED)  # all a remat'd layer keeps for its backward
 
 
 def keep(out, lse):
   """(out, lse), tagged so that `models.transformer.remat_policy` saves them."""
   return checkpoint_name(out, OUT), checkpoint_name(lse, LSE)
+
+
+def keep_input(x):
+  """The layer input `x` (a pytree), tagged so that remat can put it in host memory: as the
+  remat'd function's argument it is kept anyway, but only a named array can be offloaded."""
+  return jax.tree.map(lambda a: checkpoint_name(a, LAYER_INPUT), x)
 
 
 def keep_exchanged(rows):

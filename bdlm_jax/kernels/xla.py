@@ -1,4 +1,4 @@
-"""The `xla` attention: plain jnp, flash-style over key chunks; the oracle and CPU default.
+"""The `xla` attention: plain jnp, flash-style over tiles; the oracle and CPU default.
 
 Interface shared by every implementation (docs/kernels.md):
   attend_fwd(q, k, v, q_meta, k_meta) -> (out, lse)
@@ -7,8 +7,10 @@ q: [S, Rq, Hq, D]; k, v: [S, Rk, Hkv, D] (grouped-query: Hq a multiple of Hkv);
 lse: f32 [S, Rq, Hq], natural log. The raw fwd/bwd return float32 (out, dq, dk, dv) so a
 ring can merge and accumulate in full precision; the differentiable `attend` casts back to
 the input dtypes. The backward takes the *global* out and lse,
-so a ring can hand it the merged statistics of all steps. Keys are visited in chunks so no
-(Rq x Rk) score matrix is ever live: memory grows with Rq * chunk, not Rq * Rk.
+so a ring can hand it the merged statistics of all steps. The work runs in tiles of `chunk`
+queries x `chunk` keys, so no (Rq x Rk) score matrix, nor an (Rq x chunk) one, is ever live:
+memory grows with chunk^2 per tile, and a tile of queries visits only the key chunks its
+mask reaches.
 """
 
 import functools
@@ -17,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from bdlm_jax.kernels import residuals
+from bdlm_jax.kernels.chunking import over_row_chunks
 from bdlm_jax.kernels.mask import RowMeta, allowed
 
 NEG_INF = -1e30  # finite: exp() of it is 0 and it never makes NaN through an untaken branch
@@ -69,73 +72,81 @@ def _split_heads(x, hkv):
 
 def attend_fwd(q, k, v, q_meta: RowMeta, k_meta: RowMeta, chunk: int = 512):
   hkv = k.shape[2]
-  scale = q.shape[-1] ** -0.5
-  q5 = _split_heads(q, hkv)
   k_n, v_n, km_n = _chunked_keys(k, v, k_meta, min(chunk, k.shape[1]))
-  s, rq, hq, d = q.shape
 
-  def visit(carry, j, mask):
-    m, l, acc = carry
-    s_c, mask = _scores(q5, k_n[j], mask, scale)
-    m_new = jnp.maximum(m, s_c.max(-1))
-    p = jnp.where(mask, jnp.exp(s_c - m_new[..., None]), 0.0)
-    corr = jnp.exp(m - m_new)
-    l = l * corr + p.sum(-1)
-    pv = jnp.einsum("shgqk,skhd->shgqd", p.astype(v.dtype), v_n[j],
-                    preferred_element_type=jnp.float32)
-    return m_new, l, acc * corr[..., None] + pv
+  def tile(q, q_meta):  # one tile of queries against the key chunks it reaches
+    scale = q.shape[-1] ** -0.5
+    q5 = _split_heads(q, hkv)
+    s, rq, hq, d = q.shape
 
-  # Carries derive from q (zeros_like), so inside shard_map they vary over the same axes.
-  acc0 = jnp.moveaxis(jnp.zeros_like(q5, jnp.float32), 1, 3)
-  init = (acc0[..., 0] + NEG_INF, acc0[..., 0], acc0)
-  m, l, acc = _visited_chunks(q_meta, km_n, visit, init)
-  nonempty = l > 0
-  out = acc / jnp.where(nonempty, l, 1.0)[..., None]
-  lse = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), NEG_INF)
-  out = jnp.moveaxis(out, 3, 1).reshape(s, rq, hq, d)
-  lse = jnp.moveaxis(lse, 3, 1).reshape(s, rq, hq)
-  return out, lse
+    def visit(carry, j, mask):
+      m, l, acc = carry
+      s_c, mask = _scores(q5, k_n[j], mask, scale)
+      m_new = jnp.maximum(m, s_c.max(-1))
+      p = jnp.where(mask, jnp.exp(s_c - m_new[..., None]), 0.0)
+      corr = jnp.exp(m - m_new)
+      l = l * corr + p.sum(-1)
+      pv = jnp.einsum("shgqk,skhd->shgqd", p.astype(v.dtype), v_n[j],
+                      preferred_element_type=jnp.float32)
+      return m_new, l, acc * corr[..., None] + pv
+
+    # Carries derive from q (zeros_like), so inside shard_map they vary over the same axes.
+    acc0 = jnp.moveaxis(jnp.zeros_like(q5, jnp.float32), 1, 3)
+    init = (acc0[..., 0] + NEG_INF, acc0[..., 0], acc0)
+    m, l, acc = _visited_chunks(q_meta, km_n, visit, init)
+    nonempty = l > 0
+    out = acc / jnp.where(nonempty, l, 1.0)[..., None]
+    lse = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), NEG_INF)
+    out = jnp.moveaxis(out, 3, 1).reshape(s, rq, hq, d)
+    return (out, jnp.moveaxis(lse, 3, 1).reshape(s, rq, hq)), ()
+
+  return over_row_chunks(tile, chunk, q, q_meta)[0]
 
 
 def attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse=None, chunk: int = 512):
   """Gradients of this (q, k, v) block given the global out, lse and their cotangents."""
   hkv = k.shape[2]
-  scale = q.shape[-1] ** -0.5
-  s, rq, hq, d = q.shape
-  rk = k.shape[1]
-  g = hq // hkv
-  q5 = _split_heads(q, hkv)
-  do5 = _split_heads(dout, hkv)
-
-  def heads_first(x):  # [S, Rq, Hq] -> [S, Hkv, G, Rq]
-    return jnp.moveaxis(x.reshape(s, rq, hkv, g), 1, 3)
-
-  delta = heads_first(jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1))
-  if dlse is not None:
-    delta = delta - heads_first(dlse.astype(jnp.float32))
-  lse4 = heads_first(lse)
+  s, rk, _, d = k.shape
   k_n, v_n, km_n = _chunked_keys(k, v, k_meta, min(chunk, rk))
 
-  def visit(carry, j, mask):
-    dq, dk_n, dv_n = carry
-    k_c, v_c = k_n[j], v_n[j]
-    s_c, mask = _scores(q5, k_c, mask, scale)
-    p = jnp.where(mask, jnp.exp(s_c - lse4[..., None]), 0.0)
-    dv_c = jnp.einsum("shgqk,sqhgd->skhd", p.astype(dout.dtype), do5,
-                      preferred_element_type=jnp.float32)
-    dp = jnp.einsum("sqhgd,skhd->shgqk", do5, v_c, preferred_element_type=jnp.float32)
-    ds = (p * (dp - delta[..., None]) * scale).astype(q.dtype)
-    dq = dq + jnp.einsum("shgqk,skhd->sqhgd", ds, k_c, preferred_element_type=jnp.float32)
-    dk_c = jnp.einsum("shgqk,sqhgd->skhd", ds, q5, preferred_element_type=jnp.float32)
-    return dq, dk_n.at[j].set(dk_c), dv_n.at[j].set(dv_c)
+  def tile(q, q_meta, out, lse, dout, dlse):  # (dq, (dk, dv) of one tile of queries)
+    scale = q.shape[-1] ** -0.5
+    rq, hq = q.shape[1:3]
+    g = hq // hkv
+    q5 = _split_heads(q, hkv)
+    do5 = _split_heads(dout, hkv)
 
-  zeros = lambda x: jnp.zeros_like(x, jnp.float32)
-  dq, dk_n, dv_n = _visited_chunks(q_meta, km_n, visit, (zeros(q5), zeros(k_n), zeros(v_n)))
+    def heads_first(x):  # [S, Rq, Hq] -> [S, Hkv, G, Rq]
+      return jnp.moveaxis(x.reshape(s, rq, hkv, g), 1, 3)
+
+    delta = heads_first(jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1))
+    if dlse is not None:
+      delta = delta - heads_first(dlse.astype(jnp.float32))
+    lse4 = heads_first(lse)
+
+    def visit(carry, j, mask):
+      dq, dk_n, dv_n = carry
+      k_c, v_c = k_n[j], v_n[j]
+      s_c, mask = _scores(q5, k_c, mask, scale)
+      p = jnp.where(mask, jnp.exp(s_c - lse4[..., None]), 0.0)
+      dv_c = jnp.einsum("shgqk,sqhgd->skhd", p.astype(dout.dtype), do5,
+                        preferred_element_type=jnp.float32)
+      dp = jnp.einsum("sqhgd,skhd->shgqk", do5, v_c, preferred_element_type=jnp.float32)
+      ds = (p * (dp - delta[..., None]) * scale).astype(q.dtype)
+      dq = dq + jnp.einsum("shgqk,skhd->sqhgd", ds, k_c, preferred_element_type=jnp.float32)
+      dk_c = jnp.einsum("shgqk,sqhgd->skhd", ds, q5, preferred_element_type=jnp.float32)
+      return dq, dk_n.at[j].set(dk_c), dv_n.at[j].set(dv_c)
+
+    zeros = lambda x: jnp.zeros_like(x, jnp.float32)
+    dq, dk_n, dv_n = _visited_chunks(q_meta, km_n, visit, (zeros(q5), zeros(k_n), zeros(v_n)))
+    return dq.reshape(q.shape), (dk_n, dv_n)
+
+  dq, (dk_n, dv_n) = over_row_chunks(tile, chunk, q, q_meta, out, lse, dout, dlse)
 
   def unchunk(x):
     return jnp.moveaxis(x, 0, 1).reshape(s, -1, hkv, d)[:, :rk]
 
-  return dq.reshape(q.shape), unchunk(dk_n), unchunk(dv_n)
+  return dq, unchunk(dk_n), unchunk(dv_n)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))

@@ -17,7 +17,8 @@ from flax import nnx
 from bdlm_jax.config import Config, ModelConfig
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.kernels.mask import RowMeta
-from bdlm_jax.models.transformer import AttendFn, LayerStack, RMSNorm, Transformer, _linear
+from bdlm_jax.models.transformer import (AttendFn, LayerStack, RMSNorm, RowsFn, Transformer,
+                                         _linear, in_parts)
 
 FROZEN = "target"  # the params subtree that gets no gradient and no optimiser state
 TRAINED = "drafter"  # the params subtree that trains
@@ -58,7 +59,7 @@ def drafter_model(cfg: Config) -> ModelConfig:
       head_dim=d.head_dim or m.head_dim, d_ff=d.d_ff or m.d_ff, rope_theta=m.rope_theta,
       qk_norm=True, norm_eps=m.norm_eps, param_dtype=m.param_dtype,
       compute_dtype=m.compute_dtype, remat=m.remat, attention_impl=m.attention_impl,
-      attention_chunk=m.attention_chunk, logits_chunk=m.logits_chunk)
+      attention_chunk=m.attention_chunk, logits_chunk=m.logits_chunk, row_chunks=m.row_chunks)
 
 
 class Drafter(LayerStack):
@@ -70,7 +71,7 @@ class Drafter(LayerStack):
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, jax.numpy.dtype(cfg.param_dtype))
 
   def __call__(self, x_BQD, pos_BQ, meta: RowMeta, feats_BCKD, ctx_pos_BC, ctx_meta: RowMeta,
-               attend: AttendFn, layer_weights=None) -> jax.Array:
+               attend: AttendFn, layer_weights=None, rows: RowsFn = in_parts) -> jax.Array:
     """Final hidden states [B, Q, D] of the draft rows, from their embedded inputs `x_BQD`
     and the target's features [B, C, K, D] at the context rows."""
     b, c = feats_BCKD.shape[:2]
@@ -79,10 +80,10 @@ class Drafter(LayerStack):
     def layer(block, carry, kind):
       # The context and the metadata ride in the carry, unchanged (see Transformer.forward).
       x_BQD, ctx_BCD, pos_BQ, ctx_pos_BC, meta, ctx_meta = carry
-      q, k, v = block.project(x_BQD, pos_BQ, kind)
+      q, k, v = block.project(x_BQD, pos_BQ, kind, rows)
       k_ctx, v_ctx = block.attn.kv(ctx_BCD, ctx_pos_BC, kind)
       out_BQHD, _ = attend(q, k, v, meta, meta, k_ctx, v_ctx, ctx_meta)
-      x_BQD, _ = block.finish(x_BQD, out_BQHD)
+      x_BQD, _ = block.finish(x_BQD, out_BQHD, rows=rows)
       return (x_BQD, ctx_BCD, pos_BQ, ctx_pos_BC, meta, ctx_meta), None
 
     carry = (x_BQD, ctx_BCD, pos_BQ, ctx_pos_BC, meta, ctx_meta)

@@ -6,6 +6,10 @@ top-k experts and their weights (renormalised to sum to 1 when `model.moe_norm_t
 grouped matmul (`jax.lax.ragged_dot`), never on all E x tokens. Each call also returns the
 router statistics that the load-balancing and z losses need, summed over the rows that count.
 
+With `model.moe_router_norm` (Gemma 4) the layer reads the un-normed residual: the router
+sees it through a weightless RMSNorm times a learned scale and d_model ** -0.5, a learned
+per-expert scale multiplies the k weights, and the experts read their own RMSNorm of it.
+
 With `model.moe_drop_tokens` an expert takes at most C = ceil(capacity_factor * T * k / E) of
 the pairs of the T tokens routed together, first come first served; a dropped pair adds
 nothing to its token's output. The pieces are pure functions of arrays, so that
@@ -20,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bdlm_jax.config import ModelConfig
+from bdlm_jax.models.norm import rms_norm
 
 ACTIVATIONS = {  # model.mlp_activation of the gated MLPs, dense or expert
     "silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
@@ -51,12 +56,18 @@ class MoE(nnx.Module):
     self.gate_proj = _experts_init((e, d, f), param_dtype, rngs)  # kernel_EDF
     self.up_proj = _experts_init((e, d, f), param_dtype, rngs)
     self.down_proj = _experts_init((e, f, d), param_dtype, rngs)  # kernel_EFD
+    if cfg.moe_router_norm:
+      self.router_scale = nnx.Param(jnp.ones((d,), param_dtype))
+      self.expert_scale = nnx.Param(jnp.ones((e,), param_dtype))
+      self.expert_norm = nnx.Param(jnp.ones((d,), param_dtype))  # the experts' input RMSNorm
 
   def __call__(self, x_BRD, row_weight_BR=None, dispatch=None):
     """(out [B, R, D], router stats) of `experts`, or of `dispatch(x, row_weight, weights)`,
     the caller's hook to run it where the rows and experts live."""
-    weights = (self.router.kernel[...], self.gate_proj[...], self.up_proj[...],
-               self.down_proj[...])
+    router = self.router.kernel[...]
+    if self.cfg.moe_router_norm:
+      router = (router, self.router_scale[...], self.expert_scale[...], self.expert_norm[...])
+    weights = (router, self.gate_proj[...], self.up_proj[...], self.down_proj[...])
     if row_weight_BR is None:
       row_weight_BR = jnp.ones(x_BRD.shape[:2], jnp.float32)
     return (dispatch or functools.partial(experts, self.cfg))(x_BRD, row_weight_BR, weights)
@@ -70,10 +81,9 @@ def experts(cfg: ModelConfig, x_BRD, row_weight_BR, weights):
   (squared log-sum-exp of the logits), dropped [] (picks over capacity); sums, so that shards
   of rows add up.
   """
-  router_DE, gate_EDF, up_EDF, down_EFD = weights
+  router, gate_EDF, up_EDF, down_EFD = weights
   b, r, d = x_BRD.shape
-  x_TD = x_BRD.reshape(b * r, d)
-  weight_TK, expert_TK, logits_TE = route(cfg, x_TD, router_DE)
+  x_TD, weight_TK, expert_TK, logits_TE = route(cfg, x_BRD.reshape(b * r, d), router)
   order_P, expert_P, sizes_E = sort_pairs(expert_TK, cfg.moe_experts)
   keep_P = keep_mask(expert_P, sizes_E, kept_counts(sizes_E[None], capacity(cfg, b * r))[0])
   y_PD = expert_mlp(cfg, x_TD[order_P // cfg.moe_top_k], sizes_E, gate_EDF, up_EDF, down_EFD)
@@ -82,14 +92,25 @@ def experts(cfg: ModelConfig, x_BRD, row_weight_BR, weights):
                                                unsort(keep_P, order_P, cfg.moe_top_k))
 
 
-def route(cfg: ModelConfig, x_TD, router_DE):
-  """(weights [T, k] f32, experts [T, k], logits [T, E] f32): each token's top-k experts of a
-  float32 softmax over all E, the weights renormalised to sum to 1 if `moe_norm_topk`."""
-  logits_TE = (x_TD @ router_DE.astype(x_TD.dtype)).astype(jnp.float32)
+def route(cfg: ModelConfig, x_TD, router):
+  """(the experts' input rows [T, D], weights [T, k] f32, experts [T, k], logits [T, E] f32):
+  each token's top-k experts of a float32 softmax over all E, the weights renormalised to sum
+  to 1 if `moe_norm_topk`. `router` is the kernel [D, E], or with `moe_router_norm` (kernel,
+  scale [D], per-expert scale [E], the experts' norm weight [D])."""
+  if cfg.moe_router_norm:
+    router_DE, scale_D, expert_scale_E, norm_D = router
+    seen_TD = rms_norm(x_TD, cfg.norm_eps) * scale_D.astype(x_TD.dtype) * jnp.asarray(
+        x_TD.shape[-1] ** -0.5, x_TD.dtype)
+    experts_in_TD = rms_norm(x_TD, cfg.norm_eps, norm_D)
+  else:
+    router_DE, seen_TD, experts_in_TD = router, x_TD, x_TD
+  logits_TE = (seen_TD @ router_DE.astype(x_TD.dtype)).astype(jnp.float32)
   weight_TK, expert_TK = jax.lax.top_k(jax.nn.softmax(logits_TE, axis=-1), cfg.moe_top_k)
   if cfg.moe_norm_topk:
     weight_TK = weight_TK / weight_TK.sum(-1, keepdims=True)
-  return weight_TK, expert_TK, logits_TE
+  if cfg.moe_router_norm:
+    weight_TK = weight_TK * expert_scale_E[expert_TK].astype(jnp.float32)
+  return experts_in_TD, weight_TK, expert_TK, logits_TE
 
 
 def sort_pairs(expert_TK, num_experts: int):

@@ -1,15 +1,52 @@
 """Which kind each layer is: the config's repeating periods laid over the model's depth."""
 
+from typing import NamedTuple
+
 from bdlm_jax.config import ModelConfig
 
 
 def layer_types(m: ModelConfig) -> tuple[str, ...]:
-  """The attention type, global or local, of every layer."""
+  """The attention type, global or local, of every layer (the last one global with
+  `model.last_layer_global`, as Gemma 4 forces it)."""
   period = m.layer_period
-  return tuple(period[i % len(period)] for i in range(m.n_layers))
+  kinds = [period[i % len(period)] for i in range(m.n_layers)]
+  if m.last_layer_global and kinds:
+    kinds[-1] = "global"
+  return tuple(kinds)
+
+
+def periodic_layers(m: ModelConfig, period: int) -> int:
+  """How many leading layers follow the repeating periods exactly, in whole periods of
+  `period` layers (a forced last layer may end the run one period early)."""
+  kinds, n = layer_types(m), m.n_layers // period * period
+  pattern = m.layer_period
+  while n and any(kinds[i] != pattern[i % len(pattern)] for i in range(n - period, n)):
+    n -= period
+  return n
 
 
 def mlp_types(m: ModelConfig) -> tuple[str, ...]:
   """The MLP kind, dense or moe, of every layer."""
   period = m.mlp_period
   return tuple(period[i % len(period)] for i in range(m.n_layers))
+
+
+class AttentionShape(NamedTuple):
+  """The attention weights' shape of one layer kind."""
+  n_kv_heads: int
+  head_dim: int
+  k_eq_v: bool  # keys and values from one projection
+
+
+def attention_shape(m: ModelConfig, kind: str) -> AttentionShape:
+  """Global layers may have their own head dim, K/V heads and K = V (Gemma 4's)."""
+  if kind == "local":
+    return AttentionShape(m.n_kv_heads, m.head_dim, False)
+  return AttentionShape(m.global_n_kv_heads or m.n_kv_heads, m.global_head_dim or m.head_dim,
+                        m.attention_k_eq_v)
+
+
+def split_attention(m: ModelConfig) -> bool:
+  """Whether local and global layers have weights of different shapes (so separate stacks)."""
+  kinds = set(layer_types(m))
+  return len(kinds) == 2 and attention_shape(m, "local") != attention_shape(m, "global")

@@ -19,7 +19,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bdlm_jax.config import ModelConfig
-from bdlm_jax.models.pattern import layer_types, mlp_types
+from bdlm_jax.kernels.chunking import over_row_chunks
+from bdlm_jax.models.norm import rms_norm
+from bdlm_jax.models.pattern import (attention_shape, layer_types, mlp_types, periodic_layers,
+                                     split_attention)
 from bdlm_jax.kernels import residuals
 from bdlm_jax.kernels.mask import RowMeta
 from bdlm_jax.models.moe import ACTIVATIONS, MoE, no_stats
@@ -31,10 +34,16 @@ def _dtype(name: str):
   return jnp.dtype(name)
 
 
-def rope(x_BRHD: jax.Array, pos_BR: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding, half-split convention (as in Hugging Face Llama/Qwen3)."""
+def rope(x_BRHD: jax.Array, pos_BR: jax.Array, theta: float,
+         fraction: float = 1.0) -> jax.Array:
+  """Rotary embedding, half-split convention (as in Hugging Face Llama/Qwen3). With
+  `fraction` < 1 only the first int(fraction * d // 2) frequency pairs rotate and the rest
+  pass unchanged, every frequency still over the whole head dim d (HF's "proportional"
+  RoPE, Gemma 4's global layers)."""
   d = x_BRHD.shape[-1]
   inv_freq = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+  if fraction < 1:
+    inv_freq = jnp.where(jnp.arange(d // 2) < int(fraction * d // 2), inv_freq, 0.0)
   angle_BRF = pos_BR[..., None].astype(jnp.float32) * inv_freq
   cos = jnp.cos(angle_BRF)[:, :, None, :]
   sin = jnp.sin(angle_BRF)[:, :, None, :]
@@ -51,9 +60,7 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x):
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+    return rms_norm(x, self.eps, self.scale[...])
 
 
 def _linear(din, dout, cfg: ModelConfig, rngs):
@@ -62,43 +69,68 @@ def _linear(din, dout, cfg: ModelConfig, rngs):
 
 
 class Attention(nnx.Module):
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.cfg = cfg
-    self.q_proj = _linear(cfg.d_model, cfg.n_heads * cfg.head_dim, cfg, rngs)
-    self.k_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs)
-    self.v_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs)
-    self.o_proj = _linear(cfg.n_heads * cfg.head_dim, cfg.d_model, cfg, rngs)
-    if cfg.qk_norm:
-      self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, _dtype(cfg.param_dtype))
-      self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, _dtype(cfg.param_dtype))
+  """Grouped-query attention's projections, with the shapes of layers of kind `shape_kind`
+  (`pattern.attention_shape`: global layers may have their own head dim and K/V heads, and
+  keys that serve as values too)."""
 
-  def _theta(self, kind: str) -> float:
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, shape_kind: str = "global"):
+    self.cfg = cfg
+    self.n_kv_heads, self.head_dim, self.k_eq_v = attention_shape(cfg, shape_kind)
+    self.q_proj = _linear(cfg.d_model, cfg.n_heads * self.head_dim, cfg, rngs)
+    self.k_proj = _linear(cfg.d_model, self.n_kv_heads * self.head_dim, cfg, rngs)
+    if not self.k_eq_v:
+      self.v_proj = _linear(cfg.d_model, self.n_kv_heads * self.head_dim, cfg, rngs)
+    self.o_proj = _linear(cfg.n_heads * self.head_dim, cfg.d_model, cfg, rngs)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, _dtype(cfg.param_dtype))
+      self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, _dtype(cfg.param_dtype))
+
+  def _rope(self, x_BRHD, pos_BR, kind: str):
+    """RoPE of a layer of this kind: local layers' own base, global layers' rotary fraction."""
     cfg = self.cfg
-    return cfg.rope_local_theta if kind == "local" and cfg.rope_local_theta else cfg.rope_theta
+    if kind == "local":
+      return rope(x_BRHD, pos_BR, cfg.rope_local_theta or cfg.rope_theta)
+    return rope(x_BRHD, pos_BR, cfg.rope_theta, cfg.global_partial_rotary_factor)
 
   def qkv(self, x_BRD, pos_BR, kind: str = "global"):
     cfg = self.cfg
     b, r, _ = x_BRD.shape
-    q = self.q_proj(x_BRD).reshape(b, r, cfg.n_heads, cfg.head_dim)
+    q = self.q_proj(x_BRD).reshape(b, r, cfg.n_heads, self.head_dim)
     if cfg.qk_norm:
       q = self.q_norm(q)
-    q = rope(q, pos_BR, self._theta(kind))
+    q = self._rope(q, pos_BR, kind)
     if cfg.query_pre_attn_scalar:
       # The kernels scale logits by q's head_dim ** -0.5; Gemma wants query_pre_attn_scalar's.
-      q = q * jnp.asarray(math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar), q.dtype)
+      q = q * jnp.asarray(math.sqrt(self.head_dim / cfg.query_pre_attn_scalar), q.dtype)
     return (q, *self.kv(x_BRD, pos_BR, kind))
 
   def kv(self, x_BRD, pos_BR, kind: str = "global"):
     """Keys (normed, rotated) and values of `x`: `qkv`'s, and alone for rows that serve only
-    as keys (a drafter's context)."""
+    as keys (a drafter's context). With K = V the values are the keys' projection, taken
+    before the key norm and RoPE (Gemma 4)."""
     cfg = self.cfg
     b, r, _ = x_BRD.shape
-    k = self.k_proj(x_BRD).reshape(b, r, cfg.n_kv_heads, cfg.head_dim)
-    v = self.v_proj(x_BRD).reshape(b, r, cfg.n_kv_heads, cfg.head_dim)
+    k = self.k_proj(x_BRD).reshape(b, r, self.n_kv_heads, self.head_dim)
+    v = k if self.k_eq_v else self.v_proj(x_BRD).reshape(b, r, self.n_kv_heads, self.head_dim)
     if cfg.qk_norm:
       k = self.k_norm(k)
-    return rope(k, pos_BR, self._theta(kind)), v
+    if cfg.v_norm:
+      v = rms_norm(v, cfg.norm_eps)
+    return self._rope(k, pos_BR, kind), v
 
+
+
+# `rows(fn, parts, module, *xs_BR) -> fn(module, *xs)'s (rows, sums) over all rows`: how a
+# layer runs its row-wise work in `parts` chunks. The caller's hook: `parallel/rows.py` runs
+# it on each device's own rows; `in_parts`, the default, where no one shards the rows.
+RowsFn = Callable[..., tuple]
+
+
+def in_parts(fn, parts: int, module: nnx.Module, *xs_BR):
+  """`fn(module, *xs) -> (rows, sums)` over `parts` contiguous chunks of the rows, each one
+  rematerialised (`kernels.chunking`); 1: all rows at once."""
+  n = jax.tree.leaves(xs_BR)[0].shape[1]
+  return over_row_chunks(functools.partial(fn, module), -(-n // parts), *xs_BR, remat=True)
 
 
 class MLP(nnx.Module):
@@ -115,68 +147,115 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-  """One decoder layer, with a dense or a mixture-of-experts MLP. Local and global layers
-  share its weights' shapes; `kind` (a static argument of each call) picks the window and the
-  RoPE base. With `model.post_norms` (Gemma) the attention and MLP outputs are normed too,
-  before their residual adds."""
+  """One decoder layer, with a dense or a mixture-of-experts MLP (or, with
+  `model.moe_beside_dense`, both side by side, Gemma 4). Its attention weights have the
+  shapes of layers of kind `shape_kind`; `kind` (a static argument of each call) picks the
+  window and the RoPE. With `model.post_norms` (Gemma) the attention and MLP outputs are
+  normed too, before their residual adds; with `model.layer_scalar` the layer's output is
+  scaled by a per-layer constant."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False,
+               shape_kind: str = "global"):
     self.cfg = cfg
-    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
-    self.attn = Attention(cfg, rngs)
-    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
+    param_dtype = _dtype(cfg.param_dtype)
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype)
+    self.attn = Attention(cfg, rngs, shape_kind)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype)
     self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
     if cfg.post_norms:
-      self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
-      self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
+      self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype)
+      self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype)
+    if moe and cfg.moe_beside_dense:
+      self.dense_mlp = MLP(cfg, rngs)
+      self.post_dense_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype)
+      self.post_experts_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype)
+    if cfg.layer_scalar:
+      self.layer_scalar = nnx.Param(jnp.ones((1,), param_dtype))
 
-  def project(self, x_BRD, pos_BR, kind: str = "global"):
-    return self.attn.qkv(self.attn_norm(x_BRD), pos_BR, kind)
+  def project(self, x_BRD, pos_BR, kind: str = "global", rows: RowsFn = in_parts):
+    """(q, k, v) of the rows, in `model.row_chunks` parts run by `rows`."""
+    def qkv(block, x_BRD, pos_BR):
+      return block.attn.qkv(block.attn_norm(x_BRD), pos_BR, kind), ()
+    return rows(qkv, self.cfg.row_chunks, self, x_BRD, pos_BR)[0]
 
   def window(self, kind: str) -> int | None:
     """The `window` argument of `attend` for a layer of this kind."""
     return self.cfg.sliding_window if kind == "local" else None
 
-  def finish(self, x_BRD, attn_BRHD, row_weight_BR=None, dispatch=None):
+  def finish(self, x_BRD, attn_BRHD, row_weight_BR=None, dispatch=None,
+             rows: RowsFn = in_parts):
     """(x, router stats: see `MoE`, counted over `row_weight_BR` and run by `dispatch`; for
-    a dense MLP {} in a dense model, zeros in a model with experts elsewhere)."""
+    a dense MLP {} in a dense model, zeros in a model with experts elsewhere), computed in
+    `model.row_chunks` parts run by `rows`; over all rows at once where a `dispatch` runs
+    the experts (on a mesh: a `shard_map` of its own, which cannot run inside `rows`')."""
+    if dispatch is not None:
+      return self._finish(x_BRD, attn_BRHD, row_weight_BR, dispatch)
+    return rows(functools.partial(Block._finish, dispatch=None), self.cfg.row_chunks, self,
+                x_BRD, attn_BRHD, row_weight_BR)
+
+  def _finish(self, x_BRD, attn_BRHD, row_weight_BR, dispatch):
     b, r = attn_BRHD.shape[:2]
     out_BRD = self.attn.o_proj(attn_BRHD.reshape(b, r, -1))
     if self.cfg.post_norms:
       out_BRD = self.post_attn_norm(out_BRD)
     x_BRD = x_BRD + out_BRD
-    h_BRD = self.mlp_norm(x_BRD)
-    if isinstance(self.mlp, MoE):
-      out_BRD, stats = self.mlp(h_BRD, row_weight_BR, dispatch)
-    else:
-      out_BRD, stats = self.mlp(h_BRD), no_stats(self.cfg.moe_experts)
+    out_BRD, stats = self._feed_forward(x_BRD, row_weight_BR, dispatch)
     if self.cfg.post_norms:
       out_BRD = self.post_mlp_norm(out_BRD)
-    return x_BRD + out_BRD, stats
+    x_BRD = x_BRD + out_BRD
+    if self.cfg.layer_scalar:  # a fixed buffer in Hugging Face's Gemma 4: never trained
+      x_BRD = x_BRD * jax.lax.stop_gradient(self.layer_scalar[...]).astype(x_BRD.dtype)
+    return x_BRD, stats
+
+  def _feed_forward(self, x_BRD, row_weight_BR, dispatch):
+    """(MLP output, router stats) of the residual `x`. Gemma 4's experts
+    (`model.moe_router_norm`) read the residual itself: their router and their input norm
+    are their own; with `model.moe_beside_dense` a dense MLP runs beside them."""
+    h_BRD = self.mlp_norm(x_BRD)
+    if not isinstance(self.mlp, MoE):
+      return self.mlp(h_BRD), no_stats(self.cfg.moe_experts)
+    out_BRD, stats = self.mlp(x_BRD if self.cfg.moe_router_norm else h_BRD, row_weight_BR,
+                              dispatch)
+    if self.cfg.moe_beside_dense:
+      out_BRD = self.post_dense_norm(self.dense_mlp(h_BRD)) + self.post_experts_norm(out_BRD)
+    return out_BRD, stats
 
   def __call__(self, x_BRD, pos_BR, meta: RowMeta, attend: AttendFn, kind: str = "global",
-               row_weight_BR=None, dispatch=None):
-    q, k, v = self.project(x_BRD, pos_BR, kind)
+               row_weight_BR=None, dispatch=None, rows: RowsFn = in_parts):
+    q, k, v = self.project(x_BRD, pos_BR, kind, rows)
     attn_BRHD, _ = attend(q, k, v, meta, meta, window=self.window(kind))
-    return self.finish(x_BRD, attn_BRHD, row_weight_BR, dispatch)
+    return self.finish(x_BRD, attn_BRHD, row_weight_BR, dispatch, rows)
 
 
-STACKS = ("layers", "dense_layers")  # the params holding stacked layer weights
+# The params holding stacked layer weights.
+STACKS = ("layers", "dense_layers", "global_layers", "global_dense_layers")
 
 
 def layer_slots(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
   """Where each layer's weights live: (stack, index on its layer axis). Every layer is in
   `layers`, unless `model.mlp_pattern` mixes dense and MoE MLPs: then the MoE layers are in
-  `layers` and the dense ones in `dense_layers`, each stack in layer order."""
-  kinds = mlp_types(cfg)
-  mixed = len(set(kinds)) > 1
+  `layers` and the dense ones in `dense_layers`; and when global layers' attention weights
+  have other shapes than local ones' (`pattern.split_attention`: Gemma 4's global head dim,
+  K/V heads, K = V), the global layers are in `global_` stacks of their own. Each stack is
+  in layer order."""
+  mixed = len(set(mlp_types(cfg))) > 1
+  split = split_attention(cfg)
   seen = {name: 0 for name in STACKS}
   slots = []
-  for kind in kinds:
-    name = STACKS[1] if mixed and kind == "dense" else STACKS[0]
+  for mlp, attention in zip(mlp_types(cfg), layer_types(cfg)):
+    name = (("global_" if split and attention == "global" else "")
+            + ("dense_layers" if mixed and mlp == "dense" else "layers"))
     slots.append((name, seen[name]))
     seen[name] += 1
   return tuple(slots)
+
+
+def stack_kinds(cfg: ModelConfig, name: str) -> tuple[bool, str]:
+  """(whether its layers have experts, the layer kind whose attention shapes they have) of
+  the layers of stack `name`."""
+  moe = "moe" in mlp_types(cfg) and not name.endswith("dense_layers")
+  local = not name.startswith("global_") and "local" in layer_types(cfg)
+  return moe, "local" if local else "global"
 
 
 def is_stacked(path) -> bool:
@@ -188,7 +267,9 @@ def is_stacked(path) -> bool:
 def remat_policy(remat: str):
   """What a layer keeps for its backward: `full` saves only the layer input (the scan carry),
   the attention core's output and LSE and, on a local layer, the K/V rows its windowed
-  exchange received; it recomputes projections, norms and the MLP.
+  exchange received; it recomputes projections, norms and the MLP. `offload` saves the same
+  arrays in host memory: each is written once in the forward and read once in the backward,
+  a layer's compute apart, so the copies can hide under it (docs/memory.md).
 
   The attention core is never recomputed: a ring inside it would re-run its collectives
   (docs/strategies.md). Its output and LSE are named inside every attention `custom_vjp`
@@ -196,8 +277,14 @@ def remat_policy(remat: str):
   """
   if remat == "none":
     return lambda fn: fn
-  return functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names(
-      *residuals.NAMES))
+  policies = jax.checkpoint_policies
+  if remat == "offload":
+    policy = policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=residuals.SAVED,
+        offload_src="device", offload_dst="pinned_host")
+  else:
+    policy = policies.save_only_these_names(*residuals.SAVED)
+  return functools.partial(jax.checkpoint, policy=policy)
 
 
 class LayerStack(nnx.Module):
@@ -205,18 +292,18 @@ class LayerStack(nnx.Module):
 
   def build_layers(self, cfg: ModelConfig, rngs: nnx.Rngs):
     """Blocks whose every parameter has a leading layer axis (`kernel_LDF`), one stack per MLP
-    kind (`layer_slots`): the layers run as one lax.scan over periods of the layer patterns
-    (`scan_layers`), so compile time and program size do not grow with depth."""
-    def stacked_blocks(count, moe):
+    kind and, where their shapes differ, attention kind (`layer_slots`): the layers run as
+    one lax.scan over periods of the layer patterns (`scan_layers`), so compile time and
+    program size do not grow with depth."""
+    def stacked_blocks(count, moe, shape_kind):
       @nnx.split_rngs(splits=count)
       @nnx.vmap(in_axes=(0,), out_axes=0)
       def make(rngs):
-        return Block(cfg, rngs, moe)
+        return Block(cfg, rngs, moe, shape_kind)
       return make(rngs)
 
-    has_experts = "moe" in mlp_types(cfg)
     for name, count in collections.Counter(name for name, _ in layer_slots(cfg)).items():
-      setattr(self, name, stacked_blocks(count, moe=has_experts and name == "layers"))
+      setattr(self, name, stacked_blocks(count, *stack_kinds(cfg, name)))
 
   def scan_layers(self, fn, x, *xs, remat: str = "none", layer_weights=None,
                   depth: int | None = None):
@@ -232,7 +319,7 @@ class LayerStack(nnx.Module):
     kinds, slots = layer_types(self.cfg)[:depth], layer_slots(self.cfg)[:depth]
     stacks = {name: nnx.split(getattr(self, name)) for name in dict.fromkeys(n for n, _ in slots)}
     period = math.lcm(len(self.cfg.layer_period), len(self.cfg.mlp_period))
-    n_scanned = len(kinds) // period * period
+    n_scanned = min(len(kinds) // period * period, periodic_layers(self.cfg, period))
     per_period = {name: sum(n == name for n, _ in slots[:period]) for name in stacks}
 
     def one_layer(kind, stack):
@@ -240,6 +327,7 @@ class LayerStack(nnx.Module):
       # inside the remat'd function: what it saves is then the arrays as given, never a copy
       # of a slice. Per-layer inputs `xs` are indexed by the layer's position `layer`.
       def run(x, layer, index, layered):
+        x = residuals.keep_input(x)
         take = lambda i: lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
         weights = jax.tree.map(take(index), layered[0][stack])
         rest = jax.tree.map(take(layer), layered[1])
@@ -275,6 +363,20 @@ class LayerStack(nnx.Module):
     return x, jax.tree.map(lambda *y: jnp.concatenate(y), *ys)
 
 
+class SelfConditioning(nnx.Module):
+  """DiffusionGemma's self-conditioning (HF `DiffusionGemmaSelfConditioning`): the input
+  embeddings plus a gated MLP of the RMS-normed soft embeddings, through an RMSNorm without
+  weight."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.eps = cfg.norm_eps
+    self.pre_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x_BRD, soft_BRD):
+    return rms_norm(x_BRD + self.mlp(self.pre_norm(soft_BRD)), self.eps)
+
+
 class Transformer(LayerStack):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -285,6 +387,8 @@ class Transformer(LayerStack):
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype))
     if not cfg.tie_embeddings:
       self.lm_head = _linear(cfg.d_model, cfg.vocab_size, cfg, rngs)
+    if cfg.self_conditioning:
+      self.self_conditioning = SelfConditioning(cfg, rngs)
 
   def __call__(self, tokens_BR, pos_BR, meta: RowMeta, attend: AttendFn,
                layer_weights=None) -> jax.Array:
@@ -292,10 +396,11 @@ class Transformer(LayerStack):
     return self.forward(tokens_BR, pos_BR, meta, attend, layer_weights)[0]
 
   def forward(self, tokens_BR, pos_BR, meta: RowMeta, attend: AttendFn, layer_weights=None,
-              row_weight_BR=None, dispatch=None):
+              row_weight_BR=None, dispatch=None, rows: RowsFn = in_parts):
     """(final hidden states [B, R, D], per-layer router stats stacked on a layer axis: {}
     for dense MLPs; MoE layers count the rows of `row_weight_BR`, default all, and run
-    through `dispatch`, the caller's hook: see `MoE`).
+    through `dispatch`, the caller's hook: see `MoE`; `rows` runs each layer's row-wise
+    work, see `RowsFn`).
 
     Positions and row metadata ride in the scan carry, unchanged: as constants of the loop,
     JAX would hoist everything computed from them alone out of it, including the attention
@@ -303,7 +408,7 @@ class Transformer(LayerStack):
     """
     def layer(block, carry, kind):
       x_BRD, pos_BR, meta, row_weight_BR = carry
-      x_BRD, stats = block(x_BRD, pos_BR, meta, attend, kind, row_weight_BR, dispatch)
+      x_BRD, stats = block(x_BRD, pos_BR, meta, attend, kind, row_weight_BR, dispatch, rows)
       return (x_BRD, pos_BR, meta, row_weight_BR), stats
 
     carry = (self.embed_tokens(tokens_BR), pos_BR, meta, row_weight_BR)
@@ -312,8 +417,8 @@ class Transformer(LayerStack):
     return self.final_norm(x_BRD), stats
 
   def features(self, tokens_BR, pos_BR, meta: RowMeta, attend: AttendFn,
-               layer_ids: tuple[int, ...], depth: int,
-               layer_weights=None) -> tuple[jax.Array, jax.Array]:
+               layer_ids: tuple[int, ...], depth: int, layer_weights=None,
+               rows: RowsFn = in_parts) -> tuple[jax.Array, jax.Array]:
     """([B, R, len(layer_ids), D], [B, R, D]): the outputs of layers `layer_ids` (0-based;
     Hugging Face's `hidden_states[i + 1]`), for a drafter's context, and the last layer's
     output through the final norm (the model's output when `depth` is every layer). Only
@@ -326,7 +431,7 @@ class Transformer(LayerStack):
 
     def layer(block, carry, slot, chosen, kind):
       x_BRD, pos_BR, meta, feats = carry
-      x_BRD, _ = block(x_BRD, pos_BR, meta, attend, kind)
+      x_BRD, _ = block(x_BRD, pos_BR, meta, attend, kind, rows=rows)
       kept = jax.lax.dynamic_index_in_dim(feats, slot, axis=2, keepdims=False)
       feats = jax.lax.dynamic_update_index_in_dim(feats, jnp.where(chosen, x_BRD, kept), slot,
                                                   axis=2)
@@ -346,6 +451,19 @@ class Transformer(LayerStack):
     if self.cfg.scale_embeddings:
       x_BRD = x_BRD * jnp.asarray(self.cfg.d_model ** 0.5, jnp.float32).astype(x_BRD.dtype)
     return x_BRD
+
+  def self_condition(self, x_BRD, logits_BRV, on_B=None) -> jax.Array:
+    """A canvas's input embeddings `x` conditioned on the previous denoising step's logits
+    (`model.self_conditioning`): their softmax's expected embedding (scaled as `embed_tokens`
+    scales), zeroed for sequences where `on_B` is False, through `SelfConditioning`."""
+    embedding = self.embed.embedding[...]
+    probs_BRV = jax.nn.softmax(logits_BRV.astype(jnp.float32), axis=-1).astype(embedding.dtype)
+    soft_BRD = (probs_BRV @ embedding).astype(x_BRD.dtype)
+    if self.cfg.scale_embeddings:
+      soft_BRD = soft_BRD * jnp.asarray(self.cfg.d_model ** 0.5, jnp.float32).astype(x_BRD.dtype)
+    if on_B is not None:
+      soft_BRD = soft_BRD * on_B[:, None, None].astype(soft_BRD.dtype)
+    return self.self_conditioning(x_BRD, soft_BRD)
 
   @property
   def head(self) -> nnx.Module:

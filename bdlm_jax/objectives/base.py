@@ -56,12 +56,12 @@ def protocol_members() -> tuple[str, ...]:
 
 def model_hidden(spec, model, batch, inputs, layer_weights):
   """The model over every row of the layout, its LOSS_SLOT rows kept: the `hidden` of every
-  objective that trains the model itself. Router statistics count each real row once (not
-  padding, not `bp`'s replicated copies)."""
-  counted = (batch.seg > 0) & spec.plan.first_copies[None]
+  objective that trains the model itself. Router statistics count the plan's counted rows
+  (each logical row once, the same under every strategy) that are not padding."""
+  counted = (batch.seg > 0) & spec.plan.counted_rows[None]
   hidden, stats = model.forward(inputs, batch.pos, batch.meta, spec.attend["all"],
                                 layer_weights=layer_weights, row_weight_BR=counted,
-                                dispatch=spec.dispatch)
+                                dispatch=spec.dispatch, rows=spec.rows)
   return spec.plan.slot_rows(hidden, spec.objective.LOSS_SLOT), (), stats
 
 

@@ -98,9 +98,11 @@ def hidden(spec, model, batch, inputs, layer_weights):
                       f"here, so the batch must bring its features (make_batch(..., context=))")
   else:
     feats, final = target.features(ctx(inputs), ctx(batch.pos), ctx_meta, spec.attend["clean"],
-                                   target_layer_ids(cfg), target_depth(cfg), layer_weights)
+                                   target_layer_ids(cfg), target_depth(cfg), layer_weights,
+                                   spec.rows)
   out = model.drafter(target.embed_tokens(draft(inputs)), draft(batch.pos), draft_meta,
-                      feats, ctx(batch.pos), ctx_meta, spec.attend["draft"], layer_weights)
+                      feats, ctx(batch.pos), ctx_meta, spec.attend["draft"], layer_weights,
+                      spec.rows)
   if cfg.objective.draft_loss != "kl":
     return out, (), {}
   source = jnp.asarray(plan.context_rows)[jnp.clip(draft(batch.pos) - 1, 0, plan.seq_len - 1)]

@@ -60,8 +60,8 @@ def check_dispatch_runs_here(cfg: Config, platform: str | None = None) -> None:
 
 def expert_dispatch(cfg: Config, mesh):
   """The `dispatch` hook of `models.moe.MoE` for row-sharded activations on `mesh` (None on
-  one device: `experts` runs as it is)."""
-  if mesh is None or mesh.size == 1:
+  one device, where `experts` runs as it is, and for a model without experts)."""
+  if mesh is None or mesh.size == 1 or not cfg.model.moe_experts:
     return None
   axes = cfg.parallel.expert_axis_names
   if axes:
@@ -111,12 +111,11 @@ class Exchange(NamedTuple):
 def _expert_parallel(m: ModelConfig, axes, how, x_BRD, row_weight_BR, weights):
   """`models.moe.experts` with this device's experts only (gate/up/down hold E/G of them):
   rows travel to their experts' devices and back."""
-  router_DE, gate_LDF, up_LDF, down_LFD = weights
+  router, gate_LDF, up_LDF, down_LFD = weights
   b, r, d = x_BRD.shape
   k, num_local = m.moe_top_k, gate_LDF.shape[0]
   group = m.moe_experts // num_local
-  x_TD = x_BRD.reshape(b * r, d)
-  weight_TK, expert_TK, logits_TE = moe.route(m, x_TD, router_DE)
+  x_TD, weight_TK, expert_TK, logits_TE = moe.route(m, x_BRD.reshape(b * r, d), router)
   order_P, expert_P, sizes_E = moe.sort_pairs(expert_TK, m.moe_experts)
   cap = moe.capacity(m, group * b * r)
   kept_GGL = moe.kept_counts(jax.lax.all_gather(sizes_E, axes), cap).reshape(

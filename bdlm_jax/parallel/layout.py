@@ -111,6 +111,19 @@ class LayoutPlan:
     return first
 
   @functools.cached_property
+  def counted_rows(self) -> np.ndarray:
+    """bool [P * rows_per_rank]: the rows that statistics pooled over a step's rows (the MoE
+    router's load-balancing and z losses) count: the same logical rows under every layout,
+    each once. Not padding, not a later copy, and in a block-diffusion stream not the last
+    block's clean rows: no noisy block reads them as context and no label sits there, so a
+    layout may leave them out (`bp` does), and counting them where one holds them would make
+    the statistics depend on the strategy. (A drafter's context rows all feed its target.)"""
+    flat = self.rows.reshape(-1)
+    block_diffusion = self.n_noisy > 0 and not self.draft_blocks
+    reach = self.seq_len - self.block_size if block_diffusion else self.seq_len
+    return self.first_copies & (flat != PAD) & (flat - self.noisy_len < reach)
+
+  @functools.cached_property
   def context_rows(self) -> np.ndarray:
     """int32 [L]: where each position's clean row is among every rank's clean slot, laid end
     to end (its first copy where `bp` replicates it): how a row fetches another position's

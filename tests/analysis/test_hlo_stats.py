@@ -365,3 +365,60 @@ def test_a_chain_only_inside_a_data_dependent_loop_is_an_error():
     text = TPU_HLO.replace("  %first = f32[8,16]{1,0} fusion(%w), kind=kOutput, calls=%piece.0\n", "")
     with pytest.raises(ValueError, match="chain 0 runs only inside loops"):
         collective_bytes(text)
+
+
+# XLA:TPU's rewrites of the all-gather transport, none with an op_name of its own: a small
+# int32 all-gather becomes an all-reduce (add) of zeros but for this device's shard (a fused
+# dynamic-update-slice into a broadcast 0), and the dK/dV reduce-scatter an all-reduce (f32
+# in, bf16 out) of a slice. The first is the all-gather of its s32[32] shard, named by the
+# attention ops that use it; the second takes the name of the slice that computes its input.
+TPU_REWRITES_HLO = """\
+HloModule tpu_rewrites, is_scheduled=true
+
+%add (x: s32[], y: s32[]) -> s32[] {
+  %x = s32[] parameter(0)
+  %y = s32[] parameter(1)
+  ROOT %sum = s32[] add(%x, %y)
+}
+
+%addf (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sumf = f32[] add(%a, %b)
+}
+
+%place (zeros: s32[128], offset: u32[], meta: s32[1,32]) -> s32[128] {
+  %zeros = s32[128]{0} parameter(0)
+  %meta = s32[1,32]{1,0} parameter(2)
+  %flat = s32[32]{0} bitcast(%meta)
+  %offset = u32[] parameter(1)
+  ROOT %dus = s32[128]{0} dynamic-update-slice(%zeros, %flat, %offset)
+}
+
+ENTRY %main (meta: s32[1,32], offset: u32[], dkv: f32[1,160,2,16]) -> (s32[8,16], bf16[1,128,2,16]) {
+  %meta = s32[1,32]{1,0} parameter(0)
+  %offset = u32[] parameter(1)
+  %dkv = f32[1,160,2,16]{3,2,1,0} parameter(2)
+  %zero = s32[] constant(0)
+  %zero.copy = s32[] copy(%zero)
+  %zeros = s32[128]{0} broadcast(%zero.copy), dimensions={}
+  %padded = s32[128]{0} fusion(%zeros, %offset, %meta), kind=kLoop, calls=%place
+  %gathered = (s32[128]{0}) all-reduce(%padded), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add
+  %rows = s32[128]{0} get-tuple-element(%gathered), index=0
+  %keys = s32[8,16]{1,0} reshape(%rows), metadata={op_name="jit(f)/seq_attention/shard_map/reshape"}
+  %mine = f32[1,128,2,16]{3,2,1,0} slice(%dkv), slice={[0:1], [32:160], [0:2], [0:16]}, metadata={op_name="jit(f)/transpose(jvp())/seq_attention/shard_map/slice"}
+  %reduced = bf16[1,128,2,16]{3,2,1,0} all-reduce(%mine), channel_id=2, replica_groups={{0,1,2,3}}, to_apply=%addf
+  ROOT %out = (s32[8,16]{1,0}, bf16[1,128,2,16]{3,2,1,0}) tuple(%keys, %reduced)
+}
+"""
+
+
+def test_tpu_rewritten_collectives_count_as_what_they_stand_for_in_their_scope():
+    expected = {**only("all-gather", 32 * 4), "all-reduce": 128 * 2 * 16 * F32}
+    assert collective_bytes(TPU_REWRITES_HLO) == expected
+    assert collective_bytes(TPU_REWRITES_HLO, "seq_attention") == expected
+
+
+def test_an_all_reduce_of_a_buffer_not_all_zeros_stays_an_all_reduce():
+    text = TPU_REWRITES_HLO.replace("s32[] constant(0)", "s32[] constant(1)")
+    assert collective_bytes(text)["all-reduce"] == 128 * 4 + 128 * 2 * 16 * F32

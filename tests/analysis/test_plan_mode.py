@@ -34,20 +34,22 @@ def test_the_pick_is_the_fastest_that_fits_not_the_least_traffic():
           dict(strategy="csbp_allgather", error="compile failed")]
   assert [r["strategy"] for r in pm.fastest_that_fit(rows, 80 * GB)] == \
       ["csbp_ring", "cp_ring", "bp"]
-  chosen, runner_up, over = pm.verdict(rows, 80 * GB, "on test hardware")
-  assert chosen.startswith("chosen: csbp_ring (projected 10 ms/step on test hardware; the "
-                           "fastest of the 3 that fit 80 GB: 2 ms less K/V transfer and "
-                           "waiting than the runner-up")
+  chosen, runner_up, over = pm.verdict(rows, 80 * GB, "on test hardware", "XLA:CPU")
+  assert chosen.startswith("chosen: csbp_ring (projected 10 ms/step on test hardware; fits: "
+                           "XLA:CPU bound 10 GB of 80 GB; the fastest of the 3 that fit: 2 ms "
+                           "less K/V transfer and waiting than the runner-up")
   assert runner_up == "runner-up: cp_ring (projected 12 ms/step, 1.2x)"
-  assert over == "faster but over 80 GB: cp_allgather (5 ms/step, peak 90 GB)"
+  assert over == "faster but over 80 GB: cp_allgather (5 ms/step, XLA:CPU bound 90 GB)"
 
 
 def test_when_one_strategy_fits_or_none_the_verdict_says_so():
-  rows = [row("bp", 30.0, 10, 0), row("csbp_ring", 10.0, 90, 1)]
-  assert pm.verdict(rows, 80 * GB, "on X")[:2] == [
-      "chosen: bp (projected 30 ms/step on X; the only strategy that fits 80 GB)",
-      "runner-up: none"]
-  assert pm.verdict(rows, 1 * GB, "on X") == ["chosen: none (no strategy fits 1 GB per device)"]
+  rows = [row("bp", 30.0, 10, 0), dict(row("csbp_ring", 10.0, 90, 1), compiler_peak_bytes=1)]
+  assert pm.verdict(rows, 80 * GB, "on X", "XLA:TPU") == [
+      "chosen: bp (projected 30 ms/step on X; fits: XLA:TPU bound 10 GB of 80 GB, the only "
+      "strategy that does)", "runner-up: none",
+      "faster but over 80 GB: csbp_ring (10 ms/step, XLA:TPU peak 90 GB)"]
+  assert pm.verdict(rows, 1 * GB, "on X", "XLA:CPU") == [
+      "chosen: none (no strategy fits 1 GB per device by XLA:CPU's figures)"]
 
 
 def test_the_projection_sends_the_bytes_the_table_prints():

@@ -1,6 +1,7 @@
 """plan.target=tpu:<topology>: the real train step compiled by XLA:TPU ahead of time for a small
-topology's devices (libtpu, no TPU). Its ring moves exactly the plan's attention bytes, its
-peak is the compiler's own. Skipped where libtpu is not installed (requirements-tpu.txt).
+topology's devices (libtpu, no TPU). Its ring and all-gather transports move exactly the
+plan's attention bytes, its peak is the compiler's own and decides the plan's pick. Skipped
+where libtpu is not installed (requirements-tpu.txt).
 
 A tiny model in bf16 (the wire dtype the plan counts: at float32, XLA:TPU's default matmul
 precision lets it send K/V as bf16), one compile per strategy, shared by the tests.
@@ -49,6 +50,17 @@ def test_tpu_ring_moves_exactly_the_plans_attention_bytes(strategy):
       sr.expected_attention_operand_bytes(config(strategy), "tpu")
 
 
+def test_tpu_allgather_moves_exactly_the_plans_attention_bytes():
+  """XLA:TPU rewrites the transport's int32 metadata all-gathers as all-reduces of zeros but
+  for the shard, and its dK/dV reduce-scatter as an all-reduce of the f32 input, none named:
+  hlo_stats counts the first as the all-gather it is and credits both to the attention."""
+  r = report("csbp_allgather")
+  plan = sr.config_attention_traffic(config("csbp_allgather"))  # bf16 stays 2 bytes on TPU
+  assert r.attention_check == 1.0
+  assert r.attention_collective_bytes["all-gather"] == plan["all-gather"]
+  assert r.attention_collective_bytes["all-reduce"] == plan["reduce-scatter"]
+
+
 def test_csbp_sends_half_the_attention_bytes_of_cp_on_tpu():
   assert 2 * sum(report("csbp_ring").attention_collective_bytes.values()) == \
       sum(report("cp_ring").attention_collective_bytes.values())
@@ -62,15 +74,20 @@ def test_tpu_peak_is_the_compilers_own_and_below_the_every_buffer_bound():
   assert r.weight_collective_bytes["all-gather"] > 0  # ZeRO-3's weight gathers, chains counted
 
 
-def test_plan_header_names_the_compiler_the_chip_and_which_peak(monkeypatch):
+def test_plan_names_the_compiler_the_chip_and_the_peak_its_pick_fits_by(monkeypatch):
   monkeypatch.setattr(sr, "compare_strategies",
                       lambda *_: [(s, report(s)) for s in ("cp_ring", "csbp_ring")])
   text = plan_mode.plan_report(config())
-  assert "XLA:TPU ahead of time (compiled, not run) for 4 TPU v5 lite devices" in text
+  assert "XLA:TPU ahead of time (compiled, not run) for 4 TPU v5e devices" in text
   assert "Peak = the compiler's own peak_memory_in_bytes" in text
   assert "| peak GB | bound GB |" in text
   assert "fits 16.9114 GB" in text  # v5e's 15.75 GiB of HBM, as XLA:TPU compiles against
-  assert any(line.startswith("chosen: ") for line in text.splitlines())
+  assert "fits = XLA:TPU's figure against one TPU v5e's memory (15.75 GiB)" in text
+  chosen = next(line for line in text.splitlines() if line.startswith("chosen: "))
+  peak = report("csbp_ring").compiler_peak_bytes / sr.GB
+  assert chosen.startswith("chosen: csbp_ring (projected ")
+  assert "(no model of a TPU v5e's time)" in chosen
+  assert f"fits: XLA:TPU peak {peak:.3g} GB of 16.9114 GB" in chosen
 
 
 def test_tpu_target_refuses_the_triton_kernel_and_names_xla():

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import shutil
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -466,3 +467,197 @@ def test_init_from_fills_a_larger_vocabulary_with_the_mean_row(exported):
   with pytest.raises(ConfigError, match=r"vocab_size \(folder 64, config 32\)"):
     params_from_hf(replace(cfg, init_from=folder, model=dict(vocab_size=32),
                            objective=dict(mask_token_id=31)))
+
+
+# Gemma 4 and DiffusionGemma (docs/gemma4.md): experts beside a dense MLP, K = V on global
+# layers with their own head dim and K/V heads, proportional RoPE on a quarter of their
+# frequencies, a 5:1 pattern whose last layer HF forces global (a scanned period and a
+# remainder), a window shorter than the tokens.
+GEMMA4_TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=7,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+                   num_global_key_value_heads=1, sliding_window=5, num_experts=4, top_k_experts=2,
+                   moe_intermediate_size=16, final_logit_softcapping=30.0)
+TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32,
+                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+
+
+def gemma4_reference_logits(model, tokens) -> np.ndarray:
+  """Gemma 4's causal logits; DiffusionGemma's encoder pass (its causal stream, as
+  `DiffusionGemmaModel` runs it before the canvas) through the LM head and soft cap."""
+  import torch
+  if type(model).__name__ != "DiffusionGemmaForBlockDiffusion":
+    return torch_logits(model, tokens)
+  with torch.no_grad():
+    h = model.model.encoder(input_ids=torch.as_tensor(tokens)).last_hidden_state
+    cap = model.final_logit_softcapping
+    return (torch.tanh(model.lm_head(h).float() / cap) * cap).numpy()
+
+
+@pytest.fixture(scope="module", params=["gemma4_text", "diffusion_gemma"])
+def gemma4_model(request, tmp_path_factory) -> HFModel:
+  """A random Gemma 4 text or DiffusionGemma model saved to a folder. Weights are far from
+  their init values, the per-layer `layer_scalar` buffers too (DiffusionGemma's encoder and
+  decoder copies alike); q/k norm weights are near 0.35, since Gemma 4 leaves attention
+  logits unscaled: sharp attention would amplify float32 rounding past the tolerance."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  torch.manual_seed(0)
+  if request.param == "gemma4_text":
+    config = transformers.Gemma4TextConfig(**GEMMA4_TEXT, attention_k_eq_v=True,
+                                           enable_moe_block=True, hidden_size_per_layer_input=0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+  else:
+    config = transformers.DiffusionGemmaConfig(text_config=GEMMA4_TEXT, vision_config=TINY_VISION)
+    model = transformers.DiffusionGemmaForBlockDiffusion._from_config(
+        config, attn_implementation="eager")
+  model.eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      center = (0.35 if "q_norm" in name or "k_norm" in name else
+                1.0 if name.endswith(("norm.weight", "scale")) else 0.0)
+      p.copy_(center + (0.5 if "router.proj" in name else 0.15) * torch.randn_like(p))
+    scalars = {}
+    for name, b in model.named_buffers():
+      if name.endswith("layer_scalar"):
+        layer = int(name.split("layers.")[1].split(".")[0])
+        b.copy_(scalars.setdefault(layer, 0.75 + 0.5 * torch.rand(1)))
+  folder = str(tmp_path_factory.mktemp(request.param))
+  model.save_pretrained(folder)
+  tokens = np.random.default_rng(0).integers(0, 64, (2, 24))
+  return HFModel(folder, model, tokens, gemma4_reference_logits(model, tokens))
+
+
+def test_gemma4_import_gives_the_logits_of_transformers(gemma4_model):
+  """The causal logits through `ar_logits`; the features read from config.json; the
+  vocabulary of a DiffusionGemma is the folder's (no [MASK] row), its vision tower left out
+  with a warning that names it."""
+  diffusion = "diffusion" in gemma4_model.folder
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    cfg, params = import_hf(gemma4_model.folder)
+  said = [str(w.message) for w in caught]
+  assert any("vision tower" in s and "model.encoder.vision_tower." in s for s in said) == diffusion
+  assert not any("ignoring tensors" in s for s in said), said
+  m = cfg.model
+  assert (m.layer_pattern, m.last_layer_global) == ("local,local,local,local,local,global", True)
+  assert (m.global_head_dim, m.global_n_kv_heads, m.attention_k_eq_v) == (16, 1, True)
+  assert (m.global_partial_rotary_factor, m.rope_theta, m.rope_local_theta) == (0.25, 1e6, 1e4)
+  assert (m.moe_experts, m.moe_top_k, m.moe_d_ff, m.self_conditioning) == (4, 2, 16, diffusion)
+  assert m.vocab_size == 64 + (not diffusion)
+  assert params["global_layers"]["attn"]["k_proj"]["kernel"].shape == (2, 32, 16)
+  assert "v_proj" not in params["global_layers"]["attn"]
+  err = np.abs(jax_logits(params, cfg, gemma4_model.tokens)[..., :64] - gemma4_model.logits).max()
+  assert err < TOL, f"max abs logit error {err}"
+  flat = replace(cfg, model=dict(global_partial_rotary_factor=1.0))  # every frequency rotated
+  err = np.abs(jax_logits(params, flat, gemma4_model.tokens)[..., :64] - gemma4_model.logits).max()
+  assert err > 1000 * TOL, f"partial RoPE too weak to test: full RoPE errs by {err}"
+
+
+def test_gemma4_export_loads_as_the_same_class_and_round_trips(gemma4_model, tmp_path):
+  """transformers loads the export as the class it came from (DiffusionGemma with the
+  imported folder's vision tower), with the same logits; importing it again gives the same
+  config and params."""
+  import transformers
+  cfg, params = import_hf(gemma4_model.folder)
+  out = str(tmp_path / "export")
+  export_hf(params, cfg, out, vision_from=gemma4_model.folder)
+  cls = type(gemma4_model.torch_model)
+  loaded = getattr(transformers, cls.__name__).from_pretrained(out, attn_implementation="eager")
+  assert type(loaded) is cls
+  err = np.abs(gemma4_reference_logits(loaded, gemma4_model.tokens)[..., :64]
+               - gemma4_model.logits).max()
+  assert err < TOL, f"max abs logit error {err}"
+  if cfg.model.self_conditioning:
+    ours, theirs = (dict(m.named_parameters()) for m in (loaded, gemma4_model.torch_model))
+    for name in [n for n in theirs if "vision" in n] + ["model.decoder.self_conditioning."
+                                                        "gate_proj.weight"]:
+      np.testing.assert_array_equal(ours[name].detach().numpy(), theirs[name].detach().numpy())
+  cfg2, params2 = import_hf(out)
+  assert cfg2.model == cfg.model
+  jax.tree.map(np.testing.assert_array_equal, params2, params)
+
+
+@pytest.mark.parametrize("gemma4_model", ["diffusion_gemma"], indirect=True)
+def test_self_conditioning_equals_diffusion_gemma_s(gemma4_model):
+  """`Transformer.self_condition`: a canvas's embeddings conditioned on logits, with one
+  sequence switched off, as `DiffusionGemmaDecoderModel` computes them."""
+  import torch
+  from bdlm_jax.params import merge
+  cfg, params = import_hf(gemma4_model.folder)
+  model = merge(cfg, params)
+  rng = np.random.default_rng(5)
+  tokens, logits = rng.integers(0, 64, (2, 6)), 3 * rng.normal(size=(2, 6, 64)).astype(np.float32)
+  on = np.array([True, False])
+  x = model.embed_tokens(jnp.asarray(tokens))
+  got = np.asarray(model.self_condition(x, jnp.asarray(logits), jnp.asarray(on)))
+  decoder = gemma4_model.torch_model.model.decoder
+  with torch.no_grad():
+    embeds = decoder.embed_tokens(torch.as_tensor(tokens))
+    soft = (torch.as_tensor(logits).softmax(-1) @ decoder.embed_tokens.weight
+            * decoder.embed_tokens.embed_scale) * torch.as_tensor(on)[:, None, None]
+    want = decoder.self_conditioning(embeds, soft).numpy()
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def exported_gemma4(tmp_path_factory):
+  """(cfg, folder): a random Gemma 4-style model written by export_hf."""
+  cfg = replace(Config(), model=dict(
+      vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+      qk_norm=True, post_norms=True, scale_embeddings=True, mlp_activation="gelu_tanh",
+      layer_pattern="local,global", last_layer_global=True, sliding_window=4,
+      rope_local_theta=1e4, query_pre_attn_scalar=1, global_head_dim=16, v_norm=True,
+      layer_scalar=True, global_partial_rotary_factor=0.5), objective=dict(mask_token_id=63))
+  folder = str(tmp_path_factory.mktemp("exported_gemma4"))
+  export_hf(init_params(cfg, jax.random.key(0)), cfg, folder)
+  return cfg, folder
+
+
+def test_gemma4_dense_export_round_trips_without_transformers(exported_gemma4):
+  cfg, folder = exported_gemma4
+  assert json.load(open(os.path.join(folder, "config.json")))["enable_moe_block"] is False
+  assert import_hf(folder)[0].model == cfg.model
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(hidden_size_per_layer_input=256), r"hidden_size_per_layer_input=256 is not supported "
+                                            r"\(per-layer input embeddings\)"),
+    (dict(num_kv_shared_layers=2), r"num_kv_shared_layers=2 is not supported"),
+    (dict(use_bidirectional_attention="all"), r"use_bidirectional_attention='all' is not supp"),
+    (dict(rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0},
+                           "sliding_attention": {"rope_type": "default"}}),
+     r"rope_parameters.full_attention=.* is not supported"),
+    (dict(per_layer_config={"0": {"head_dim": 16}}), r"per_layer_config=.* is not supported"),
+])
+def test_unsupported_gemma4_config_is_a_config_error(exported_gemma4, tmp_path, change, message):
+  hf = edit_config(exported_gemma4[1], tmp_path)
+  write_config(tmp_path, {**hf, **change})
+  with pytest.raises(ConfigError, match=message):
+    import_hf(str(tmp_path))
+
+
+@pytest.mark.parametrize("model, message", [
+    (dict(layer_scalar=True), r"gemma4_text also needs model.qk_norm=true; .*model.v_norm=true"),
+    (dict(self_conditioning=True, qk_norm=True, post_norms=True, scale_embeddings=True,
+          v_norm=True, layer_scalar=True, query_pre_attn_scalar=1),
+     r"diffusion_gemma also needs experts, model.attention_k_eq_v=true"),
+])
+def test_export_refuses_a_gemma4_model_its_family_cannot_hold(tmp_path, model, message):
+  cfg = replace(Config(), model=model)
+  with pytest.raises(ConfigError, match=message):
+    export_hf(abstract_params(cfg), cfg, str(tmp_path))
+
+
+def test_a_part_of_a_fused_hf_tensor_reads_any_slice_of_ours():
+  """Gemma 4's `experts.gate_up_proj` [E, 2F, D]: our gate and up [E, D, F] are its two
+  halves, transposed; a device's slice of ours (any axis sharded) reads only its rows."""
+  from bdlm_jax.checkpoint.hf_tensor import Tensor
+  e, f, d = 4, 6, 8
+  hf = np.random.default_rng(3).normal(size=(e, 2 * f, d))
+  for part, ours in enumerate((hf[:, :f].swapaxes(1, 2), hf[:, f:].swapaxes(1, 2))):
+    t = Tensor("experts.gate_up_proj", ("mlp", "up_proj"), True, 0, part=(part, 2))
+    assert t.hf_shape(ours.shape) == hf.shape
+    for index in [(slice(None),) * 3, (slice(1, 3), slice(None), slice(2, 4)),
+                  (slice(None), slice(4, 8), slice(0, 3))]:
+      np.testing.assert_array_equal(np.swapaxes(hf[t.hf_index(index, ours.shape)], -1, -2),
+                                    ours[index])

@@ -13,7 +13,7 @@ import pytest
 
 from bdlm_jax import loss_fn, make_batch, make_mesh
 from bdlm_jax.analysis.cost_model import dflash, report, setting, timing
-from bdlm_jax.analysis.cost_model.memory import load_probe, peak_memory
+from bdlm_jax.analysis.cost_model.memory import Compiled, load_probe, peak_memory
 from bdlm_jax.analysis.cost_model.projection import BASELINES, CSBP, STRATEGIES, project, speedups
 from bdlm_jax.analysis.cost_model.work import (expert_params, expert_slots, plan_work,
                                                step_comm_bytes)
@@ -261,8 +261,9 @@ def test_compiled_memory_decides_the_verdict_where_the_probe_ran(tmp_path):
                   "qwen3-30b-a3b,16384,csbp_ring,16,48,64,full,,,1e11,True\n")
   compiled = load_probe(str(path), setting.Hardware())
   # full depth, compiled; the MoE's ragged dispatch (stand-ins), not its all_gather one
-  assert compiled == {("llama3-8b", 16384, 64, "csbp_ring"): 5e11,
-                      ("qwen3-30b-a3b", 16384, 64, "csbp_ring"): 1e11}
+  cpu = lambda nbytes: Compiled(nbytes, "XLA:CPU", "bound")
+  assert compiled == {("llama3-8b", 16384, 64, "csbp_ring"): cpu(5e11),
+                      ("qwen3-30b-a3b", 16384, 64, "csbp_ring"): cpu(1e11)}
   rows = project(setting.Hardware(), {"default": Assumptions()}, seq_lens=(16384,),
                  block_sizes=(64,), compiled=compiled)["default"]
   at = {(r["model"], r["strategy"]): r for r in rows}
@@ -271,12 +272,52 @@ def test_compiled_memory_decides_the_verdict_where_the_probe_ran(tmp_path):
   assert ring["memory_bytes"] == 5e11 and not ring["fits"] and ring["total_bytes"] < 5e11
   assumed = at[("llama3-8b", "cp_ring")]
   assert assumed["compiled_bytes"] is None and assumed["memory_bytes"] == assumed["total_bytes"]
-  text = "\n".join(report._memory_table(rows, setting.Hardware(), "scale_probe.csv"))
-  assert f"2 of {len(rows)} verdicts compiled" in text and "OOM (compiled)" in text
+  assert assumed["memory_source"] == "assumed"
+  text = "\n".join(report._memory_table(rows, setting.Hardware(), "`scale_probe.csv`"))
+  assert f"2 of {len(rows)} verdicts compiled (2 by XLA:CPU bound" in text
+  assert "| OOM (XLA:CPU bound 500.0 GB of 134) |" in text
   other_block = project(setting.Hardware(), {"default": Assumptions()}, seq_lens=(16384,),
                         block_sizes=(16,), compiled=compiled)["default"]
   ring16 = next(r for r in other_block if (r["model"], r["strategy"]) == ring_key)
   assert ring16["compiled_bytes"] == 5e11 and not ring16["compiled_here"] and not ring16["fits"]
+
+
+def test_the_verdict_takes_the_accelerator_compilers_peak_over_xla_cpus_bound(tmp_path):
+  """An XLA:TPU row (its own peak, 60 GB) decides where it compiled, and says so; where it
+  did not compile (over a v5p's HBM), XLA:CPU's bound (200 GB) decides, and says so."""
+  head = ("model,seq_len,strategy,devices,layers,block_size,remat,depth_check,error,"
+          "peak_bytes,standins,target,compiler_peak_bytes\n")
+  tpu, cpu = tmp_path / "scale_probe_tpu.csv", tmp_path / "scale_probe.csv"
+  tpu.write_text(head + "llama3-8b,16384,csbp_ring,16,32,64,full,,,6e10,False,tpu:v5p:2x2x4,6e10\n"
+                 "llama3-8b,16384,cp_ring,16,32,64,full,,compile failed: RESOURCE_EXHAUSTED,,"
+                 "False,tpu:v5p:2x2x4,\n")
+  cpu.write_text(head + "llama3-8b,16384,csbp_ring,16,32,64,full,,,2e11,,,\n"
+                 "llama3-8b,16384,cp_ring,16,32,64,full,,,2e11,,,\n")
+  compiled = load_probe([str(tpu), str(cpu)], setting.Hardware())
+  assert compiled[("llama3-8b", 16384, 64, "csbp_ring")] == Compiled(6e10, "XLA:TPU", "peak")
+  assert compiled[("llama3-8b", 16384, 64, "cp_ring")] == Compiled(2e11, "XLA:CPU", "bound")
+  rows = project(setting.Hardware(), {"default": Assumptions()}, seq_lens=(16384,),
+                 block_sizes=(64,), compiled=compiled)["default"]
+  text = "\n".join(report._memory_table(rows, setting.Hardware(), "`x`"))
+  assert "1 by XLA:CPU bound, 1 by XLA:TPU peak" in text
+  assert "| csbp_ring |" in text and "| fits (XLA:TPU peak 60.0 GB of 134) |" in text
+  assert "| OOM (XLA:CPU bound 200.0 GB of 134) |" in text
+  table = "\n".join(report._strategy_table(rows, speedups(rows)))
+  assert " / 60 *tpu* |" in table and " / 200 *cpu* **OOM** |" in table
+
+
+def test_an_moes_ragged_dispatch_compiled_for_real_is_read_before_its_stand_ins(tmp_path):
+  path = tmp_path / "scale_probe_tpu.csv"
+  path.write_text("model,seq_len,strategy,devices,layers,block_size,remat,overrides,depth_check,"
+                  "error,peak_bytes,standins,target\n"
+                  "qwen3-30b-a3b,16384,csbp_ring,16,48,64,full,,,,3e11,False,tpu:v5p:2x2x4\n"
+                  "qwen3-30b-a3b,16384,csbp_ring,16,48,64,full,,,,2e11,True,tpu:v5p:2x2x4\n"
+                  "qwen3-30b-a3b,16384,csbp_ring,16,48,64,full,parallel.moe_dispatch="
+                  "ragged_all_to_all,,,1e11,False,tpu:v5p:2x2x4\n")
+  key = ("qwen3-30b-a3b", 16384, 64, "csbp_ring")
+  assert load_probe(str(path), setting.Hardware())[key].nbytes == 1e11
+  path.write_text("\n".join(path.read_text().splitlines()[:3]) + "\n")  # stand-ins only
+  assert load_probe(str(path), setting.Hardware())[key].nbytes == 2e11
 
 
 def test_kernel_csv_sets_attention_tflops_from_pallas_fwd_bwd_on_bdlm_masks(tmp_path):
@@ -395,7 +436,8 @@ def test_probe_rows_of_a_model_with_local_layers_are_its_memory(tmp_path):
                   "gemma3-27b,16384,csbp_ring,16,62,64,full,,,5e10,\n"
                   "llama3-8b,16384,csbp_ring,16,32,64,full,,,5e10,\n")
   assert load_probe(str(path), setting.Hardware()) == {
-      (model, 16384, 64, "csbp_ring"): 5e10 for model in ("gemma3-27b", "llama3-8b")}
+      (model, 16384, 64, "csbp_ring"): Compiled(5e10, "XLA:CPU", "bound")
+      for model in ("gemma3-27b", "llama3-8b")}
 
 
 # DFlash drafter training: a small target and drafter, L = 128, B = 4, A = 8, on 4 GPUs.

@@ -1,6 +1,7 @@
 """scale_probe --quick runs end to end: one compile in a subprocess, rejected settings become
 rows, and the CSV, markdown and plot are written."""
 
+import argparse
 import csv
 
 import pytest
@@ -37,6 +38,16 @@ def test_ablation_compiles_each_feature_off_next_to_all_on(tmp_path, monkeypatch
   assert float(f32["attention_bytes"]) > float(on["attention_bytes"])  # f32 K/V on the wire
   text = (tmp_path / "scale_probe_quick_ablation.md").read_text()
   assert "| csbp_ring | every feature on |" in text and "| 1.00x |" in text
+
+
+def test_breakdown_writes_each_compiles_buffers_at_the_peak_beside_the_table(tmp_path):
+  scale_probe.main(["--quick", "--breakdown", "--lens", "64", "--strategies", "csbp_ring",
+                    "--depth-check", "0", "--out", str(tmp_path)])
+  text = (tmp_path / "scale_probe_quick_breakdown.md").read_text()
+  assert "### tiny L=64 csbp_ring (2 layers): peak" in text
+  assert "| state: parameters, optimizer state |" in text and "x the bound arguments" in text
+  with open(tmp_path / "scale_probe_quick.csv") as f:
+    assert "breakdown" not in next(csv.reader(f))  # the table keeps its columns
 
 
 def _row(**changes) -> dict:
@@ -85,6 +96,22 @@ def test_a_partial_run_replaces_only_the_rows_it_measured(tmp_path, monkeypatch)
   assert "| 64 | csbp_ring | 1.0e-03 | 1.0e-03 | 9.0e-03 |" in text  # the new peak
 
 
+def test_the_plot_has_one_legend_for_all_its_panels(tmp_path, monkeypatch):
+  """Each strategy once, although the last panel lacks one, and the device's memory line."""
+  import matplotlib.pyplot as plt
+  figures = []
+  monkeypatch.setattr(plt, "close", figures.append)
+  rows = [_row(model="other", strategy="cp_ring"), _row(model="other"), _row()]
+  args = argparse.Namespace(models=["other", "tiny"], strategies=["cp_ring", "csbp_ring"],
+                            devices=4)
+  scale_probe.plot(rows, args, 1e9, tmp_path / "plot.png")
+  (fig,) = figures
+  assert not any(ax.get_legend() for ax in fig.axes)
+  (legend,) = fig.legends
+  assert [t.get_text() for t in legend.get_texts()] == ["cp_ring", "csbp_ring", "1 GB"]
+  assert (tmp_path / "plot.png").stat().st_size > 0
+
+
 def test_rows_of_another_setting_are_not_merged(tmp_path, monkeypatch):
   monkeypatch.setattr(scale_probe, "run", lambda args: [_row()])
   scale_probe.write([_row(devices=8)], tmp_path / "scale_probe_quick.csv")
@@ -109,6 +136,23 @@ def test_ragged_standins_keep_the_ragged_ops_shapes(monkeypatch):
     out = jax.lax.ragged_all_to_all(jnp.ones((12, 4)), jnp.zeros((rows, 4)), offsets, offsets,
                                     offsets, offsets, axis_name="seq")
     assert out.shape == (rows, 4)
+
+
+def test_dispatch_real_compiles_the_moes_own_ragged_ops_and_xla_cpu_refuses_them_by_row():
+  """--dispatch real: an MoE's second job is the ragged dispatch with no stand-ins; on the
+  cpu target it is a row saying why (no subprocess, no crash)."""
+  args = argparse.Namespace(models=["qwen3-30b-a3b"], lens=[4096], strategies=["csbp_ring"],
+                            devices=4, layers=1, block_size=64, remat="full", objective="bd3lm",
+                            anchors=0, drafter_layers=0, target="cpu", ablate=False,
+                            depth_check=0, dispatch="real", set=[])
+  gathered, ragged = scale_probe.jobs(args)
+  assert not gathered["overrides"] and not ragged["standins"]
+  assert ragged["overrides"] == ["parallel.moe_dispatch=ragged_all_to_all"]
+  assert scale_probe.job_config(ragged).parallel.moe_dispatch == "ragged_all_to_all"
+  row = scale_probe.measure({k: ragged[k] for k in scale_probe.KEYS}, timeout_s=1)
+  assert "ragged_all_to_all cannot run on CPU" in row["error"]
+  args.dispatch = "standins"
+  assert scale_probe.jobs(args)[1]["standins"] and not scale_probe.jobs(args)[1]["overrides"]
 
 
 def test_dflash_probe_jobs_are_a_drafter_over_the_frozen_target(tmp_path, monkeypatch):

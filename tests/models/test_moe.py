@@ -22,6 +22,7 @@ from bdlm_jax.models.moe import MoE, router_losses
 from bdlm_jax.models.transformer import layer_slots
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.params import merge
+from bdlm_jax.parallel.registry import plan_for, strategy_names
 from bdlm_jax.parallel.strategies import make_attend
 from tests.parallel import test_strategies
 from tests.test_train import tiny_config
@@ -95,14 +96,58 @@ def _one_device():
   return test_strategies._loss_and_grads(_cfg("none"), None)
 
 
-@pytest.mark.parametrize("strategy,mesh_shape", [("csbp_ring", dict(seq=8)),
-                                                 ("cp_ring", dict(data=2, fsdp=2, seq=2))])
-def test_moe_loss_and_grads_equal_one_device(strategy, mesh_shape):
+def test_moe_loss_and_grads_equal_one_device():
   """Router statistics are pooled over the batch, so the aux loss couples every row: it must
-  still come out the same with rows split over ranks (and the experts ZeRO-3 sharded)."""
-  cfg = _cfg(strategy, **mesh_shape)
+  still come out the same with rows split over ranks and the experts ZeRO-3 sharded (every
+  strategy on seq=8: `ROUTER_CASES`)."""
+  cfg = _cfg("cp_ring", data=2, fsdp=2, seq=2)
   test_strategies.assert_close(*test_strategies._loss_and_grads(cfg, make_mesh(cfg)),
                                *_one_device())
+
+
+# Every registered strategy on seq=8, router losses on (the aux weight is Qwen3-MoE's default
+# router_aux_loss_coef); bp, which replicates the clean prefix and leaves out the last clean
+# block, on both diffusion objectives and both MoE families.
+FAMILIES = {"all_moe": {}, "mixed": dict(mlp_pattern="dense,moe")}
+ROUTER_CASES = [("bp", "bd3lm", "all_moe"), ("bp", "fast_dllm_v2", "mixed"),
+                ("cp_allgather", "bd3lm", "all_moe"), ("cp_ring", "ar", "mixed"),
+                ("cp_ring_balanced", "fast_dllm_v2", "mixed"),
+                ("csbp_allgather", "fast_dllm_v2", "mixed"), ("csbp_ring", "bd3lm", "all_moe")]
+
+
+def _router_cfg(strategy, objective, family, **parallel):
+  model = dict(MOE, moe_aux_weight=0.001, moe_z_weight=1e-3, **FAMILIES[family])
+  return replace(test_strategies._cfg(strategy, 6, objective), model=model, parallel=parallel)
+
+
+def _router_batch():
+  """Packed documents, prompts and padding shorter than a block, so the last block's clean
+  rows hold real tokens."""
+  L = test_strategies.L
+  rng = np.random.default_rng(8117)
+  seg = np.sort(rng.integers(1, 4, (4, L)), axis=1)
+  seg[:, -2:] = 0
+  return rng.integers(0, 250, (4, L)), seg, rng.random((4, L)) < 0.25
+
+
+@functools.cache
+def _router_reference(objective, family):
+  return test_strategies._loss_and_grads(_router_cfg("none", objective, family), None,
+                                         _router_batch(), seed=4242)
+
+
+def test_router_cases_cover_every_strategy():
+  assert {case[0] for case in ROUTER_CASES} == set(strategy_names(splits_sequences=True))
+
+
+@pytest.mark.parametrize("strategy,objective,family", ROUTER_CASES)
+def test_router_losses_count_each_row_once_under_every_strategy(strategy, objective, family):
+  """The load-balancing and z losses pool every counted row of the step; a strategy that
+  holds a row twice, or not at all, must not change them: loss and every gradient equal
+  one device's."""
+  cfg = _router_cfg(strategy, objective, family, seq=8)
+  got = test_strategies._loss_and_grads(cfg, make_mesh(cfg), _router_batch(), seed=4242)
+  test_strategies.assert_close(*got, *_router_reference(objective, family))
 
 
 def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
@@ -221,15 +266,9 @@ def test_expert_parallel_capacity_counts_the_groups_tokens():
 MIXED = dict(n_layers=5, mlp_pattern="dense,moe", layer_pattern="local,global", sliding_window=8)
 
 
-def test_mixed_dense_and_moe_layers_scan_like_a_loop_over_the_layers():
-  """Qwen3-MoE's decoder_sparse_step 2 over 5 layers, with local/global attention: the
-  scanned periods and the remainder take each layer's weights from its own stack (MoE layers
-  in `layers`, dense ones in `dense_layers`), as a plain loop over the layers does; router
-  statistics come from the MoE layers only."""
-  cfg = replace(_cfg("none"), model=MIXED)
-  params = init_params(cfg, jax.random.key(0))
-  assert params["layers"]["mlp"]["gate_proj"].shape[:2] == (2, E)
-  assert params["dense_layers"]["mlp"]["gate_proj"]["kernel"].shape[0] == 3
+def assert_scan_equals_layer_loop(cfg, params):
+  """The model's scanned forward equals a plain loop over its layers, each read from its
+  stack (`layer_slots`), on a corrupted `_logical_batch`; returns (inputs, router stats)."""
   batch = make_batch(cfg, *test_strategies._logical_batch())
   batch, inputs, *_ = get_objective("bd3lm").corrupt(jax.random.key(1), batch,
                                                        cfg.data.seq_len, cfg.objective)
@@ -241,6 +280,19 @@ def test_mixed_dense_and_moe_layers_scan_like_a_loop_over_the_layers():
     block = nnx.merge(graphdef, jax.tree.map(lambda a: a[index], state))
     x, _ = block(x, batch.pos, batch.meta, attend, kind)
   np.testing.assert_allclose(hidden, model.final_norm(x), rtol=1e-5, atol=1e-5)
+  return inputs, stats
+
+
+def test_mixed_dense_and_moe_layers_scan_like_a_loop_over_the_layers():
+  """Qwen3-MoE's decoder_sparse_step 2 over 5 layers, with local/global attention: the
+  scanned periods and the remainder take each layer's weights from its own stack (MoE layers
+  in `layers`, dense ones in `dense_layers`), as a plain loop over the layers does; router
+  statistics come from the MoE layers only."""
+  cfg = replace(_cfg("none"), model=MIXED)
+  params = init_params(cfg, jax.random.key(0))
+  assert params["layers"]["mlp"]["gate_proj"].shape[:2] == (2, E)
+  assert params["dense_layers"]["mlp"]["gate_proj"]["kernel"].shape[0] == 3
+  inputs, stats = assert_scan_equals_layer_loop(cfg, params)
   rows = inputs.size
   assert stats["tokens"].tolist() == [0, rows, 0, rows, 0]
 
@@ -272,8 +324,9 @@ def test_training_logs_the_router(tmp_path, monkeypatch):
   worked by hand: every token's probabilities are 1/E and its top-2 are experts 0 and 1 (ties
   go to the lower index), so f = (1, 1, 0, 0), aux = E * sum_e f_e / E = 2, max load =
   1 / mean f = 2, z = log(E)^2. Experts 0 and 1 each keep the pairs of the first
-  C = ceil(0.5 * T * 2 / 4) = T / 4 of the T rows, so the dropped share is that of the real
-  (non-padding) rows after the first C. Logged at step 1, before any update."""
+  C = ceil(0.5 * T * 2 / 4) = T / 4 of the T rows, so the dropped share is that of the counted
+  rows (real, and not the last block's clean rows: `LayoutPlan.counted_rows`) after the first
+  C. Logged at step 1, before any update."""
   from bdlm_jax.feed import Feed
   from bdlm_jax.train import init_state
 
@@ -292,8 +345,9 @@ def test_training_logs_the_router(tmp_path, monkeypatch):
   assert row["moe_aux_loss"] == pytest.approx(2.0, rel=1e-6)
   assert row["moe_max_load"] == pytest.approx(2.0, rel=1e-6)
   assert row["moe_z_loss"] == pytest.approx(np.log(E) ** 2, rel=1e-6)
-  real_T = np.asarray(next(Feed(cfg, make_mesh(cfg))).seg).reshape(-1) > 0  # the first batch
-  dropped = real_T[real_T.size // 4:].sum() / real_T.sum()
+  seg = np.asarray(next(Feed(cfg, make_mesh(cfg))).seg)  # the first batch
+  counted_T = ((seg > 0) & plan_for(cfg).counted_rows[None]).reshape(-1)
+  dropped = counted_T[counted_T.size // 4:].sum() / counted_T.sum()
   assert 0.7 < dropped <= 0.75 and row["moe_dropped"] == pytest.approx(dropped, rel=1e-6)
   events = b"".join(p.read_bytes() for p in (tmp_path / "tb").iterdir())
   assert all(tag.encode() in events for tag in ("moe_aux_loss", "moe_max_load", "moe_dropped"))

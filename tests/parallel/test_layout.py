@@ -7,7 +7,7 @@ from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.parallel.layout import PAD, assign_blocks, zigzag
-from bdlm_jax.parallel.registry import make_plan
+from bdlm_jax.parallel.registry import get_strategy, make_plan, strategy_names
 
 SHARDED = ("cp_ring", "cp_allgather", "cp_ring_balanced", "csbp_ring", "csbp_allgather")
 # (L, B, P): blocks N a multiple of 2P (pairs), N >= 2P not a multiple and P <= N < 2P (greedy).
@@ -58,6 +58,21 @@ def test_bp_holds_noisy_rows_once_and_replicates_the_clean_prefix(L, B, P):
     last_block = _valid(rank_rows[:plan.n_noisy]).max() // B
     # Exactly the clean blocks its last noisy block may see: 0 .. last_block - 1.
     np.testing.assert_array_equal(_valid(rank_rows[plan.n_noisy:]), L + np.arange(last_block * B))
+
+
+@pytest.mark.parametrize("L, B, P", SHAPES)
+def test_every_strategy_counts_the_same_logical_rows_once(L, B, P):
+  """What the router statistics pool: each noisy row and each clean row before the last block
+  (the ones `bp` holds) once, whatever the layout; an autoregressive plan's whole clean stream."""
+  for strategy in strategy_names():
+    record = get_strategy(strategy)
+    for noisy_stream, want in ((True, np.arange(2 * L - B)), (False, L + np.arange(L))):
+      if (not noisy_stream and record.needs_noisy_stream
+          or noisy_stream and strategy == "cp_ring_balanced" and L % (2 * P * B)):
+        continue  # the strategy refuses this stream or shape (tests above)
+      plan = make_plan(strategy, L, B, P if record.splits_sequences else 1, noisy_stream)
+      counted = plan.rows.reshape(-1)[plan.counted_rows]
+      np.testing.assert_array_equal(np.sort(counted), want, err_msg=f"{strategy} {noisy_stream}")
 
 
 def test_zigzag_gives_rank_r_chunks_r_and_2p_minus_1_minus_r():

@@ -13,6 +13,7 @@ import pytest
 from bdlm_jax import ConfigError, init_params, loss_fn, make_batch, make_mesh
 from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
+from bdlm_jax.parallel.registry import SINGLE_DEVICE, strategy_names
 
 L = 96
 BLOCKS = {"N=P": 12, "N=2P": 6, "N>2P": 4, "P<N<2P": 8}  # block sizes for P = 8
@@ -36,9 +37,11 @@ def _logical_batch():
   return tokens, seg, protected
 
 
-def _loss_and_grads(cfg, mesh):
-  batch = make_batch(cfg, *_logical_batch())
-  params = init_params(cfg, jax.random.key(0), mesh)
+def _loss_and_grads(cfg, mesh, logical=None, seed=0):
+  """(loss, gradients) of the `_logical_batch` (or `logical`: tokens, segments, protected) at
+  parameters drawn with `seed`."""
+  batch = make_batch(cfg, *(logical or _logical_batch()))
+  params = init_params(cfg, jax.random.key(seed), mesh)
   step = jax.jit(jax.value_and_grad(lambda p, b, k: loss_fn(p, b, k, cfg, mesh), has_aux=True))
   (loss, _), grads = step(params, batch, jax.random.key(7))
   return float(loss), jax.tree.map(np.asarray, grads)
@@ -83,6 +86,16 @@ def test_balanced_cp_ring_equals_single_device_on_seq8():
                          ids=["data2_seq4", "data2_fsdp2_seq2"])
 def test_loss_and_grads_equal_single_device_on_composed_meshes(strategy, mesh_shape):
   cfg = _cfg(strategy, BLOCKS["N=2P"], **mesh_shape)
+  _assert_matches_reference(cfg, make_mesh(cfg))
+
+
+@pytest.mark.parametrize("strategy", strategy_names())
+def test_offloaded_remat_and_row_chunks_keep_loss_and_grads(strategy):
+  """model.remat=offload (the saved residuals in host memory) and model.row_chunks (each
+  device's rows in 5 chunks, the last one shorter) change where and when a layer's arrays
+  exist, never a value."""
+  seq = 1 if strategy == SINGLE_DEVICE else 8
+  cfg = replace(_cfg(strategy, BLOCKS["N=2P"], seq=seq), model=dict(remat="offload", row_chunks=5))
   _assert_matches_reference(cfg, make_mesh(cfg))
 
 

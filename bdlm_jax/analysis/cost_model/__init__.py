@@ -12,9 +12,11 @@ not a simulator; `experiments/cost_model.py` runs it. By concern:
   timing      FLOPs at achieved TFLOP/s + an alpha-beta network (NVLink inside a node,
               InfiniBand across); rings timed step by step, all-gathers and an MoE's token
               exchange exposed; a local layer of window W on the transport `window_transport`
-              picks
-  memory      compiled where experiments/scale_probe.py ran, else assumed
-  projection  every (model, L, B, strategy, scenario), and CSBP's speedup over the baselines
+              picks; `model.remat=offload`'s host copies, exposed where they outlast a layer
+  memory      compiled where experiments/scale_probe.py ran, else assumed; what remat saves
+              per layer (`saved_layer_bytes`), on the device or, offloaded, on the host
+  projection  every (model, L, B, strategy, scenario), and CSBP's speedup over the baselines;
+              remat full against offload, and the strong-scaling sweep over GPU counts
   dflash      the drafter's step over a frozen target
   report      the markdown
 """

@@ -7,9 +7,11 @@ import dataclasses
 from bdlm_jax.analysis.cost_model import dflash
 from bdlm_jax.analysis.cost_model.dflash import (dflash_config, dflash_project, dflash_speedups,
                                                  drafter_params, drafter_s)
-from bdlm_jax.analysis.cost_model.projection import STRATEGIES, project, speedups
-from bdlm_jax.analysis.cost_model.setting import (BLOCK_SIZES, GB, MODELS, SCENARIOS,
-                                                  Assumptions, Hardware, h100)
+from bdlm_jax.analysis.cost_model.projection import (STRATEGIES, offload_on_both_links, project,
+                                                     speedups)
+from bdlm_jax.analysis.cost_model.setting import (BLOCK_SIZES, GB, MODELS,
+                                                  OFFLOAD_TOLERANCE, SCENARIOS, Assumptions,
+                                                  Hardware, h100, host_link_c2c)
 from bdlm_jax.analysis.cost_model.timing import hop_s, moe_exchange, param_traffic_s
 from bdlm_jax.analysis.cost_model.work import (expert_params, expert_slots, kv_row, moe_layers,
                                                plan_work)
@@ -103,8 +105,9 @@ def _strategy_table(rows: list[dict], spd: list[dict]) -> list[str]:
   head = ("| model | L | B | " + " | ".join(STRATEGIES)
           + " | best baseline | CSBP speedup | CSBP MFU |")
   lines = ["Step time in s / peak memory in GB per GPU (one sequence of L tokens over 16 GPUs; "
-           "memory compiled by scale_probe where it ran, else assumed and marked *a*; "
-           "**OOM** = over the usable HBM, excluded from *best*).", "", head,
+           "memory compiled by scale_probe where it ran, marked by its compiler: *tpu* "
+           "XLA:TPU's own peak, *gpu* XLA:GPU's, *cpu* XLA:CPU's every-buffer bound; else "
+           "assumed, *a*; **OOM** = over the usable HBM, excluded from *best*).", "", head,
            "|" + "---|" * (6 + len(STRATEGIES))]
   for s in spd:
     cells = []
@@ -112,13 +115,25 @@ def _strategy_table(rows: list[dict], spd: list[dict]) -> list[str]:
       r = next(r for r in rows if (r["model"], r["seq_len"], r["block_size"], r["strategy"])
                == (s["model"], s["seq_len"], s["block_size"], name))
       oom = "" if r["fits"] else " **OOM**"
-      assumed = "" if r["compiled_bytes"] else " *a*"
-      cells.append(f"{r['total_s']:.2f} / {r['memory_bytes'] / GB:.0f}{assumed}{oom}")
+      cells.append(f"{r['total_s']:.2f} / {r['memory_bytes'] / GB:.0f} {_source_mark(r)}{oom}")
     speed = "—" if s["speedup"] is None else f"{s['speedup']:.2f}x ({s['csbp']})"
     mfu = "—" if s["csbp_mfu"] is None else f"{s['csbp_mfu']:.0%}"
     lines.append(f"| {s['model']} | {_k(s['seq_len'])} | {s['block_size']} | "
                  + " | ".join(cells) + f" | {s['baseline'] or '—'} | {speed} | {mfu} |")
   return lines + [""]
+
+
+def _source_mark(row: dict) -> str:
+  """*tpu*, *gpu* or *cpu*: the compiler of a row's memory figure; *a*: assumed."""
+  compiler = row["memory_source"].split()[0]
+  return "*a*" if compiler == "assumed" else f"*{compiler[len('XLA:'):].lower()}*"
+
+
+def _verdict(row: dict, hw: Hardware) -> str:
+  """fits / OOM, with the figure that decided it: 'fits (XLA:TPU peak 37.6 GB of 134)'."""
+  return (f"{'fits' if row['fits'] else 'OOM'} ({row['memory_source']} "
+          f"{row['memory_bytes'] / GB:.1f} GB "
+          f"of {hw.usable_bytes / GB:.0f})")
 
 
 def _range(values) -> str:
@@ -209,12 +224,16 @@ def _memory_table(rows: list[dict], hw: Hardware, probe: str) -> list[str]:
   """The assumed memory next to the compiled one, and where each verdict came from."""
   limit = hw.usable_bytes / GB
   both = [r for r in rows if r["compiled_bytes"]]
+  sources = sorted({r["memory_source"] for r in both})
+  by = ", ".join(f"{sum(r['memory_source'] == x for r in both)} by {x}" for x in sources)
   lines = [f"Fits / OOM against {limit:.0f} GB usable: {len(both)} of {len(rows)} verdicts "
-           f"compiled (the real train step's per-device peak, read from `{probe}`, of an "
-           f"MoE its ragged dispatch compiled with stand-ins; at the "
-           f"probe's block size, and the same figure for the other block sizes), the other "
-           f"{len(rows) - len(both)} assumed (this model's estimate). Below: the probed "
-           "settings.", ""]
+           f"compiled ({by or 'none'}: the real train step's per-device figure, read from "
+           f"{probe}, the first that has the setting; of an MoE its ragged dispatch compiled "
+           "with stand-ins; at the probe's block size, and the same figure for the other "
+           f"block sizes), the other {len(rows) - len(both)} assumed (this model's "
+           "estimate). A compiler's own peak (XLA:TPU, XLA:GPU) is the realistic figure; "
+           "XLA:CPU's every-buffer bound overstates it. The time stays the H200 model's. "
+           "Below: the probed settings.", ""]
   if not both:
     return lines + ["No compiled figures: run `experiments/scale_probe.py` (16 devices, "
                     "block size 64, full depth) for compiled verdicts.", ""]
@@ -223,9 +242,124 @@ def _memory_table(rows: list[dict], hw: Hardware, probe: str) -> list[str]:
   for r in (r for r in both if r["compiled_here"]):
     lines.append(f"| {r['model']} | {_k(r['seq_len'])} | {r['block_size']} | {r['strategy']} | "
                  f"{r['total_bytes'] / GB:.1f} | {r['compiled_bytes'] / GB:.1f} | "
-                 f"{r['total_bytes'] / r['compiled_bytes']:.3f} | "
-                 f"{'fits' if r['fits'] else 'OOM'} (compiled) |")
+                 f"{r['total_bytes'] / r['compiled_bytes']:.3f} | {_verdict(r, hw)} |")
   return lines + [""]
+
+
+def _offload_section(hw: Hardware, rows: list[dict]) -> list[str]:
+  """remat=full next to remat=offload per (model, L, strategy), on the default host link and
+  on GH200's NVLink-C2C (`offload_on_both_links(hw)`)."""
+  pcie = [r for r in rows if r["host_gb_s"] == hw.host_gb_s]
+  c2c = {(r["model"], r["seq_len"], r["strategy"]): r for r in rows
+         if r["host_gb_s"] == host_link_c2c(hw).host_gb_s}
+  block = pcie[0]["block_size"]
+  lines = [f"### Host-offloaded residuals (`model.remat=offload`, B={block})", "",
+           "Under `offload` each layer's saved residuals (what `full` keeps on the GPU: the "
+           "layer input with its row metadata, the attention core's output and LSE, a local "
+           "layer's exchanged K/V) go to host memory once in the forward and come back once "
+           f"in the backward, over the host link at {hw.host_gb_s:g} GB/s per direction "
+           "(`hardware.host_gb_s`, PCIe Gen5 x16, an assumption) or "
+           f"{host_link_c2c(hw).host_gb_s:g} GB/s (GH200's NVLink-C2C, a scenario). A copy "
+           "runs beside its own layer's linear and attention time; only what outlasts it is "
+           "*exposed* and adds to the step. *full*: time / memory as in the table above "
+           "(compiled where probed); *offload*: its device memory assumed (states, the "
+           "largest transient, two layers' residuals in flight), its host memory per GPU "
+           f"(**over** where a node's {hw.gpus_per_node} GPUs need more than its "
+           f"{hw.host_gb_per_node:g} GB). *copied*: both directions per step.", "",
+           "| model | L | strategy | full s / GB | offload s / GB | host GB per GPU | copied GB "
+           "| copy s | exposed s (PCIe / C2C) | offload ÷ full |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in pcie:
+    over = "" if r["host_fits"] else " **over**"
+    oom = lambda fits: "" if fits else " **OOM**"
+    within = ("" if r["within_tolerance"] is None else
+              f" (within {OFFLOAD_TOLERANCE:.0%})" if r["within_tolerance"]
+              else f" **(over {OFFLOAD_TOLERANCE:.0%})**")
+    lines.append(
+        f"| {r['model']} | {_k(r['seq_len'])} | {r['strategy']} | {r['full_s']:.2f} / "
+        f"{r['full_memory_bytes'] / GB:.0f}{oom(r['full_fits'])} | {r['offload_s']:.2f} / "
+        f"{r['offload_device_bytes'] / GB:.0f}{oom(r['offload_fits'])} | "
+        f"{r['host_bytes'] / GB:.1f}{over} | {r['host_bytes_per_step'] / GB:.0f} | "
+        f"{r['host_copy_s']:.2f} | {r['host_exposed_s']:.2f} / "
+        f"{c2c[(r['model'], r['seq_len'], r['strategy'])]['host_exposed_s']:.2f} | "
+        f"{r['slowdown']:.3f}{within} |")
+  return lines + ["", _offload_reading(pcie, hw), ""]
+
+
+def _offload_reading(rows: list[dict], hw: Hardware) -> str:
+  """What the host link's assumption does to the step."""
+  fit = [r for r in rows if r["full_fits"]]
+  within = sum(bool(r["within_tolerance"]) for r in fit)
+  worst = max(rows, key=lambda r: r["host_exposed_s"] / r["full_s"])
+  ratio = max(r["host_copy_s"] / r["full_s"] for r in rows)
+  usable = hw.usable_bytes
+  rescued = lambda full: sum(full(r) > usable and r["offload_fits"] and r["host_fits"]
+                             for r in rows)
+  most = (f"most exposed: {worst['model']} {_k(worst['seq_len'])} {worst['strategy']}, "
+          f"{worst['host_exposed_s']:.2f} s of {worst['offload_s']:.2f}"
+          if worst["host_exposed_s"] else "none exposed")
+  return (f"**Reading.** At {hw.host_gb_s:g} GB/s the copies take at most {ratio:.1%} of a "
+          f"step, and hide under their layers in {sum(r['host_exposed_s'] == 0 for r in rows)}"
+          f" of {len(rows)} settings ({most}); "
+          f"where `full` fits, `offload` stays within {OFFLOAD_TOLERANCE:.0%} of it in {within} "
+          f"of {len(fit)}. Offload's device memory (assumed) and host memory fit "
+          f"{rescued(lambda r: r['full_assumed_bytes'])} settings where full's assumed memory "
+          f"does not ({rescued(lambda r: r['full_memory_bytes'])} beside full's figures above, "
+          "compiled where probed).")
+
+
+def scaling_report(rows: list[dict]) -> str:
+  """The markdown of the strong-scaling sweep (`scaling_rows`): per strategy the step and its
+  split into compute and exposed attention communication, and CSBP over the best fitting
+  baseline."""
+  gpus = sorted({r["gpus"] for r in rows})
+  spd = [dict(gpus=g, **s) for g in gpus for s in speedups([r for r in rows if r["gpus"] == g])]
+  at = {(r["gpus"], r["model"], r["seq_len"], r["strategy"]): r for r in rows}
+  models = list(dict.fromkeys(r["model"] for r in rows))
+  strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+  lines = [f"## Cost model: strong scaling ({gpus[0]}-{gpus[-1]} H200)", "",
+           "Produced by `experiments/cost_model.py --scaling`: one sequence of fixed L over "
+           f"{', '.join(map(str, gpus))} GPUs, 8 a node (NVLink inside a node, InfiniBand "
+           "across: a ring or gather that leaves the node runs at InfiniBand's pace), B = "
+           f"{rows[0]['block_size']}, the default scenario and constants of the 16-GPU "
+           "projection. Cell: step s (busiest rank's compute + exposed attention "
+           "communication: hops and gathers not hidden, waiting for ring neighbours; an "
+           "MoE's token exchange is the rest). **OOM**: over the usable HBM by the assumed "
+           "memory (no compiled figures here). *weights*: ZeRO-3's weight traffic per "
+           "step, assumed hidden under the linear layers.", "",
+           "| model | L | GPUs | " + " | ".join(strategies)
+           + " | best baseline | CSBP speedup | weights s |",
+           "|" + "---|" * (6 + len(strategies))]
+  for s in sorted(spd, key=lambda s: (models.index(s["model"]), s["seq_len"], s["gpus"])):
+    cells = []
+    for name in strategies:
+      r = at[(s["gpus"], s["model"], s["seq_len"], name)]
+      cells.append(f"{r['total_s']:.2f} ({r['compute_s']:.2f} + {r['attention_comm_s']:.2f})"
+                   + ("" if r["fits"] else " **OOM**"))
+    speed = "—" if s["speedup"] is None else f"{s['speedup']:.2f}x ({s['csbp']})"
+    weights = at[(s["gpus"], s["model"], s["seq_len"], strategies[0])]["weights_s"]
+    lines.append(f"| {s['model']} | {_k(s['seq_len'])} | {s['gpus']} | " + " | ".join(cells)
+                 + f" | {s['baseline'] or '—'} | {speed} | {weights:.2f} |")
+  lines += ["", "**Reading.** CSBP over the best fitting baseline as the GPUs grow, and that "
+            "baseline's exposed attention communication as a share of its step:", ""]
+  for model in models:
+    for seq_len in sorted({r["seq_len"] for r in rows}):
+      path = [s for s in spd if (s["model"], s["seq_len"]) == (model, seq_len)]
+      steps = []
+      for s in sorted(path, key=lambda s: s["gpus"]):
+        if s["speedup"] is None:
+          steps.append(f"{s['gpus']}: —")
+          continue
+        base = at[(s["gpus"], model, seq_len, s["baseline"])]
+        steps.append(f"{s['gpus']}: {s['speedup']:.2f}x ({s['baseline']} "
+                     f"{base['attention_comm_s'] / base['total_s']:.0%})")
+      csbp = lambda s: at[(s["gpus"], model, seq_len, s["csbp"])]
+      unhidden = [s["gpus"] for s in path
+                  if s["csbp"] and csbp(s)["weights_s"] > csbp(s)["linear_s"]]
+      caveat = (f"; ZeRO-3's weight traffic outlasts CSBP's linear layers (under which it "
+                f"is assumed hidden) from {min(unhidden)} GPUs" if unhidden else "")
+      lines.append(f"* {model} at {_k(seq_len)}: " + ", ".join(steps) + caveat)
+  return "\n".join(lines + [""])
 
 
 def _dflash_paper(spd: list[dict]) -> dict:
@@ -373,12 +507,16 @@ def _dflash_reading(spd: list[dict], rows: list[dict], hw: Hardware) -> str:
          else "it does not at these lengths."))
 
 
-def report(hw: Hardware, calibration: str, compiled=None, probe: str = "scale_probe.csv",
-           dflash_rows: list[dict] | None = None) -> tuple[str, list[dict]]:
+def report(hw: Hardware, calibration: str, compiled=None, probe: str = "`scale_probe.csv`",
+           dflash_rows: list[dict] | None = None,
+           offload: list[dict] | None = None) -> tuple[str, list[dict]]:
   """(markdown, the default scenario's rows). `dflash_rows`: `dflash_project` rows on
-  `h100(hw)` (projected here when not given)."""
+  `h100(hw)`; `offload`: `offload_on_both_links(hw, compiled)` (each projected here when not
+  given)."""
   if dflash_rows is None:
     dflash_rows = dflash_project(h100(hw), SCENARIOS["default"])
+  if offload is None:
+    offload = offload_on_both_links(hw, compiled)
   dflash_spd = dflash_speedups(dflash_rows)
   rows_by = project(hw, SCENARIOS, compiled=compiled)
   results = {name: speedups(rows) for name, rows in rows_by.items()}
@@ -387,7 +525,8 @@ def report(hw: Hardware, calibration: str, compiled=None, probe: str = "scale_pr
            "Produced by `experiments/cost_model.py`: an analytical model, not a measurement. "
            "Work per rank comes from the strategies' real layout plans; time from achieved "
            "TFLOP/s and an alpha-beta network; memory from the compiled train step where "
-           "`experiments/scale_probe.py` compiled it, else assumed from states, saved "
+           "`experiments/scale_probe.py` compiled it (the most realistic compiler's figure, "
+           "each verdict naming it), else assumed from states, saved "
            "activations and the largest transient. CSBP speedup = best fitting baseline "
            "(cp_ring, cp_allgather, bp) over the best fitting CSBP transport.", ""]
   lines += _constants(hw, default, calibration)
@@ -396,6 +535,7 @@ def report(hw: Hardware, calibration: str, compiled=None, probe: str = "scale_pr
   lines += ["### Memory: assumed vs compiled", ""]
   lines += _memory_table(rows_by["default"], hw, probe)
   lines += _ring_table(rows_by["default"], hw, default, 64)
+  lines += _offload_section(hw, offload)
   lines += ["### Projection next to the paper", "",
             "Ranges run over each model's block sizes " + ", ".join(map(str, BLOCK_SIZES))
             + ". Scenarios change one assumption: *balanced ring steps* gives every rank its "

@@ -23,6 +23,11 @@ class Hardware:
   nvlink_alpha_us: float = 10.0
   ib_gb_s: float = 45.0  # achieved per GPU, one direction (one 400 Gb/s NIC per GPU)
   ib_alpha_us: float = 25.0
+  # GPU <-> host memory, one direction, what `model.remat=offload` copies the saved residuals
+  # over (an assumption): PCIe Gen5 x16, 32 GT/s x 16 lanes = 63 GB/s per direction by the
+  # PCI-SIG PCIe 5.0 spec, ~55 GB/s achieved, one GPU per link (`host_link_c2c`: GH200's).
+  host_gb_s: float = 55.0
+  host_gb_per_node: float = 2048.0  # a node's system memory (DGX H200: 2 TB)
   hbm_gb: float = 141.0
   usable_fraction: float = 0.95  # what the allocator may use
 
@@ -62,6 +67,13 @@ def h100(hw: Hardware) -> Hardware:
   return dataclasses.replace(
       hw, name="8x H100 SXM 80 GB (one node, NVLink 4: 900 GB/s bidirectional per GPU)",
       nodes=1, gpus_per_node=8, hbm_gb=80.0)
+
+
+def host_link_c2c(hw: Hardware) -> Hardware:
+  """A scenario: the same GPUs with a GH200's host link, NVLink-C2C at 450 GB/s per
+  direction (900 GB/s total, NVIDIA's GH200 Grace Hopper Superchip datasheet)."""
+  return dataclasses.replace(hw, name=f"{hw.name}, host link NVLink-C2C (GH200)",
+                             host_gb_s=450.0)
 
 
 def calibrate(hw: Hardware, kernel_csv: str | None) -> tuple[Hardware, str]:
@@ -108,3 +120,6 @@ MODELS = {
 }
 SEQ_LENS = (128 * 1024, 256 * 1024, 512 * 1024, 1024 * 1024)
 BLOCK_SIZES = (16, 64, 256)
+OFFLOAD_TOLERANCE = 0.05  # how much slower than remat=full offload may be where full fits
+SCALING_GPUS = (16, 32, 64, 128)  # the strong-scaling sweep, in nodes of `gpus_per_node`
+SCALING_SEQ_LENS = (256 * 1024, 1024 * 1024)

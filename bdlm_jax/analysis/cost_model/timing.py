@@ -5,10 +5,13 @@ between neighbours, so a rank with little work at one step waits for its neighbo
 ring is timed step by step from each rank's work at that step. All-gather and reduce-scatter
 are exposed (attention needs the gathered K/V; the backward gathers them again), as is an
 MoE's token exchange (the MLP waits for its rows) and a local layer's windowed exchange.
+Under `model.remat=offload` a layer's saved residuals cross the host link (`host_gb_s`) once
+each way, beside the layer's own time: only what outlasts it adds to the step.
 """
 
 import numpy as np
 
+from bdlm_jax.analysis.cost_model.memory import saved_layer_bytes
 from bdlm_jax.analysis.cost_model.setting import GB, Assumptions, Hardware
 from bdlm_jax.analysis.cost_model.work import (PlanWork, attention_kinds, expert_params,
                                                kv_row, moe_layers, step_comm_bytes)
@@ -139,8 +142,13 @@ def local_attention_s(m: ModelConfig, work: PlanWork, window: int, hw: Hardware,
 
 def step_time(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) -> dict:
   """Seconds of one step (one sequence over the seq ranks), and where they go; each layer
-  kind (global, local of window W) timed on its own transport."""
+  kind (global, local of window W) timed on its own transport; under `model.remat=offload`
+  the host copies that do not hide under their layers (`host_transfer`)."""
+  rows = work.plan.rows_per_rank  # padding rows run through the linear layers too
+  matmul = hw.matmul_tflops * 1e12
+  layer_linear = rows * linear_flops_per_row(m) / m.n_layers / matmul  # a mean layer's forward
   attention = busy = 0.0
+  layers = []
   for window, n in attention_kinds(m):
     if window is None:
       attn_fwd, attn_bwd, layer_busy = attention_s(m, work, *work.executed(a.tile_skipping),
@@ -149,15 +157,37 @@ def step_time(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) -> d
       attn_fwd, attn_bwd, layer_busy = local_attention_s(m, work, window, hw, a)
     attention += n * (attn_fwd + attn_bwd)
     busy += n * (1 + a.attention_bwd_factor) * layer_busy
-  rows = work.plan.rows_per_rank  # padding rows run through the linear layers too
-  matmul = hw.matmul_tflops * 1e12
-  linear = rows * linear_flops_per_row(m) * (3 + a.remat_forward) / matmul
+    layers.append((n, saved_layer_bytes(m, work, window, a), layer_linear + attn_fwd,
+                   (2 + a.remat_forward) * layer_linear + attn_bwd))
+  linear = m.n_layers * layer_linear * (3 + a.remat_forward)
   logits = 3 * 2 * work.plan.n_noisy * m.d_model * m.vocab_size / matmul
   moe_bytes, moe_s = moe_exchange(m, rows, hw, a)
-  return dict(total_s=linear + logits + attention + moe_s, attention_s=attention,
-              linear_s=linear + logits, attention_busy_s=busy,
+  host_bytes, host_copy, host_exposed = (host_transfer(layers, hw) if m.remat == "offload"
+                                         else (0.0, 0.0, 0.0))
+  return dict(total_s=linear + logits + attention + moe_s + host_exposed,
+              attention_s=attention, linear_s=linear + logits, attention_busy_s=busy,
               comm_bytes_per_step=step_comm_bytes(work, m, a),
-              moe_exchange_s=moe_s, moe_exchange_bytes=moe_bytes)
+              moe_exchange_s=moe_s, moe_exchange_bytes=moe_bytes,
+              host_bytes_per_step=host_bytes, host_copy_s=host_copy,
+              host_exposed_s=host_exposed)
+
+
+def host_transfer(layers: list[tuple], hw: Hardware) -> tuple[float, float, float]:
+  """(bytes, seconds of copying, seconds exposed) per rank and step of remat=offload's host
+  copies; `layers`: (count, saved bytes, forward s, backward s) of one layer of each kind.
+  A layer's saved residuals go to host memory once in the forward and come back once in the
+  backward, each copy overlapping one layer's work (XLA's copy-start / copy-done: the forward
+  copies a layer's residuals out while the next layer runs, the backward prefetches them
+  while the layer after it runs its backward), taken here as the layer's own forward and
+  backward time, as for alike layers; only what outlasts it is exposed. The host link's two
+  directions are independent."""
+  nbytes = copying = exposed = 0.0
+  for n, saved, fwd_s, bwd_s in layers:
+    copy_s = saved / (hw.host_gb_s * GB)
+    nbytes += n * 2 * saved
+    copying += n * 2 * copy_s
+    exposed += n * (max(copy_s - fwd_s, 0.0) + max(copy_s - bwd_s, 0.0))
+  return nbytes, copying, exposed
 
 
 def param_traffic_s(m: ModelConfig, hw: Hardware, a: Assumptions) -> float:

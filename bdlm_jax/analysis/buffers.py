@@ -1,0 +1,453 @@
+"""Which buffers a compiled train step holds at its memory peak, and what they are.
+
+The step is compiled once more with XLA's dump options (`dump_options`): XLA:CPU and XLA:TPU
+(libtpu, ahead of time) both write the optimised module's buffer assignment to a folder:
+
+  *after_optimizations-live-range.txt        each value's live range: the steps of the
+                                              flattened schedule (loop bodies inline, once)
+                                              it is live at
+  *after_optimizations-buffer-assignment.txt  allocations (entry parameter N, output, temp,
+                                              thread-local, constant; a memory space "color")
+                                              and the values in each: offset, bytes as
+                                              allocated (tiles included), shape and layout
+  *after_optimizations-buffer-assignment-values.txt
+                                              each value's defining instruction: opcode and
+                                              jax's metadata op_name
+  *after_optimizations-memory-usage-report.txt
+                                              the memory spaces' names (default, host, and
+                                              XLA:TPU's on-chip vmem, smem, ...)
+
+`read_dump` sweeps the live ranges of the values in device memory (parameter, temp and output
+allocations of the default space; values sharing one allocation and offset, a loop's carry
+or an in-place update, count once) for the step where they add up most, and takes the values
+live there, plus any in host memory (S(5) layouts, the host space): the peak. It does not use
+the list the live-range dump prints as its peak: on XLA:TPU that list is another step (7.79
+GB where the compiler's peak is 15.8, Llama-3-8B dims, 8 layers, 256K tokens, 16 v5p).
+Each buffer goes into a category (`CATEGORIES`) by what the HLO says of it, first rule that
+matches:
+
+  host-resident       in host memory
+  state / batch       in an entry parameter's allocation (the state, updated in place through
+                      donation, or the batch); jax names the parameter in op_name
+                      ("state.params[...]", "state.opt_state[...]", else batch and key)
+  ring buffers        a collective-permute (the ring's K/V, metadata and dK/dV hops)
+  loss chunk          a vocabulary-wide dim without d_model (or the two flattened): logits
+  saved residuals     the layer scan's stacks: a leading dim that divides the layer count,
+                      and the rank's rows; named by their trailing dims (kernels/residuals.py:
+                      attention_out [heads, head_dim], attention_lse [heads] in f32,
+                      attention_exchanged_kv [kv heads, head_dim]; [d_model] the layer input,
+                      the scan carry; [d_ff] an MLP intermediate, without remat)
+  gradients, weights  the dims of a state parameter (up to order, size-1 dims, the layer
+                      axis, and one dim gathered k-fold, k <= the devices): under
+                      transpose(...) in op_name a gradient, else a gathered, cast or copied
+                      weight (or a gradient whose op_name XLA dropped)
+  MLP intermediates   a d_ff-wide dim (d_ff, 2 d_ff, an expert's moe_d_ff) beside the rows
+                      (either order), or last
+  attention           inside the attention shard_map (strategies.ATTENTION_SCOPE in op_name)
+  activations         other buffers with the rank's rows; `other`: the rest
+
+How robust that is: the peak, the bytes, the allocation kinds and the memory spaces are the
+compiler's; the categories read from op_name (state, gradients, attention) hold while jax
+names parameters and scopes as it does (0.10.x). The shape rules are the weak part: they hold
+where d_model, d_ff, vocab, heads and the rows per rank differ (the 8B presets); where two
+coincide (rows = 2 d_ff in a tiny model, attention_out reshaped flat to d_model) a buffer can
+land in the neighbouring category. XLA:CPU's convert fusions and loop parameters carry no
+op_name, so there the shape rules decide more often.
+
+How the sum maps onto `memory_analysis()`: on XLA:TPU the device bytes at the peak are the
+compiler's `peak_memory_in_bytes` (15.84 of 15.84 GB at the setting above:
+experiments/results/memory_breakdown.md); a tiny step, whose arrays are smaller than a tile or
+kept in on-chip memory, is well below it (0.29 at d_model 32 on 4 v5e chips). XLA:CPU
+reports no peak of its own: there they are at most the bound arguments + temp + output -
+alias (every buffer at once; 33.7 of 33.7 GB at the setting above), short of it by the temp
+buffers not live at the peak, and the state and batch at the peak are the arguments but the
+PRNG key.
+"""
+
+import collections
+import dataclasses
+import glob
+import os
+import re
+import tempfile
+
+from bdlm_jax.analysis import step_report
+from bdlm_jax.config import Config
+from bdlm_jax.kernels import residuals
+from bdlm_jax.parallel.registry import plan_for
+from bdlm_jax.parallel.strategies import ATTENTION_SCOPE
+
+GB = step_report.GB
+HOST_MEMORY_SPACE = 5  # xla::Layout::kHostMemorySpace: S(5) in a layout
+
+HOST = "host-resident"
+STATE = "state: parameters, optimizer state"
+BATCH = "batch, key"
+RING = "ring buffers (collective-permute)"
+LOSS = "loss chunk (logits)"
+GRADIENTS = "gradients"
+WEIGHTS = "weight-shaped: gathered, cast, copied (no op_name says gradient)"
+RESIDUALS = "saved residuals"
+MLP = "MLP intermediates"
+ATTENTION = "attention working memory"
+ACTIVATIONS = "activations (other)"
+OTHER = "other"
+CATEGORIES = (STATE, BATCH, GRADIENTS, WEIGHTS, RESIDUALS, RING, ATTENTION, MLP, LOSS,
+              ACTIVATIONS, HOST, OTHER)
+LAYER_INPUT = "layer input (scan carry)"
+
+_RANGE_RE = re.compile(r"^\s+(\S+\{[\d,]*\}):(\d+)-(\d+)$", re.M)
+_SPACE_RE = re.compile(r"^Memory Space: (\S+) \(color=(\d+)\)", re.M)
+_ALLOCATION_RE = re.compile(r"^allocation (\d+): size (\d+), (.*):$")
+_VALUE_RE = re.compile(
+    r"^ value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
+_DEFINED_RE = re.compile(r"^<\d+ (\S+)(?: \(phi\))? @\d+>")
+_INSTRUCTION_RE = re.compile(r"^ from instruction: %\S+ = .*? ([a-z][\w\-]*)\(")
+_OP_NAME_RE = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+_ARRAY_RE = re.compile(r"^([a-z]\w*)\[([\d,]*)\]")
+_MEMORY_SPACE_RE = re.compile(r"S\((\d+)\)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+  """One value live at the peak."""
+  name: str  # the HLO value: instruction{tuple index}
+  nbytes: int  # as allocated (XLA:TPU pads small arrays to its tiles)
+  shape: str  # dtype[dims], e.g. bf16[4,1,8192,512]
+  opcode: str
+  op_name: str  # jax's metadata, "" where XLA's own fusion has none
+  allocation: str  # parameter, output, temp, ... (the buffer assignment's kind)
+  category: str
+  residual: str = ""  # for saved residuals: which (kernels/residuals.py names)
+
+
+@dataclasses.dataclass(frozen=True)
+class Breakdown:
+  """The buffers live at a compiled step's peak, and the compiler's memory figures."""
+  buffers: tuple  # of Buffer, largest first
+  report: step_report.StepReport  # memory_analysis() of the same compile
+  platform: str  # cpu | tpu | gpu
+
+  @property
+  def device_bytes(self) -> int:
+    """Bytes live at the peak in device memory (host-resident ones aside)."""
+    return sum(b.nbytes for b in self.buffers if b.category != HOST)
+
+  def by_category(self) -> dict:
+    """{category: bytes live at the peak}, every category, in `CATEGORIES` order."""
+    out = dict.fromkeys(CATEGORIES, 0)
+    for b in self.buffers:
+      out[b.category] += b.nbytes
+    return out
+
+  def by_residual(self) -> dict:
+    """{residual name: bytes} of the saved residuals, largest first."""
+    out = collections.Counter()
+    for b in self.buffers:
+      if b.category == RESIDUALS:
+        out[b.residual] += b.nbytes
+    return dict(out.most_common())
+
+  def relation(self) -> str:
+    """How the sum maps onto the compiler's own memory_analysis()."""
+    r, live = self.report, self.device_bytes
+    bound = (f"arguments {r.argument_bytes / GB:.3g} + temp {r.temp_bytes / GB:.3g} + output "
+             f"{r.output_bytes / GB:.3g} - alias {r.alias_bytes / GB:.3g} = "
+             f"{r.bound_bytes / GB:.3g} GB")
+    if r.compiler_peak_bytes is not None:
+      return (f"buffers live at the peak {live / GB:.3g} GB = {live / r.compiler_peak_bytes:.4f}"
+              f" x the compiler's peak_memory_in_bytes {r.compiler_peak_bytes / GB:.3g} GB; "
+              f"bound {bound}")
+    return (f"buffers live at the peak {live / GB:.3g} GB = {live / r.bound_bytes:.3f} x the "
+            f"bound {bound} (XLA:CPU reports no peak of its own; the rest of temp is not "
+            "live at the peak)")
+
+  def lines(self, top: int = 12) -> list[str]:
+    """Markdown: the categories, the saved residuals by name, the `top` largest buffers."""
+    live = self.device_bytes or 1
+    out = [f"Memory at the peak ({self.relation()}).", "",
+           "| category | GB | share | buffers | largest |", "|---|---|---|---|---|"]
+    for category, nbytes in self.by_category().items():
+      mine = [b for b in self.buffers if b.category == category]
+      if mine:
+        out.append(f"| {category} | {nbytes / GB:.3g} | {nbytes / live:.0%} | {len(mine)} | "
+                   f"{mine[0].shape} |")
+    stacks = self.by_residual()
+    if stacks:
+      out += ["", "Saved residuals (the layer scan's stacks): " + ", ".join(
+          f"{name} {nbytes / GB:.3g} GB" for name, nbytes in stacks.items()) + "."]
+    out += ["", f"The {min(top, len(self.buffers))} largest buffers live at the peak:", "",
+            "| GB | shape | category | instruction | op_name (jax) |", "|---|---|---|---|---|"]
+    for b in self.buffers[:top]:
+      what = f"{b.category}: {b.residual}" if b.residual else b.category
+      out.append(f"| {b.nbytes / GB:.3g} | {b.shape} | {what} | {b.name} ({b.opcode}) | "
+                 f"{_short(b.op_name)} |")
+    return out
+
+
+def _short(op_name: str, keep: int = 70) -> str:
+  op_name = op_name.replace("\\'", "'").replace("|", "/")
+  return op_name if len(op_name) <= keep else "..." + op_name[-keep:]
+
+
+def dump_options(folder: str) -> dict:
+  """compiler_options that make XLA write the optimised module's buffer assignment to
+  `folder` (`Lowered.compile(compiler_options=...)`)."""
+  return {"xla_dump_to": folder, "xla_dump_hlo_as_text": True}
+
+
+def step_breakdown(cfg: Config, mesh) -> tuple:
+  """(StepReport, Breakdown) of `cfg`'s train step from one compile on `mesh` (its
+  devices' platform is the compiler, `step_report.step_report`)."""
+  with tempfile.TemporaryDirectory(prefix="bdlm_buffers_") as folder:
+    report = step_report.step_report(cfg, mesh, compiler_options=dump_options(folder))
+    return report, read_dump(folder, cfg, report, mesh.devices.flat[0].platform)
+
+
+def _dumped(folder: str, suffix: str) -> str:
+  paths = glob.glob(os.path.join(folder, f"*after_optimizations{suffix}"))
+  if len(paths) != 1:
+    raise RuntimeError(f"expected one *after_optimizations{suffix} in {folder} (XLA's dump of "
+                       f"the compiled step), found {len(paths)}")
+  with open(paths[0]) as f:
+    return f.read()
+
+
+def _live_ranges(text: str) -> dict:
+  """{value: (first, last)}: the schedule steps a value is live at, both ends included."""
+  return {m.group(1): (int(m.group(2)), int(m.group(3)))
+          for m in _RANGE_RE.finditer(text)}
+
+
+def _peak(values: list) -> tuple[int, int]:
+  """(step, bytes) where the live `values` (_Value) add up most; values that share storage
+  (one allocation at one offset: a loop's carry, an in-place update) count once, the largest."""
+  events = collections.defaultdict(lambda: ([], []))
+  for v in values:
+    events[v.first][0].append(v)
+    events[v.last][1].append(v)
+  slots = collections.defaultdict(collections.Counter)  # (allocation, offset) -> size counts
+  total, best = 0, (0, 0)
+
+  def update(v, delta):
+    nonlocal total
+    sizes = slots[(v.allocation, v.offset)]
+    before = max(sizes) if sizes else 0
+    sizes[v.nbytes] += delta
+    if not sizes[v.nbytes]:
+      del sizes[v.nbytes]
+    total += (max(sizes) if sizes else 0) - before
+
+  for step in sorted(events):
+    starting, ending = events[step]
+    for v in starting:
+      update(v, 1)
+    if total > best[1]:
+      best = (step, total)
+    for v in ending:
+      update(v, -1)
+  return best
+
+
+def _value_key(name: str) -> str:
+  """The live-range dump's spelling of a value: `fusion.3{}` for `fusion.3`."""
+  return name if name.endswith("}") else name + "{}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Value:
+  """One value of the buffer assignment, with its live range."""
+  name: str
+  allocation: int
+  kind: str  # parameter, temp, output, thread-local, constant
+  color: int  # the allocation's memory space (0: device memory)
+  offset: int
+  nbytes: int  # as allocated: the target's tiled layout, padding included
+  shape: str  # with layout
+  first: int = -1
+  last: int = -1
+
+
+def _assignment(text: str) -> list:
+  """The `_Value`s of the buffer-assignment dump."""
+  out, allocation = [], None
+  for line in text.splitlines():
+    m = _ALLOCATION_RE.match(line)
+    if m:
+      color = re.search(r"\bcolor (\d+)", m.group(3))
+      allocation = (int(m.group(1)), _allocation_kind(m.group(3)),
+                    int(color.group(1)) if color else 0)
+      continue
+    m = _VALUE_RE.match(line)
+    if m and allocation is not None:
+      out.append(_Value(_value_key(m.group(1)), *allocation, offset=int(m.group(3)),
+                        nbytes=int(m.group(2)), shape=m.group(4)))
+  return out
+
+
+def _memory_spaces(text: str) -> dict:
+  """{color: name} from the memory-usage report ("Memory Space: host (color=4)")."""
+  return {int(m.group(2)): m.group(1) for m in _SPACE_RE.finditer(text)}
+
+
+def _definitions(text: str) -> dict:
+  """{value: (opcode, op_name)} from the values dump's `from instruction:` lines."""
+  out, value = {}, None
+  for line in text.splitlines():
+    m = _DEFINED_RE.match(line)
+    if m:
+      value = _value_key(m.group(1))
+    elif value and line.startswith(" from instruction:"):
+      opcode = _INSTRUCTION_RE.match(line)
+      op_name = _OP_NAME_RE.search(line)
+      out[value] = (opcode.group(1) if opcode else "", op_name.group(1) if op_name else "")
+  return out
+
+
+def _array(shape: str) -> tuple[str, tuple[int, ...], int]:
+  """(dtype, dims, memory space) of a value's shape with layout; ('', (), 0) for a tuple."""
+  m = _ARRAY_RE.match(shape)
+  if not m:
+    return "", (), 0
+  space = _MEMORY_SPACE_RE.search(shape)
+  dims = tuple(int(d) for d in m.group(2).split(",") if d)
+  return m.group(1), dims, int(space.group(1)) if space else 0
+
+
+def _allocation_kind(description: str) -> str:
+  for kind in ("parameter", "thread-local", "constant", "preallocated-temp"):
+    if kind in description:
+      return "temp" if kind == "preallocated-temp" else kind
+  return "output" if "live-out" in description else description
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+  """The sizes that tell the step's buffers apart, from the config and its layout plan."""
+  d_model: int
+  vocab: int
+  d_ff: tuple
+  n_layers: int
+  rows: int  # per rank, both streams
+  heads: int
+  kv_heads: tuple
+  head_dim: tuple
+  n_devices: int
+
+  @classmethod
+  def of(cls, cfg: Config) -> "_Dims":
+    m = cfg.model
+    return cls(m.d_model, m.vocab_size, tuple({m.d_ff, 2 * m.d_ff, m.moe_d_ff or m.d_ff,
+                                               2 * (m.moe_d_ff or m.d_ff)}),
+               m.n_layers, plan_for(cfg).rows_per_rank, m.n_heads,
+               tuple({m.n_kv_heads, m.global_n_kv_heads or m.n_kv_heads}),
+               tuple({m.head_dim, m.global_head_dim or m.head_dim}),
+               cfg.parallel.data * cfg.parallel.fsdp * cfg.parallel.seq)
+
+
+def _weight_shaped(dims: tuple, weights: list, d: "_Dims") -> bool:
+  """Whether `dims` are a state parameter's, up to order and size-1 dims, without its layer
+  axis, or with one dim gathered k-fold, k <= the devices (ZeRO-3), into anything but the
+  rank's rows."""
+  mine = collections.Counter(n for n in dims if n > 1)
+  for w in weights:
+    for candidate in (w, w[1:] if w and d.n_layers % w[0] == 0 else None):
+      if candidate is None:
+        continue
+      theirs = collections.Counter(n for n in candidate if n > 1)
+      extra, missing = list((mine - theirs).elements()), list((theirs - mine).elements())
+      if (not extra and not missing) or (len(extra) == len(missing) == 1
+                                         and extra[0] % missing[0] == 0
+                                         and extra[0] // missing[0] <= d.n_devices
+                                         and extra[0] != d.rows):
+        return bool(mine)
+  return False
+
+
+def _vocabulary_wide(dims: tuple, d: "_Dims") -> bool:
+  """Logits: a vocabulary dim without d_model, or such a pair flattened into one dim."""
+  if len(dims) == 1 and dims[0] % d.vocab == 0:
+    return dims[0] // d.vocab != d.d_model
+  return d.vocab in dims and d.d_model not in dims
+
+
+def _mlp_wide(dims: tuple, d: "_Dims") -> bool:
+  """An MLP intermediate: a d_ff-wide dim (not the rows themselves) beside the rows, or last."""
+  rest = list(dims)
+  if d.rows in rest:
+    rest.remove(d.rows)
+  return any(f in rest for f in d.d_ff) and (len(rest) < len(dims) or dims[-1] in d.d_ff)
+
+
+def _residual_name(dtype: str, dims: tuple, d: _Dims) -> str:
+  """Which saved residual a layer-scan stack is, by its trailing dims."""
+  if dims[-1] == d.d_model:
+    return LAYER_INPUT
+  if dims[-1] in d.d_ff:
+    return "MLP intermediate"
+  if len(dims) >= 2 and dims[-1] in d.head_dim:
+    return residuals.OUT if dims[-2] == d.heads else residuals.EXCHANGED
+  if dtype == "f32" and d.heads in dims:
+    return residuals.LSE
+  return f"other ({dtype}[{','.join(map(str, dims[1:]))}] a layer)"
+
+
+def _categorise(value, dtype, dims, host, kind, opcode, op_name, parameter_op_name, d, weights):
+  """(category, residual name) of one buffer live at the peak (module docstring's rules)."""
+  if host:
+    return HOST, ""
+  if kind == "parameter":
+    return (STATE if parameter_op_name.startswith("state") else BATCH), ""
+  if "collective-permute" in opcode or "collective-permute" in value or \
+      op_name.endswith("ppermute"):
+    return RING, ""
+  if _vocabulary_wide(dims, d):
+    return LOSS, ""
+  if len(dims) > 2 and dims[0] > 1 and d.n_layers % dims[0] == 0 and d.rows in dims[1:]:
+    return RESIDUALS, _residual_name(dtype, dims, d)
+  if _weight_shaped(dims, weights, d):
+    return (GRADIENTS if "transpose(" in op_name else WEIGHTS), ""
+  if _mlp_wide(dims, d):
+    return MLP, ""
+  if ATTENTION_SCOPE in op_name:
+    return ATTENTION, ""
+  return (ACTIVATIONS if d.rows in dims else OTHER), ""
+
+
+def read_dump(folder: str, cfg: Config, report: step_report.StepReport,
+              platform: str) -> Breakdown:
+  """The Breakdown of the step XLA dumped to `folder` (`dump_options`), compiled from `cfg`;
+  `report`: the same compile's StepReport."""
+  ranges = _live_ranges(_dumped(folder, "-live-range.txt"))
+  spaces = _memory_spaces(_dumped(folder, "-memory-usage-report.txt"))
+  defined = _definitions(_dumped(folder, "-buffer-assignment-values.txt"))
+  values = [dataclasses.replace(v, first=ranges[v.name][0], last=ranges[v.name][1])
+            for v in _assignment(_dumped(folder, "-buffer-assignment.txt"))
+            if v.name in ranges and v.kind in ("parameter", "temp", "output")]
+  space = lambda v: "host" if _array(v.shape)[2] == HOST_MEMORY_SPACE else \
+      spaces.get(v.color, "default")
+  step, _ = _peak([v for v in values if space(v) == "default"])
+  at_peak = {}  # one value per storage slot live at the peak: the largest, then the first
+  for v in sorted((v for v in values if v.first <= step <= v.last
+                   and space(v) in ("default", "host")), key=lambda v: (-v.nbytes, v.first)):
+    at_peak.setdefault((v.allocation, v.offset), v)
+  # each entry parameter's op_name (state.params[...], batch...) and dims, by allocation;
+  # loop parameters aliased into its allocation are named under jit(...)
+  parameters = {}
+  for v in values:
+    opcode, op_name = defined.get(v.name, ("", ""))
+    if v.kind == "parameter" and opcode == "parameter" and "jit(" not in op_name:
+      parameters[v.allocation] = (op_name, _array(v.shape)[1])
+  weights = [dims for op_name, dims in parameters.values() if op_name.startswith("state")]
+  d = _Dims.of(cfg)
+  out = []
+  for v in at_peak.values():
+    dtype, dims, _ = _array(v.shape)
+    opcode, op_name = defined.get(v.name, ("", ""))
+    category, residual = _categorise(
+        v.name, dtype, dims, space(v) == "host", v.kind, opcode, op_name,
+        parameters.get(v.allocation, ("", ()))[0], d, weights)
+    out.append(Buffer(v.name, v.nbytes, v.shape.split("{")[0] if dims else "tuple", opcode,
+                      op_name, v.kind, category, residual))
+  out.sort(key=lambda b: -b.nbytes)
+  return Breakdown(tuple(out), report, platform)

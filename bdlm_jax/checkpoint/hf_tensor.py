@@ -1,0 +1,87 @@
+"""What Hugging Face interop shares across families: where an HF tensor lives in our params
+pytree, and the config.json vocabularies and checks every family reads."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from bdlm_jax.errors import ConfigError
+
+LAYER_TYPES = {"full_attention": "global", "sliding_attention": "local"}  # HF -> ours
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF -> ours
+
+
+class Tensor(NamedTuple):
+  """Where one HF tensor lives in our params pytree.
+
+  Layer weights are stacked (`layers` holds one array per weight with a leading layer
+  axis), so HF's `model.layers.{i}.X` is slice `layer` = i of the array at `path`; expert
+  weights have an expert axis next, so `model.layers.{i}.mlp.experts.{e}.X` is slice [i, e]
+  (or, where HF stacks a layer's experts in one tensor, HF's leading axis).
+  """
+
+  name: str  # HF tensor name
+  path: tuple  # keys into our params pytree
+  transposed: bool  # HF [..., out, in] vs our kernel [..., in, out] (the last two axes)
+  layer: int | None  # index on the stacked layer axis, None for unstacked weights
+  offset: float = 0.0  # ours = HF + offset, in float32 (1 for Gemma's (1 + w) norms)
+  expert: int | None = None  # index on the expert axis (after the layer axis), if any
+  # (i, n): ours is part i of n equal parts of HF's out axis (Gemma 4's fused gate_up_proj)
+  part: tuple[int, int] | None = None
+  copies: tuple[str, ...] = ()  # other HF names of the same values, written on export
+
+  def hf_shape(self, shape: tuple) -> tuple:
+    """The HF tensor's shape, of our slice's `shape`."""
+    shape = list(shape)
+    if self.transposed:
+      shape[-2:] = shape[-2:][::-1]
+    if self.part:
+      shape[-2] *= self.part[1]
+    return tuple(shape)
+
+  def hf_index(self, index: tuple, shape: tuple) -> tuple:
+    """The HF tensor's index of our slice's `index` (slices; our slice of `shape`)."""
+    index = list(index)
+    if self.transposed:
+      index[-2:] = index[-2:][::-1]
+    if self.part:
+      size = shape[-1] if self.transposed else shape[-2]
+      start, stop, _ = index[-2].indices(size)
+      index[-2] = slice(start + self.part[0] * size, stop + self.part[0] * size)
+    return tuple(index)
+
+  @property
+  def index(self) -> tuple:
+    """Which slice of the array at `path` this tensor is: () for a whole array, (layer,)
+    for a layer weight, (layer, expert) for an expert's."""
+    return tuple(i for i in (self.layer, self.expert) if i is not None)
+
+
+def shortest_period(kinds: list) -> list:
+  """The shortest prefix that repeats to `kinds` (a layer pattern's period)."""
+  n = len(kinds)
+  return kinds[:next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p]
+                                                       for i in range(n)))]
+
+
+def require(hf: dict, where: str, key: str, allowed: tuple, what: str) -> None:
+  if hf.get(key, allowed[0]) not in allowed:
+    raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported ({what}); bdlm_jax "
+                      f"needs {key} in {allowed}")
+
+
+def shared_config(m, max_positions: int) -> dict:
+  """The config.json keys every family this package writes spells alike (`m` a ModelConfig)."""
+  return {
+      "vocab_size": m.vocab_size,
+      "hidden_size": m.d_model,
+      "num_hidden_layers": m.n_layers,
+      "num_attention_heads": m.n_heads,
+      "num_key_value_heads": m.n_kv_heads,
+      "head_dim": m.head_dim,
+      "intermediate_size": m.d_ff,
+      "rms_norm_eps": m.norm_eps,
+      "attention_bias": False,
+      "tie_word_embeddings": m.tie_embeddings,
+      "max_position_embeddings": max_positions,
+  }

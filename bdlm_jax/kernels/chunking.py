@@ -1,0 +1,49 @@
+"""Row chunks: a row-wise function run on a chunk of the rows at a time, so that its
+intermediates exist for one chunk only: the attention kernel's query tiles (`kernels/xla.py`)
+and a layer's row-wise work under `model.row_chunks` (norms, q/k/v/o projections, RoPE, the
+MLP or the experts; `models/transformer.py`), where no [rows, d_ff] intermediate, nor the
+float32 copies of q and k that RoPE makes, may exist whole at long context.
+
+The chunks run as a `lax.scan` reading their rows from the whole input by offset (no stacked
+copy of it); the first chunk runs before the loop, its sums starting the accumulator, so that
+inside `shard_map` the accumulator varies over the mesh axes its sums vary over. Chunks are
+contiguous rows of the arrays given: on rows sharded over devices, the caller runs this on
+each device's own rows (`parallel/rows.py`), never on the global row axis, which would move
+every chunk's rows between devices.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def over_row_chunks(fn, chunk: int, *xs_BR, remat: bool = False):
+  """`fn(*xs) -> (rows, sums)` over contiguous chunks of `chunk` rows (axis 1 of every array
+  in `xs`; None entries pass through), the last one shorter where `chunk` does not divide the
+  rows: the chunks' `rows` (a pytree of [B, r, ...]) joined back on the row axis, their
+  `sums` (a pytree) added up. Exact where `fn`'s rows depend on their own row alone and its
+  sums are sums over rows. `chunk <= 0` runs all rows at once. `remat`: each chunk is
+  rematerialised, so a differentiated caller keeps only a chunk's inputs, never its
+  intermediates, for the backward."""
+  n = jax.tree.leaves(xs_BR)[0].shape[1]
+  if chunk <= 0 or chunk >= n:
+    return fn(*xs_BR)
+  full, tail = divmod(n, chunk)
+
+  def rows_from(start, size):
+    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1), xs_BR)
+
+  run = jax.checkpoint(fn) if remat else fn
+  first, sums = run(*rows_from(0, chunk))
+
+  def body(sums, i):
+    rows, more = run(*rows_from(i * chunk, chunk))
+    return jax.tree.map(jnp.add, sums, more), rows
+
+  sums, rest_KB = jax.lax.scan(body, sums, jnp.arange(1, full))
+  rows = [first, jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape(
+      y.shape[1], -1, *y.shape[3:]), rest_KB)]
+  if tail:
+    tail_rows, tail_sums = run(*rows_from(full * chunk, tail))
+    rows.append(tail_rows)
+    sums = jax.tree.map(jnp.add, sums, tail_sums)
+  return jax.tree.map(lambda *r: jnp.concatenate(r, axis=1), *rows), sums
