@@ -99,3 +99,17 @@ def test_tpu_target_refuses_the_triton_kernel_and_names_xla():
 def test_an_unknown_topology_is_a_config_error():
   with pytest.raises(ConfigError, match="cannot describe topology 'v9z:2x2'"):
     targets.resolve("tpu:v9z:2x2")
+
+
+def test_offload_puts_the_saved_residuals_in_host_memory():
+  """model.remat=offload: at least what each layer saves (its input and attention output in
+  bf16, the f32 LSE, the int32 positions and row metadata and the f32 router row weight, per
+  row) is compiled into host memory (XLA:TPU pads small arrays to its tiles, so it may hold
+  more); remat=full keeps none there."""
+  cfg = config(model=dict(TINY, remat="offload"))
+  offload = sr.step_report(cfg, make_mesh(cfg, targets.resolve(TARGET).devices))
+  rows = 2 * 128 // 4  # [x_t ; x_0] over 4 ranks
+  per_row = (TINY["d_model"] * 2 + TINY["n_heads"] * TINY["head_dim"] * 2
+             + TINY["n_heads"] * 4 + 6 * 4 + 4)
+  assert report().host_bytes == 0
+  assert offload.host_bytes >= TINY["n_layers"] * rows * per_row

@@ -13,7 +13,6 @@ import pytest
 from bdlm_jax import ConfigError, init_params, loss_fn, make_batch, make_mesh
 from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
-from bdlm_jax.parallel.registry import SINGLE_DEVICE, strategy_names
 
 L = 96
 BLOCKS = {"N=P": 12, "N=2P": 6, "N>2P": 4, "P<N<2P": 8}  # block sizes for P = 8
@@ -69,15 +68,21 @@ def assert_close(loss, grads, ref_loss, ref_grads):
 SEQ_STRATEGIES = ["cp_allgather", "cp_ring", "bp", "csbp_allgather", "csbp_ring"]
 
 
+# On seq8 the layers keep their saved residuals in host memory and run over 5 chunks of each
+# device's rows (the last one shorter): where and when a layer's arrays exist, never a value.
+# The composed meshes below run the defaults (remat none, all rows at once).
+MEMORY_FEATURES = dict(remat="offload", row_chunks=5)
+
+
 @pytest.mark.parametrize("strategy", SEQ_STRATEGIES)
 def test_loss_and_grads_equal_single_device_on_seq8(strategy):
-  cfg = _cfg(strategy, BLOCKS["N>2P"], seq=8)
+  cfg = replace(_cfg(strategy, BLOCKS["N>2P"], seq=8), model=MEMORY_FEATURES)
   _assert_matches_reference(cfg, make_mesh(cfg))
 
 
 def test_balanced_cp_ring_equals_single_device_on_seq8():
   """cp_ring_balanced cuts each half into 2P chunks of whole blocks: N = 2P here."""
-  cfg = _cfg("cp_ring_balanced", BLOCKS["N=2P"], seq=8)
+  cfg = replace(_cfg("cp_ring_balanced", BLOCKS["N=2P"], seq=8), model=MEMORY_FEATURES)
   _assert_matches_reference(cfg, make_mesh(cfg))
 
 
@@ -86,16 +91,6 @@ def test_balanced_cp_ring_equals_single_device_on_seq8():
                          ids=["data2_seq4", "data2_fsdp2_seq2"])
 def test_loss_and_grads_equal_single_device_on_composed_meshes(strategy, mesh_shape):
   cfg = _cfg(strategy, BLOCKS["N=2P"], **mesh_shape)
-  _assert_matches_reference(cfg, make_mesh(cfg))
-
-
-@pytest.mark.parametrize("strategy", strategy_names())
-def test_offloaded_remat_and_row_chunks_keep_loss_and_grads(strategy):
-  """model.remat=offload (the saved residuals in host memory) and model.row_chunks (each
-  device's rows in 5 chunks, the last one shorter) change where and when a layer's arrays
-  exist, never a value."""
-  seq = 1 if strategy == SINGLE_DEVICE else 8
-  cfg = replace(_cfg(strategy, BLOCKS["N=2P"], seq=seq), model=dict(remat="offload", row_chunks=5))
   _assert_matches_reference(cfg, make_mesh(cfg))
 
 
