@@ -10,13 +10,13 @@ from bdlm_jax.checkpoint.hf_import import import_hf
 from bdlm_jax.config import Config
 from bdlm_jax.configure import load_config, override
 from bdlm_jax.errors import ConfigError
-from bdlm_jax.loss import ar_logits, draft_logits, loss_fn
+from bdlm_jax.loss import ar_logits, canvas_logits, draft_logits, loss_fn
 from bdlm_jax.params import init_params
 from bdlm_jax.parallel.mesh import make_mesh
 from bdlm_jax.sample import sample
 from bdlm_jax.train import TrainState, abstract_state, init_state, make_train_step
 
 __all__ = ["Batch", "Config", "ConfigError", "TrainState", "abstract_batch", "abstract_state",
-           "ar_logits", "draft_logits", "export_hf", "import_hf", "init_params", "init_state",
-           "load_config", "loss_fn", "make_batch", "make_mesh", "make_train_step", "override",
-           "sample"]
+           "ar_logits", "canvas_logits", "draft_logits", "export_hf", "import_hf", "init_params",
+           "init_state", "load_config", "loss_fn", "make_batch", "make_mesh", "make_train_step",
+           "override", "sample"]

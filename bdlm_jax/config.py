@@ -242,7 +242,8 @@ class DataConfig(Section):
   text_field: str = "text"  # key of the text in JSONL / ArrayRecord (JSON) records
   tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
   # "chat": JSONL records {"messages": [{"role", "content"}, ...]} for SFT; the last assistant
-  # message is the response, everything before it the (never corrupted) prompt.
+  # message is the response, everything before it the (never corrupted) prompt. With
+  # source=arithmetic each embedded document gives one question ("12+7=") and its answer.
   format: str = "text"
   chat_template: str = "plain"  # how messages render to text: "plain" or "chatml"
   seq_len: int = 128  # L
@@ -259,9 +260,10 @@ class DataConfig(Section):
                num_threads=AT_LEAST_0, holdout=Holds("in [0, 1)", lambda x: 0 <= x < 1))
 
   def check(self) -> None:
-    if self.format == "chat" and self.source not in ("jsonl", "tokens"):
-      raise ConfigError(f"data.format='chat' reads JSONL records with 'messages'; set "
-                        f"data.source=jsonl (got {self.source!r})")
+    if self.format == "chat" and self.source not in ("jsonl", "tokens", "arithmetic"):
+      raise ConfigError(f"data.format='chat' reads JSONL records with 'messages' "
+                        f"(data.source=jsonl) or the embedded arithmetic as conversations "
+                        f"(data.source=arithmetic); got data.source={self.source!r}")
     if self.source != "arithmetic" and not self.path:
       raise ConfigError(f"data.source={self.source!r} needs data.path")
 
@@ -282,10 +284,17 @@ class ObjectiveConfig(Section):
   anchors: str = "uniform"
   gamma: float = 7.0
   draft_loss: str = "ce"
+  # diffusiongemma (docs/diffusiongemma.md): canvases corrupted with uniform tokens; each
+  # sequence self-conditioned with this probability (a first pass without gradient feeds
+  # its logits to the second), and the clean stream's next-token loss added with this weight.
+  self_condition_p: float = 0.5
+  encoder_loss_weight: float = 1.0
 
   RULES = dict(block_size=AT_LEAST_1, max_anchors=AT_LEAST_1, gamma=ABOVE_0,
                loss_weight=OneOf(("inv_t", "unit")), anchors=OneOf(ANCHOR_SAMPLING),
-               draft_loss=OneOf(("ce", "kl")))
+               draft_loss=OneOf(("ce", "kl")),
+               self_condition_p=Holds("in [0, 1]", lambda x: 0 <= x <= 1),
+               encoder_loss_weight=AT_LEAST_0)
 
   def check(self) -> None:
     if not 0.0 < self.eps_min <= self.eps_max <= 1.0:
@@ -393,7 +402,11 @@ class TrainConfig(Section):
 
 @dataclasses.dataclass
 class SampleConfig(Section):
-  """mode=sample: block-wise semi-autoregressive generation from a trained checkpoint."""
+  """mode=sample: block-wise semi-autoregressive generation from a trained checkpoint.
+
+  [MASK] blocks (bd3lm, fast_dllm_v2) read steps_per_block .. use_cache; DiffusionGemma's
+  canvases read denoising_steps .. confidence_threshold (the defaults of transformers'
+  DiffusionGemmaGenerationConfig); `ar` reads temperature and use_cache."""
   prompt: str = ""
   prompt_file: str = ""
   max_new_tokens: int = 64
@@ -402,10 +415,28 @@ class SampleConfig(Section):
   temperature: float = 0.0  # 0: greedy
   use_cache: bool = True  # KV cache of the clean blocks before the current one
   checkpoint_step: int = -1  # -1: latest
+  denoising_steps: int = 48  # at most this many denoising steps per canvas
+  # Canvas temperature, linear in the steps left: t_max at the first step, t_min at the last.
+  t_min: float = 0.4
+  t_max: float = 0.8
+  # A step accepts the k lowest-entropy tokens whose entropies, less the largest, sum <= this.
+  entropy_bound: float = 0.1
+  # A canvas stops early when its argmax has not changed for this many steps (0: any) and
+  # its mean token entropy is below confidence_threshold.
+  stability_threshold: int = 1
+  confidence_threshold: float = 0.005
 
   RULES = dict(strategy=OneOf(("confidence", "first_hitting")), max_new_tokens=AT_LEAST_1,
                steps_per_block=Holds(">= 0 (0: one token per step)", lambda x: x >= 0),
-               temperature=Holds(">= 0 (0: greedy)", lambda x: x >= 0), checkpoint_step=STEP)
+               temperature=Holds(">= 0 (0: greedy)", lambda x: x >= 0), checkpoint_step=STEP,
+               denoising_steps=AT_LEAST_1, t_min=AT_LEAST_0, t_max=ABOVE_0,
+               entropy_bound=ABOVE_0, stability_threshold=AT_LEAST_0,
+               confidence_threshold=ABOVE_0)
+
+  def check(self) -> None:
+    if self.t_max < self.t_min:
+      raise ConfigError(f"sample.t_max={self.t_max} is below sample.t_min={self.t_min}: the "
+                        f"canvas temperature falls from t_max (first step) to t_min (last)")
 
 
 @dataclasses.dataclass

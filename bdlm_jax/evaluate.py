@@ -31,6 +31,7 @@ from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.data.arithmetic import ArithmeticSource, split_statement
+from bdlm_jax.data.chat import ArithmeticChatSource
 from bdlm_jax.feed import Feed
 from bdlm_jax.loss import spec_loss
 from bdlm_jax.parallel.mesh import make_mesh, row_sharding, to_host
@@ -107,7 +108,11 @@ class HeldOut:
 
 def arithmetic_prompts(cfg: Config, n: int) -> list[tuple[str, str]]:
   """`n` held-out (prompt, answer) pairs: a held-out document up to one statement's "=" (the
-  statement drawn at random), and that statement's result."""
+  statement drawn at random), and that statement's result; for a chat model, held-out
+  conversations (`data.format=chat`)."""
+  if cfg.data.format == "chat":
+    chats = ArithmeticChatSource(cfg.seed, "eval", cfg.data.chat_template)
+    return [(chats[i]["prompt"], chats[i]["response"]) for i in range(n)]
   source = ArithmeticSource(cfg.seed, split="eval")
   rng = np.random.default_rng(cfg.seed)
   pairs = []
@@ -172,14 +177,16 @@ def describe(metrics: dict[str, float], objective: str) -> str:
 
 def show_sample(cfg: Config, workdir: str) -> str:
   """One generation from the latest checkpoint of `workdir`, prompted by `sample.prompt`
-  (embedded data: by default the first statement of a held-out document)."""
+  (embedded data: by default the first statement of a held-out document, or its question
+  for a chat model)."""
   from bdlm_jax.sample import sample_checkpoint
   if get_objective(cfg.objective.name).DRAFTER:
     return "(a drafter proposes blocks for its target: experiments/dflash_tau.py measures it)"
   if not (cfg.sample.prompt or cfg.sample.prompt_file):
     if cfg.data.source != "arithmetic":
       return "(set sample.prompt to see a sample here)"
-    prompt = ArithmeticSource(cfg.seed, split="eval")[0].split(" ")[0] + " "
+    statement = ArithmeticSource(cfg.seed, split="eval")[0].split(" ")[0]
+    prompt = split_statement(statement)[0] if cfg.data.format == "chat" else statement + " "
     cfg = replace(cfg, sample=dict(prompt=prompt))
   _, prompt, completion = sample_checkpoint(cfg, workdir)
   return f"sample: {prompt!r} -> {completion!r}"

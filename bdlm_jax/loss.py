@@ -19,7 +19,9 @@ from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.models.moe import router_losses
-from bdlm_jax.models.transformer import STACKS, head_logits
+from bdlm_jax.kernels import with_windows, xla
+from bdlm_jax.kernels.mask import CLEAN, NOISY, row_meta
+from bdlm_jax.models.transformer import STACKS, expected_embedding, head_logits
 from bdlm_jax.objectives import ar
 from bdlm_jax.params import merge
 from bdlm_jax.parallel.mesh import BATCH_AXES
@@ -100,8 +102,9 @@ def _gathered_once(params, gather):
 
 
 def loss_fn(params, batch, key, cfg: Config, mesh=None):
-  """(loss, metrics): weighted masked-token CE summed over the batch / valid tokens, plus an
-  MoE's weighted router losses (then the CE alone is `metrics["token_loss"]`).
+  """(loss, metrics): weighted masked-token CE summed over the batch / the objective's
+  `normalizer` (its valid tokens, for most), plus an MoE's weighted router losses (then the
+  CE alone is `metrics["token_loss"]`).
 
   An objective's frozen parameters (a drafter's target) get no gradient here, whatever the
   caller differentiates."""
@@ -126,15 +129,15 @@ def spec_loss(spec: StepSpec, params, batch, key):
   model = merge(cfg, gathered)
   batch = spec.rows_sharded(batch)
   n_valid = jnp.sum(batch.labels >= 0)  # before an objective adds copies of the batch
-  batch, inputs, scored, weight = objective.corrupt(key, batch, cfg.data.seq_len,
-                                                    cfg.objective)
+  normalizer = objective.normalizer(batch)
+  batch, inputs, scored, weight = objective.corrupt(key, batch, cfg)
   hidden, teacher, stats = objective.hidden(spec, model, batch, inputs, layer_weights)
   score = functools.partial(objective.score, cfg=cfg.objective)
   rows = [hidden] + [plan.slot_rows(x, objective.LOSS_SLOT)
                      for x in (batch.labels, scored, weight)] + list(teacher)
   total = _loss_on_every_device(model.head, score, cfg.model.logits_chunk,
                                 cfg.model.logit_softcap, mesh, *rows)
-  loss = total / jnp.maximum(n_valid, 1)
+  loss = total / normalizer
   metrics = dict(valid_tokens=n_valid, masked_tokens=jnp.sum(scored & (batch.labels >= 0)))
   if cfg.model.moe_experts:
     router = router_losses(stats, cfg.model.moe_experts)
@@ -157,6 +160,40 @@ def ar_logits(params, cfg: Config, tokens) -> jax.Array:
   return model.logits(hidden)
 
 
+def canvas_logits(params, cfg: Config, prompt_tokens, canvas_tokens,
+                  self_conditioning_logits=None) -> jax.Array:
+  """A canvas's float32 logits [S, C, vocab], on one device: canvas tokens [S, C] read
+  bidirectionally after the causal stream of `prompt_tokens` [S, T] (a local layer's canvas
+  sees the prompt's last window - 1 tokens), at positions T..T+C-1, as DiffusionGemma's
+  `DiffusionGemmaForBlockDiffusion(input_ids=prompt, decoder_input_ids=canvas,
+  self_conditioning_logits=...)` computes them.
+
+  A model with `model.self_conditioning` passes the canvas embeddings through it, conditioned
+  on the softmax of `self_conditioning_logits` [S, C, vocab] (zeros without: the first
+  denoising step). The prompt need not fill whole blocks: it is one causal stream."""
+  prompt, canvas = jnp.asarray(prompt_tokens), jnp.asarray(canvas_tokens)
+  if prompt.ndim != 2 or canvas.ndim != 2 or prompt.shape[0] != canvas.shape[0]:
+    raise ConfigError(f"canvas_logits needs prompt [S, T] and canvas [S, C] tokens, got shapes "
+                      f"{prompt.shape} and {canvas.shape}")
+  if self_conditioning_logits is not None and not cfg.model.self_conditioning:
+    raise ConfigError("self_conditioning_logits need model.self_conditioning=true (the "
+                      "self-conditioning module's weights)")
+  (s, t), c = prompt.shape, canvas.shape[1]
+  pos = jnp.broadcast_to(jnp.concatenate([jnp.arange(t), t + jnp.arange(c)]), (s, t + c))
+  # Blocks of one token: the prompt is causal, and the canvas is one block after all of it.
+  meta = row_meta(jnp.where(pos < t, CLEAN, NOISY), jnp.minimum(pos, t), jnp.ones_like(pos), pos)
+  attend = with_windows(functools.partial(xla.attend, chunk=cfg.model.attention_chunk), 1)
+  model = merge(cfg, params)
+  x = model.embed_tokens(jnp.concatenate([prompt, canvas], axis=1))
+  if cfg.model.self_conditioning:
+    soft = (jnp.zeros_like(x[:, t:]) if self_conditioning_logits is None else
+            expected_embedding(model.embed, self_conditioning_logits,
+                               cfg.model.scale_embeddings).astype(x.dtype))
+    x = x.at[:, t:].set(model.self_condition(x[:, t:], soft))
+  hidden, _ = model.over_layers(x, pos, meta, attend)
+  return model.logits(hidden[:, t:])
+
+
 def draft_logits(params, cfg: Config, tokens, segment_ids=None, protected=None):
   """A drafter's float32 logits at its draft rows, [S, A, B, vocab], and the `Batch` of its
   logical rows (`[draft ; context]`; draft row j*B + k is slot k of anchor j), on one device.
@@ -170,7 +207,7 @@ def draft_logits(params, cfg: Config, tokens, segment_ids=None, protected=None):
   @jax.jit
   def run(params, batch):
     model = merge(one, params)
-    batch, inputs, _, _ = spec.objective.corrupt(None, batch, one.data.seq_len, one.objective)
+    batch, inputs, _, _ = spec.objective.corrupt(None, batch, one)
     hidden, _, _ = spec.objective.hidden(spec, model, batch, inputs, None)
     return head_logits(model.head, hidden, one.model.logit_softcap)
 

@@ -1,9 +1,10 @@
-"""Block-wise semi-autoregressive sampling from a BDLM (`bd3lm` or `fast_dllm_v2`), and
-plain autoregressive decoding of `ar` models through the same `sample` (at the end).
+"""Generation from every objective through one `sample`: by the objective's `SAMPLER`,
+[MASK] blocks revealed step by step (`mask`: bd3lm, fast_dllm_v2), canvases of uniform
+tokens denoised and re-noised (`canvas`: diffusiongemma), or token by token (`ar`).
 
-Generation proceeds one block of B tokens at a time. A new block starts all-[MASK] and is
-run as the *noisy* rows of the training stream: bidirectional inside the block, attending
-to the clean rows of every earlier block. Each step reveals some masked positions:
+`mask`: generation proceeds one block of B tokens at a time. A new block starts all-[MASK]
+and is run as the *noisy* rows of the training stream: bidirectional inside the block,
+attending to the clean rows of every earlier block. Each step reveals some masked positions:
 
 * `confidence`: predict every masked position (argmax, or a sample at `temperature`) and
   reveal the most confident ones (probability of the predicted token); `steps_per_block`
@@ -26,6 +27,34 @@ the noisy row before it, and for the block's first token by the last clean row o
 finished previous block, the row training scores it on (objectives/fast_dllm_v2.py).
 The model is run through its own modules (`Block.project`, `Block.finish`); only attention
 is re-wired over [cache ; block]. Sampling uses the `xla` attention on one device.
+
+`canvas`: DiffusionGemma's generation, as transformers' `generation_diffusion_gemma.py`
+runs it (`DiffusionGemmaGenerationMixin.generate`, one prompt). Canvases of C =
+objective.block_size tokens follow the prompt one after another; each starts as uniform
+random tokens (`EntropyBoundSampler.initialize_canvas`) and takes at most
+`sample.denoising_steps` steps, counted down N..1. Step n (`_denoising_step`):
+
+* logits of the canvas after the context (`loss.canvas_logits`), self-conditioned on the
+  previous step's processed logits (none at the first step);
+* processed logits = logits / t, t = t_min + (t_max - t_min) n / N
+  (`LinearTemperatureScheduleLogitsProcessor`);
+* a denoiser canvas drawn from softmax(processed) (always a draw: greedy is t -> 0), and
+  the argmax canvas;
+* acceptance (`EntropyBoundSampler.accept_canvas`): the k lowest-entropy positions whose
+  entropies, less the largest of them, sum to at most `sample.entropy_bound` take the
+  denoiser's token; every other position is re-noised with a uniform token
+  (`renoise_canvas`);
+* the canvas stops early once its argmax canvas equals each of the previous
+  `sample.stability_threshold` steps' and its mean entropy is below
+  `sample.confidence_threshold` (`StableAndConfidentStoppingCriteria`).
+
+The canvas kept is the last step's *argmax* canvas, which joins the context. Generation
+stops after the canvas holding EOS (`_finalize_canvas`; the tokens after EOS are dropped)
+or at max_new_tokens (whole canvases are cut there; transformers keeps the last canvas whole).
+Every step recomputes the whole context through `canvas_logits`: the `mask` sampler's KV
+cache keeps every layer's K/V in one array, which Gemma 4's global layers (K/V of other
+head dims and head counts than the local ones) do not fit. A canvas's steps run as one
+compiled loop, compiled once per context length (one per canvas of a generation).
 """
 
 from __future__ import annotations
@@ -39,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bdlm_jax.batch import check_token_ids
-from bdlm_jax.config import Config
+from bdlm_jax.config import Config, SampleConfig
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.objectives import get_objective, reserved_mask_id
 from bdlm_jax.kernels import with_windows, xla
@@ -176,11 +205,12 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
            eos_id: int | None = None) -> np.ndarray:
   """Tokens generated after `prompt_tokens` (int [T]): int32 [<= max_new_tokens].
 
-  Block diffusion objectives generate block by block (above); `ar` decodes one token at a
-  time with a KV cache (the block options do not apply). Options default to `cfg.sample`;
-  `eos_id` defaults to the EOS of `data.tokenizer`. The result ends with EOS if generation
-  stopped there. Same key, same tokens, with or without the KV cache. Prompt ids must index
-  the embedding and not be the [MASK] id.
+  Block diffusion objectives generate block by block, DiffusionGemma canvas by canvas
+  (above); `ar` decodes one token at a time with a KV cache (the block options do not apply;
+  nor do they to canvases, which read the sample.* canvas options). Options default to
+  `cfg.sample`; `eos_id` defaults to the EOS of `data.tokenizer`. The result ends with EOS
+  if generation stopped there. Same key, same tokens, with or without the KV cache. Prompt
+  ids must index the embedding and not be the [MASK] id.
   """
   o = cfg.sample
   max_new_tokens = o.max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -189,24 +219,29 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
   temperature = o.temperature if temperature is None else temperature
   use_cache = o.use_cache if use_cache is None else use_cache
   eos_id = checked_tokenizer(cfg).eos_id if eos_id is None else eos_id
+  objective = get_objective(cfg.objective.name)
+  if not objective.SAMPLER:
+    raise ConfigError(f"objective={cfg.objective.name} does not generate alone (a drafter "
+                      f"proposes blocks for its target); experiments/dflash_tau.py measures "
+                      f"its acceptance")
+  prompt = np.asarray(prompt_tokens).reshape(-1)
+  if not prompt.size or max_new_tokens < 1:
+    raise ConfigError(f"need a non-empty prompt and max_new_tokens >= 1; got {prompt.size} "
+                      f"prompt tokens, max_new_tokens={max_new_tokens}")
+  check_token_ids(cfg, prompt, "the prompt")
+  prompt = prompt.astype(np.int32)
+  if objective.SAMPLER == "canvas":
+    return _sample_canvas(params, cfg, prompt, key, max_new_tokens, eos_id)
   if strategy not in ("confidence", "first_hitting"):
     raise ConfigError(f"sample strategy {strategy!r} is not 'confidence' or 'first_hitting'")
+  if steps < 0:
+    raise ConfigError(f"sample.steps_per_block must be >= 0, got {steps}")
   if use_cache and split_attention(cfg.model):
     raise ConfigError("sample.use_cache keeps every layer's K/V in one array, but this model's "
                       "global layers have K/V of other shapes than its local ones "
                       "(model.global_head_dim, global_n_kv_heads, attention_k_eq_v); set "
                       "sample.use_cache=false")
-  prompt = np.asarray(prompt_tokens).reshape(-1)
-  if not prompt.size or max_new_tokens < 1 or steps < 0:
-    raise ConfigError(f"need a non-empty prompt, max_new_tokens >= 1 and steps_per_block >= 0; "
-                      f"got {prompt.size} prompt tokens, {max_new_tokens}, {steps}")
-  check_token_ids(cfg, prompt, "the prompt")
-  prompt = prompt.astype(np.int32)
-  objective = get_objective(cfg.objective.name)
-  if objective.DRAFTER:
-    raise ConfigError("a drafter (objective=dflash) proposes blocks for its target and does "
-                      "not generate alone; experiments/dflash_tau.py measures its acceptance")
-  if not objective.NOISY_STREAM:
+  if objective.SAMPLER != "mask":  # "ar": token by token
     return _sample_ar(params, cfg, prompt, key, max_new_tokens, temperature, use_cache, eos_id)
   m, bs = cfg.model, cfg.objective.block_size
   fns = _steps(_model_json(cfg))
@@ -247,15 +282,144 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
     ctx[0, start:start + bs], seg[0, start:start + bs] = tokens, 1
     if use_cache:
       cache, prev = fns.commit(params, cache, tokens[None], seg[:, start:start + bs], start)
-  out = out[:max_new_tokens]
-  if eos_id in out:
-    out = out[:out.index(eos_id) + 1]
-  return np.asarray(out, np.int32)
+  return _until_eos(out, max_new_tokens, eos_id)
 
 
-def _model_json(cfg: Config) -> str:
+def _until_eos(tokens: list[int], max_new_tokens: int, eos_id: int) -> np.ndarray:
+  """The first max_new_tokens tokens, cut after the first EOS."""
+  tokens = tokens[:max_new_tokens]
+  if eos_id in tokens:
+    tokens = tokens[:tokens.index(eos_id) + 1]
+  return np.asarray(tokens, np.int32)
+
+
+class CanvasStep(NamedTuple):
+  """One denoising step of a canvas of C tokens (`_denoising_step` in transformers)."""
+
+  canvas: jax.Array  # int32 [C]: the next step's input: `accepted`, the rest re-noised
+  accepted: jax.Array  # int32 [C]: the denoiser's token where accepted, else the input's
+  argmax: jax.Array  # int32 [C]: argmax of the processed logits
+  logits: jax.Array  # float32 [C, V]: the processed (temperature-scaled) logits
+  entropy: jax.Array  # float32 [C]: entropy of softmax(logits)
+
+
+def token_entropy(logits_CV) -> jax.Array:
+  """Entropy of softmax(logits) per position (`torch.distributions.Categorical.entropy`,
+  which also clamps log-probabilities: a -inf logit adds 0, not NaN)."""
+  log_p = jnp.maximum(jax.nn.log_softmax(logits_CV.astype(jnp.float32), axis=-1),
+                      jnp.finfo(jnp.float32).min)
+  return -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
+
+
+def entropy_bound_accepts(entropy_C, bound: float) -> jax.Array:
+  """bool [C]: the k lowest-entropy positions with sum - max of their entropies <= `bound`
+  (`EntropyBoundSampler.accept_canvas`); the lowest is always accepted."""
+  order = jnp.argsort(entropy_C, stable=True)
+  sorted_C = entropy_C[order]
+  return jnp.zeros(entropy_C.shape, bool).at[order].set(jnp.cumsum(sorted_C) - sorted_C <= bound)
+
+
+def stable_and_confident(history_HC, argmax_C, entropy_C, confidence_threshold: float):
+  """(stop, history) as `StableAndConfidentStoppingCriteria`: stable when `argmax_C` equals
+  each of the H previous argmax canvases in `history_HC` (oldest first; -1 before a canvas's
+  first steps; H = stability_threshold, 0: always stable), confident when the mean entropy is
+  below `confidence_threshold`. `history` drops the oldest and ends with `argmax_C`."""
+  stable = jnp.all(history_HC == argmax_C[None])
+  history_HC = jnp.concatenate([history_HC, argmax_C[None]])[1:]
+  return stable & (jnp.mean(entropy_C) < confidence_threshold), history_HC
+
+
+def canvas_temperature(o: SampleConfig, step) -> jax.Array:
+  """`LinearTemperatureScheduleLogitsProcessor`: t_max at step N (the first), t_min at 0."""
+  return o.t_min + (o.t_max - o.t_min) * (jnp.asarray(step, jnp.int32) / o.denoising_steps)
+
+
+def denoising_step(params, cfg: Config, context_1T, canvas_C, self_conditioning_CV, step,
+                   key) -> CanvasStep:
+  """Step `step` (N..1: the steps left) of the canvas `canvas_C` after `context_1T`,
+  self-conditioned on the previous step's processed logits (None at the first step)."""
+  from bdlm_jax.loss import canvas_logits  # loss imports the strategies
+  o, vocab = cfg.sample, cfg.model.vocab_size
+  given = None if self_conditioning_CV is None else self_conditioning_CV[None]
+  logits = canvas_logits(params, cfg, context_1T, canvas_C[None], given)[0]
+  logits = logits / canvas_temperature(o, step)
+  draw_key, noise_key = jax.random.split(key)
+  denoised = jax.random.categorical(draw_key, logits).astype(jnp.int32)
+  entropy = token_entropy(logits)
+  take = entropy_bound_accepts(entropy, o.entropy_bound)
+  accepted = jnp.where(take, denoised, canvas_C)
+  noise = jax.random.randint(noise_key, canvas_C.shape, 0, vocab, jnp.int32)
+  return CanvasStep(jnp.where(take, accepted, noise), accepted,
+                    jnp.argmax(logits, -1).astype(jnp.int32), logits, entropy)
+
+
+class _Denoising(NamedTuple):
+  """The state of a canvas between steps."""
+
+  step: jax.Array  # the next step (N..1); 0: none left
+  canvas: jax.Array  # int32 [C]
+  argmax: jax.Array  # int32 [C]: the latest argmax canvas
+  self_conditioning: jax.Array | None  # [C, V]: processed logits in param_dtype (None: off)
+  history: jax.Array  # int32 [H, C]: argmax canvases for the stability rule
+  stop: jax.Array  # bool: stable and confident
+
+
+@functools.lru_cache(maxsize=8)
+def _canvas_denoiser(cfg_json: str) -> Callable:
+  """jit (params, context_1T, canvas_C, key) -> the argmax canvas int32 [C] after at most N
+  steps from `canvas_C`; step n draws from fold_in(key, n)."""
+  cfg = Config.from_dict(json.loads(cfg_json))
+  o, c = cfg.sample, cfg.objective.block_size
+  self_conditioning = cfg.model.self_conditioning
+
+  def advance(params, context_1T, key, state: _Denoising) -> _Denoising:
+    out = denoising_step(params, cfg, context_1T, state.canvas, state.self_conditioning,
+                         state.step, jax.random.fold_in(key, state.step))
+    stop, history = stable_and_confident(state.history, out.argmax, out.entropy,
+                                         o.confidence_threshold)
+    # transformers feeds the processed logits back in the embedding's dtype
+    logits = out.logits.astype(cfg.model.param_dtype) if self_conditioning else None
+    return _Denoising(state.step - 1, out.canvas, out.argmax, logits, history, stop)
+
+  def denoise(params, context_1T, canvas, key):
+    start = _Denoising(jnp.int32(o.denoising_steps), canvas, canvas, None,
+                       jnp.full((o.stability_threshold, c), -1, jnp.int32), jnp.bool_(False))
+    # The first step has no self-conditioning logits: a loop state of its own
+    state = advance(params, context_1T, key, start)
+    state = jax.lax.while_loop(lambda s: (s.step >= 1) & ~s.stop,
+                               functools.partial(advance, params, context_1T, key), state)
+    return state.argmax
+
+  return jax.jit(denoise)
+
+
+def initial_canvas(cfg: Config, canvas_key) -> jax.Array:
+  """int32 [C]: uniform tokens (`EntropyBoundSampler.initialize_canvas`). Canvas i of a
+  generation from `key` has canvas_key = fold_in(key, i)."""
+  return jax.random.randint(jax.random.fold_in(canvas_key, 0), (cfg.objective.block_size,), 0,
+                            cfg.model.vocab_size, jnp.int32)
+
+
+def _sample_canvas(params, cfg: Config, prompt_T, key, max_new_tokens: int,
+                   eos_id: int) -> np.ndarray:
+  """DiffusionGemma's canvas-by-canvas generation (module docstring)."""
+  denoise = _canvas_denoiser(_model_json(cfg, "sample"))
+  context = prompt_T[None]
+  out = []
+  for i in range(-(-max_new_tokens // cfg.objective.block_size)):
+    canvas_key = jax.random.fold_in(key, i)
+    tokens = np.asarray(denoise(params, context, initial_canvas(cfg, canvas_key), canvas_key))
+    out.extend(tokens.tolist())
+    if eos_id in tokens:
+      break
+    context = np.concatenate([context, tokens[None]], axis=1)
+  return _until_eos(out, max_new_tokens, eos_id)
+
+
+def _model_json(cfg: Config, *sections: str) -> str:
+  """The config sections a compiled sampler depends on, as a cache key."""
   d = cfg.to_dict()
-  return json.dumps(dict(model=d["model"], objective=d["objective"]), sort_keys=True)
+  return json.dumps({k: d[k] for k in ("model", "objective", *sections)}, sort_keys=True)
 
 
 _AR_PROMPT_BUCKET = 16  # prompts are left-padded to a multiple: few shapes, few compiles

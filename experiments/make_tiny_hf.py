@@ -24,15 +24,14 @@ CONFIGS = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}
 
 
 def write_chat(path: str, n_records: int, seed: int) -> None:
-  """{"messages": [user "a+b=", assistant "c"]} records from the embedded arithmetic data."""
-  from bdlm_jax.data import ArithmeticSource
-  source = ArithmeticSource(seed=seed)
+  """{"messages": [user "a+b=", assistant "c"]} records: the conversations that
+  `data.source=arithmetic` with `data.format=chat` trains on, written out."""
+  from bdlm_jax.data.chat import ArithmeticChatSource
+  source = ArithmeticChatSource(seed, "train", template="plain")
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   with open(path, "w") as f:
     for i in range(n_records):
-      question, answer = source[i].split(" ")[0].split("=")
-      messages = [dict(role="user", content=question + "="), dict(role="assistant", content=answer)]
-      f.write(json.dumps(dict(messages=messages)) + "\n")
+      f.write(json.dumps(dict(messages=source.messages(i))) + "\n")
 
 
 def main() -> None:

@@ -40,8 +40,9 @@ compiler: its memory is the structure to optimise, not a GPU's exact figure. Mod
 (the Llama-style block of bdlm_jax.models): llama3-8b, gemma3-27b and qwen3-30b-a3b as in
 `bdlm_jax.analysis.cost_model.setting` (Gemma 3 27B's dimensions and
 5 local : 1 global layers, whose rows in results/scale_probe.csv were compiled before the
-preset had local layers, every layer global; Qwen3-30B-A3B's, a mixture of experts), and
-qwen3-8b (Qwen3-8B's dimensions, qk_norm).
+preset had local layers, every layer global; Qwen3-30B-A3B's, a mixture of experts),
+qwen3-8b (Qwen3-8B's dimensions, qk_norm) and diffusiongemma-26b-a4b (the released Gemma 4
+layers of configs/diffusiongemma_26b_a4b_sft_256k.py; with `--objective diffusiongemma`).
 
 An MoE preset splits its experts over the seq axis (`parallel.expert_axes=seq`). XLA:CPU
 compiles neither the GPU's dispatch (`ragged-all-to-all`) nor a grouped matmul (jax lowers
@@ -68,6 +69,7 @@ import dataclasses
 import datetime
 import json
 import os
+import runpy
 import subprocess
 import sys
 
@@ -95,6 +97,10 @@ MODELS = {
                             qk_norm=True, tie_embeddings=False),
     "gemma3-27b": setting.MODELS["gemma3-27b"],
     "qwen3-30b-a3b": setting.MODELS["qwen3-30b-a3b"],
+    # the released dimensions, as the recipe's config names their source
+    "diffusiongemma-26b-a4b": ModelConfig(**runpy.run_path(os.path.join(
+        ROOT, "configs", "diffusiongemma_26b_a4b_sft_256k.py"))["DIFFUSIONGEMMA_26B_A4B"],
+                                          compute_dtype="bfloat16"),
     "tiny": ModelConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                         head_dim=8, d_ff=64, attention_chunk=32),
 }
@@ -544,8 +550,11 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true", help="a tiny model (tests)")
   parser.add_argument("--ablate", action="store_true",
                       help="one compile per ABLATIONS entry at the first model and L")
-  parser.add_argument("--objective", default="bd3lm", choices=("bd3lm", "dflash"),
-                      help="dflash: each model is the frozen target of a trained drafter")
+  parser.add_argument("--objective", default="bd3lm",
+                      choices=("bd3lm", "dflash", "diffusiongemma"),
+                      help="dflash: each model is the frozen target of a trained drafter; "
+                           "diffusiongemma: a model with self-conditioning "
+                           "(diffusiongemma-26b-a4b)")
   parser.add_argument("--anchors", type=int, default=512,
                       help="dflash: objective.max_anchors, draft blocks per sequence")
   parser.add_argument("--drafter-layers", type=int, default=5, help="dflash: drafter.n_layers")

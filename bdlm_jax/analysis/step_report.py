@@ -47,7 +47,7 @@ from bdlm_jax.config import Config, ModelConfig
 from bdlm_jax.configure import override
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.models.drafter import drafter_model, target_depth
-from bdlm_jax.models.pattern import layer_types
+from bdlm_jax.models.pattern import attention_shape, layer_types
 from bdlm_jax.kernels.mask import RowMeta
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.analysis import hlo_stats, targets
@@ -64,12 +64,14 @@ META_ROW_BYTES = (len(RowMeta._fields) - 1) * 4
 
 def attention_traffic(plan: LayoutPlan, kv_row_bytes: float, grad_row_bytes: float,
                       meta_row_bytes: float, n_layers: int, window: int | None = None,
-                      last_grad_row_bytes: float | None = None) -> dict[str, float]:
+                      last_grad_row_bytes: float | None = None,
+                      first_passes: int = 0) -> dict[str, float]:
   """Operand bytes per device and step (hlo_stats convention), by kind, that the plan's
   transport issues on `n_layers` global layers, or local ones of window W. `*_row_bytes`:
   K and V (their gradients, their metadata) of one travelling row, summed over the
   sequences a device holds; `last_grad_row_bytes`, the ring's last dK/dV hop where a
-  compiler narrows it (default `grad_row_bytes`)."""
+  compiler narrows it (default `grad_row_bytes`); `first_passes`, forward passes the step
+  runs without gradient before the differentiated one (the objective's `first_passes`)."""
   out = dict.fromkeys(hlo_stats.COLLECTIVE_KINDS, 0.0)
   p = plan.num_ranks
   transport = (get_strategy(plan.strategy).transport if window is None
@@ -79,15 +81,17 @@ def attention_traffic(plan: LayoutPlan, kv_row_bytes: float, grad_row_bytes: flo
   if transport == "exchange":
     # The received rows forward; their dK/dV back by the reverse permutes, in K/V's dtype.
     rows = exchange_for(plan, window).rows_sent()
-    out["collective-permute"] = n_layers * rows * (2 * kv_row_bytes + meta_row_bytes)
+    out["collective-permute"] = n_layers * rows * (
+        2 * kv_row_bytes + meta_row_bytes + first_passes * (kv_row_bytes + meta_row_bytes))
     return out
   travel = plan.rows_per_rank - plan.n_stay
   kv, grads = travel * (kv_row_bytes + meta_row_bytes), travel * grad_row_bytes
   if transport == "ring":
     last = grads if last_grad_row_bytes is None else travel * last_grad_row_bytes
-    out["collective-permute"] = n_layers * (2 * (p - 1) * kv + (p - 1) * grads + last)
+    out["collective-permute"] = n_layers * ((2 + first_passes) * (p - 1) * kv
+                                            + (p - 1) * grads + last)
   else:
-    out["all-gather"] = n_layers * 2 * kv
+    out["all-gather"] = n_layers * (2 + first_passes) * kv
     out["reduce-scatter"] = n_layers * p * grads
   return out
 
@@ -127,13 +131,15 @@ def config_attention_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype
   objective = get_objective(cfg.objective.name)
   sequences = cfg.train.batch_size // (p.data * p.fsdp) * objective.COPIES  # per device
 
-  def row_bytes(model: ModelConfig):  # K/V, dK/dV and metadata of one row, all sequences
-    kv_elems = sequences * 2 * model.n_kv_heads * model.head_dim
+  def row_bytes(model: ModelConfig, kind: str = "global"):
+    """K/V, dK/dV and metadata of one row of a `kind` layer, all sequences."""
+    shape = attention_shape(model, kind)
+    kv_elems = sequences * 2 * shape.n_kv_heads * shape.head_dim
     return (kv_elems * itemsize(model.compute_dtype), kv_elems * itemsize(p.kv_grad_dtype),
             sequences * META_ROW_BYTES)
 
-  def last_hop(model: ModelConfig):
-    return dict(last_grad_row_bytes=row_bytes(model)[0] if narrow_last_hop else None)
+  def last_hop(model: ModelConfig, kind: str = "global"):
+    return dict(last_grad_row_bytes=row_bytes(model, kind)[0] if narrow_last_hop else None)
 
   plan = plan_for(cfg)
   if objective.DRAFTER:
@@ -144,9 +150,10 @@ def config_attention_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype
     totals.append(context_traffic(plan, kv, meta, target_depth(cfg)))
   else:
     kinds = layer_types(m)
-    by_window = [(None, kinds.count("global")), (m.sliding_window, kinds.count("local"))]
-    totals = [attention_traffic(plan, *row_bytes(m), n, window, **last_hop(m))
-              for window, n in by_window if n]
+    by_kind = [("global", None), ("local", m.sliding_window)]
+    totals = [attention_traffic(plan, *row_bytes(m, kind), kinds.count(kind), window,
+                                first_passes=objective.first_passes(cfg), **last_hop(m, kind))
+              for kind, window in by_kind if kinds.count(kind)]
   return {kind: sum(t[kind] for t in totals) for kind in hlo_stats.COLLECTIVE_KINDS}
 
 

@@ -26,6 +26,7 @@ from bdlm_jax.models.transformer import layer_slots
 
 GEMMA4 = "gemma4_text"
 DIFFUSION_GEMMA = "diffusion_gemma"
+CANVAS_LENGTH = 256  # DiffusionGemmaConfig's default canvas_length
 ARCHITECTURES = {GEMMA4: "Gemma4ForCausalLM", DIFFUSION_GEMMA: "DiffusionGemmaForBlockDiffusion"}
 PREFIX = {GEMMA4: "model.", DIFFUSION_GEMMA: "model.decoder."}
 # Tensors of a DiffusionGemma folder that are not its text model: left out, with a warning.
@@ -254,6 +255,7 @@ def hf_config(m: ModelConfig, name: str, dtype: str, max_positions: int, extra: 
             "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, **extra}
   return {"architectures": [ARCHITECTURES[name]], "model_type": DIFFUSION_GEMMA, "dtype": dtype,
           "text_config": text, "tie_word_embeddings": m.tie_embeddings,
+          "canvas_length": extra.get("bdlm_block_size", CANVAS_LENGTH),
           "vision_config": vision or dict(model_type="gemma4_vision", hidden_size=16,
                                           intermediate_size=32, num_hidden_layers=1,
                                           num_attention_heads=2, num_key_value_heads=2,

@@ -19,13 +19,14 @@ import numpy as np
 import safetensors
 from jax.sharding import SingleDeviceSharding
 
-from bdlm_jax.checkpoint.hf_gemma4 import DIFFUSION_GEMMA, VISION_PREFIXES
+from bdlm_jax.checkpoint.hf_gemma4 import CANVAS_LENGTH, DIFFUSION_GEMMA, VISION_PREFIXES
 from bdlm_jax.checkpoint.hf_names import (IGNORED_SUFFIXES, Tensor, get_path,
                                           model_config_from_hf, set_path, shape_fields,
                                           tensor_map)
 from bdlm_jax.config import Config, ModelConfig
 from bdlm_jax.configure import replace
 from bdlm_jax.errors import ConfigError
+from bdlm_jax.objectives import diffusiongemma
 from bdlm_jax.params import transformer_params
 from bdlm_jax.parallel.zero3 import zero3_shardings
 
@@ -46,8 +47,10 @@ def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dic
 
   `cfg.model` comes from config.json (params and compute in `dtype`); every other section
   keeps the `Config()` defaults, except:
-  * `objective.block_size` is `bdlm_block_size` when `export_hf` recorded it (data.seq_len
-    then a multiple of it), and `data.tokenizer` is the folder when it holds tokenizer.json;
+  * `objective.block_size` is `bdlm_block_size` when `export_hf` recorded it, else a
+    DiffusionGemma's `canvas_length` (data.seq_len then a multiple of it), and
+    `data.tokenizer` is the folder when it holds tokenizer.json;
+  * a DiffusionGemma trains with its own objective, `objective.name=diffusiongemma`;
   * `objective.mask_token_id` is `bdlm_mask_token_id` when recorded, else an id no text
     encodes to, from the folder's tokenizer (`pick_mask_id`: its mask token, an embedding row
     beyond its vocabulary as Fast-dLLM v2 uses 151665 of Qwen2.5, a reserved placeholder).
@@ -60,7 +63,9 @@ def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dic
   hf = read_hf_config(path)
   model = dict(model_config_from_hf(hf, path), param_dtype=dtype, compute_dtype=dtype)
   defaults = Config()
-  block = int(hf.get("bdlm_block_size", defaults.objective.block_size))
+  diffusion = hf.get("model_type") == DIFFUSION_GEMMA
+  block = int(hf.get("bdlm_block_size", hf.get("canvas_length", CANVAS_LENGTH) if diffusion
+                     else defaults.objective.block_size))
   data = dict(seq_len=math.lcm(defaults.data.seq_len, block))
   mask = hf.get("bdlm_mask_token_id")
   if os.path.isfile(os.path.join(path, "tokenizer.json")):
@@ -68,12 +73,14 @@ def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dic
     data["tokenizer"] = path
     if mask is None:
       mask = pick_mask_id(HFTokenizer(path), model["vocab_size"])
-  if mask is None and hf.get("model_type") == DIFFUSION_GEMMA:
+  if mask is None and diffusion:
     mask = model["vocab_size"] - 1
   if mask is None:
     mask, model["vocab_size"] = model["vocab_size"], model["vocab_size"] + 1
-  cfg = replace(defaults, model=model, data=data,
-                objective=dict(mask_token_id=int(mask), block_size=block))
+  objective = dict(mask_token_id=int(mask), block_size=block)
+  if diffusion:
+    objective["name"] = diffusiongemma.NAME
+  cfg = replace(defaults, model=model, data=data, objective=objective)
   return cfg, _read_params(path, cfg, mesh)
 
 

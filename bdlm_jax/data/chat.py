@@ -11,6 +11,9 @@ on the left, the response on the right, with padding that is segment 0 (never at
 never attended, never scored): to the model it does not exist. Each example then starts
 on a block boundary wherever the packer puts it. An example longer than `data.seq_len` is
 cut to its first `seq_len` tokens (the prompt and the start of the response survive).
+
+`data.source=arithmetic` needs no file: each embedded arithmetic document gives one
+conversation (`ArithmeticChatSource`).
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import grain
 import grain.experimental as gx
 import numpy as np
 
-from bdlm_jax.config import CHAT_TEMPLATES
-from bdlm_jax.data.sources import DataError, TextLineSource
+from bdlm_jax.config import CHAT_TEMPLATES, DataConfig
+from bdlm_jax.data.arithmetic import ArithmeticSource, split_statement
+from bdlm_jax.data.sources import DataError, TextLineSource, split_path
 
 ROLES = ("system", "user", "assistant")
 
@@ -80,6 +84,39 @@ class ChatSource(TextLineSource):
       raise DataError(f"invalid JSON at {self.where(index)}: {e}") from e
     prompt, response = render(_check_messages(record, self.where(index)), self._template)
     return {"prompt": prompt, "response": response}
+
+
+class ArithmeticChatSource:
+  """The embedded arithmetic data as conversations: document i's first statement "a+b=c"
+  becomes the user's "a+b=" and the assistant's "c". `split` picks the documents as
+  ArithmeticSource does ("eval": another stream of the seed; single questions recur across
+  splits, as statements do there)."""
+
+  def __init__(self, seed: int, split: str, template: str):
+    self._documents = ArithmeticSource(seed, split=split)
+    self._template = template
+
+  def __len__(self) -> int:
+    return len(self._documents)
+
+  def where(self, index: int) -> str:
+    return self._documents.where(index)
+
+  def messages(self, index: int) -> list[dict]:
+    """Conversation `index` as a chat record's "messages"."""
+    question, answer = split_statement(self._documents[index].split(" ")[0])
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+  def __getitem__(self, index: int) -> dict[str, str]:
+    prompt, response = render(self.messages(index), self._template)
+    return {"prompt": prompt, "response": response}
+
+
+def make_chat_source(data_cfg: DataConfig, seed: int, split: str):
+  """The conversations of `split`: JSONL records, or the embedded arithmetic."""
+  if data_cfg.source == "arithmetic":
+    return ArithmeticChatSource(seed, split, data_cfg.chat_template)
+  return ChatSource(split_path(data_cfg, split), data_cfg.chat_template)
 
 
 def align(pad_id: int, block_size: int, seq_len: int,

@@ -85,7 +85,7 @@ def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size
   if is_tokens:  # tokenized once by mode=prepare: its documents are ids already
     source = TokenSource(split_path(data_cfg, split), data_cfg, tokenizer)
   elif is_chat:
-    source = chat.ChatSource(split_path(data_cfg, split), data_cfg.chat_template)
+    source = chat.make_chat_source(data_cfg, seed, split)
   else:
     source = make_source(data_cfg, seed, split)
   docs = grain.MapDataset.source(source)

@@ -55,6 +55,8 @@ def windowed(meta: RowMeta, window: int, block_size: int) -> RowMeta:
   A noisy query of block b sees its own block and the clean keys at [bB - (W-1), bB); a clean
   query at p sees clean keys of blocks <= its own with p - pos(k) < W. Both are `pos(k) >= lo`
   on top of the global rules (a noisy query's own-block keys are never before bB).
+  `block_size` is the positions per unit of `block`: B where blocks are numbered, 1 where a
+  noisy row's block is its first position (objectives with BLOCK_IDS = "position").
   """
   start = jnp.where(meta.stream == NOISY, meta.block * block_size, meta.pos)
   return meta._replace(lo=start - (window - 1))

@@ -406,12 +406,19 @@ class Transformer(LayerStack):
     JAX would hoist everything computed from them alone out of it, including the attention
     mask of every key chunk (and ring step) at once, O(rows^2) bytes.
     """
+    return self.over_layers(self.embed_tokens(tokens_BR), pos_BR, meta, attend, layer_weights,
+                            row_weight_BR, dispatch, rows)
+
+  def over_layers(self, x_BRD, pos_BR, meta: RowMeta, attend: AttendFn, layer_weights=None,
+                  row_weight_BR=None, dispatch=None, rows: RowsFn = in_parts):
+    """`forward` from the first layer's input `x_BRD` (embeddings a caller changed: a
+    canvas's self-conditioning)."""
     def layer(block, carry, kind):
       x_BRD, pos_BR, meta, row_weight_BR = carry
       x_BRD, stats = block(x_BRD, pos_BR, meta, attend, kind, row_weight_BR, dispatch, rows)
       return (x_BRD, pos_BR, meta, row_weight_BR), stats
 
-    carry = (self.embed_tokens(tokens_BR), pos_BR, meta, row_weight_BR)
+    carry = (x_BRD, pos_BR, meta, row_weight_BR)
     (x_BRD, *_), stats = self.scan_layers(layer, carry, remat=self.cfg.remat,
                                           layer_weights=layer_weights)
     return self.final_norm(x_BRD), stats
@@ -452,17 +459,10 @@ class Transformer(LayerStack):
       x_BRD = x_BRD * jnp.asarray(self.cfg.d_model ** 0.5, jnp.float32).astype(x_BRD.dtype)
     return x_BRD
 
-  def self_condition(self, x_BRD, logits_BRV, on_B=None) -> jax.Array:
-    """A canvas's input embeddings `x` conditioned on the previous denoising step's logits
-    (`model.self_conditioning`): their softmax's expected embedding (scaled as `embed_tokens`
-    scales), zeroed for sequences where `on_B` is False, through `SelfConditioning`."""
-    embedding = self.embed.embedding[...]
-    probs_BRV = jax.nn.softmax(logits_BRV.astype(jnp.float32), axis=-1).astype(embedding.dtype)
-    soft_BRD = (probs_BRV @ embedding).astype(x_BRD.dtype)
-    if self.cfg.scale_embeddings:
-      soft_BRD = soft_BRD * jnp.asarray(self.cfg.d_model ** 0.5, jnp.float32).astype(x_BRD.dtype)
-    if on_B is not None:
-      soft_BRD = soft_BRD * on_B[:, None, None].astype(soft_BRD.dtype)
+  def self_condition(self, x_BRD, soft_BRD) -> jax.Array:
+    """A canvas's input embeddings `x` conditioned on soft embeddings (`expected_embedding`
+    of the previous denoising step's logits; zeros at the first step) through
+    `SelfConditioning` (`model.self_conditioning`)."""
     return self.self_conditioning(x_BRD, soft_BRD)
 
   @property
@@ -473,6 +473,19 @@ class Transformer(LayerStack):
   def logits(self, h_BRD) -> jax.Array:
     """Float32 logits [B, R, vocab]."""
     return head_logits(self.head, h_BRD, self.cfg.logit_softcap)
+
+
+def expected_embedding(embed: nnx.Embed, logits_BRV, scale: bool) -> jax.Array:
+  """The softmax of `logits` times the embedding table [B, R, D], scaled by sqrt(d_model)
+  as `embed_tokens` scales (`scale`): what DiffusionGemma's decoder makes of its
+  `self_conditioning_logits` (the softmax in float32, the product in the table's dtype)."""
+  table_VD = embed.embedding[...]
+  probs_BRV = jax.nn.softmax(logits_BRV.astype(jnp.float32), axis=-1).astype(table_VD.dtype)
+  soft_BRD = probs_BRV @ table_VD
+  if scale:
+    soft_BRD = soft_BRD * jnp.asarray(table_VD.shape[1] ** 0.5, jnp.float32).astype(
+        soft_BRD.dtype)
+  return soft_BRD
 
 
 def head_logits(head: nnx.Module, h_BRD, softcap: float) -> jax.Array:

@@ -3,7 +3,7 @@ their one registry, keyed by `objective.name`."""
 
 from bdlm_jax.config import Config
 from bdlm_jax.errors import ConfigError
-from bdlm_jax.objectives import ar, bd3lm, dflash, fast_dllm_v2
+from bdlm_jax.objectives import ar, bd3lm, dflash, diffusiongemma, fast_dllm_v2
 from bdlm_jax.objectives.base import Objective, protocol_members
 
 OBJECTIVES: dict[str, Objective] = {}
@@ -41,5 +41,5 @@ def reserved_mask_id(cfg: Config) -> int | None:
   return cfg.objective.mask_token_id if get_objective(cfg.objective.name).MASK_TOKEN else None
 
 
-for _module in (bd3lm, fast_dllm_v2, ar, dflash):
+for _module in (bd3lm, fast_dllm_v2, ar, dflash, diffusiongemma):
   register(_module)

@@ -5,7 +5,7 @@ import numpy as np
 
 from bdlm_jax.config import Config, ObjectiveConfig
 from bdlm_jax.objectives.bd3lm import token_nll
-from bdlm_jax.objectives.base import model_hidden
+from bdlm_jax.objectives.base import count_labels, model_hidden, no_first_pass
 from bdlm_jax.objectives.streams import logical_stream
 
 NAME = "ar"
@@ -13,11 +13,15 @@ LOSS_SLOT = "clean"
 NOISY_STREAM = False
 COPIES = 1
 DRAFTER = False
+SAMPLER = "ar"
+BLOCK_IDS = "index"  # (blocks of one token)
 TOKEN_SHIFT = False  # (the sampler decodes an ar model token by token)
 MASK_TOKEN = False
 FROZEN = ()
 ATTEND_ROWS = ("all",)
 hidden = model_hidden
+normalizer = count_labels
+first_passes = no_first_pass
 
 
 def check_config(cfg: Config) -> None:
@@ -45,9 +49,9 @@ def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
   return rows
 
 
-def corrupt(key, batch, seq_len: int, cfg: ObjectiveConfig):
+def corrupt(key, batch, cfg: Config):
   """Nothing is corrupted: every clean row with a label is scored, with weight 1."""
-  del key, seq_len, cfg
+  del key, cfg
   scored = batch.labels >= 0
   return batch, batch.tokens, scored, jnp.ones(scored.shape)
 

@@ -10,6 +10,7 @@ read from an objective, so that none of them branches on its name.
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 
 from bdlm_jax.config import Config, ObjectiveConfig
 from bdlm_jax.errors import ConfigError
@@ -27,6 +28,13 @@ class Objective(Protocol):
   # clean stream the target's context, and params are {FROZEN: target, ...: drafter}
   DRAFTER: bool
   FROZEN: tuple[str, ...]  # top-level parameter subtrees that get no gradient
+  # What a row's `block` holds: "index" (block b's rows hold b; clean rows attend within
+  # their block too) or "position" (a noisy row holds its block's first position, a clean
+  # row its own: the clean stream is causal, token by token)
+  BLOCK_IDS: str
+  # How `sample` generates: "mask" ([MASK] blocks revealed step by step), "canvas" (canvases
+  # of uniform tokens denoised and re-noised), "ar" (token by token), "" (not alone)
+  SAMPLER: str
   ATTEND_ROWS: tuple[str, ...]  # the `make_attend(rows=...)` variants `hidden` uses
 
   def check_config(self, cfg: Config) -> None:
@@ -38,8 +46,18 @@ class Objective(Protocol):
   def logical_rows(self, tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
     """Host side: the logical rows (labels, maskable, ...) that `make_batch` lays out."""
 
-  def corrupt(self, key, batch, seq_len: int, cfg: ObjectiveConfig) -> tuple:
-    """In the step: (batch, inputs, scored, weight); an objective may add copies."""
+  def corrupt(self, key, batch, cfg: Config) -> tuple:
+    """In the step: (batch, inputs, scored, weight); an objective may add copies. `inputs`
+    is whatever its `hidden` reads (the rows' input tokens, for most)."""
+
+  def normalizer(self, batch) -> jax.Array:
+    """What the step's summed score is divided by, read from the batch before `corrupt`:
+    its labelled rows for a per-token mean (`count_labels`), 1 where the weights `corrupt`
+    gives already normalise the loss."""
+
+  def first_passes(self, cfg: Config) -> int:
+    """Forward passes over every row that a step runs without gradient before the one it
+    differentiates (what the step report adds to the attention traffic)."""
 
   def hidden(self, spec, model, batch, inputs, layer_weights) -> tuple[Any, tuple, dict]:
     """(final hidden states of the LOSS_SLOT rows, teacher hidden states scored with them,
@@ -52,6 +70,17 @@ def protocol_members() -> tuple[str, ...]:
   """The names an objective must define."""
   methods = [n for n, v in vars(Objective).items() if callable(v) and not n.startswith("_")]
   return tuple(dict.fromkeys([*Objective.__annotations__, *methods]))
+
+
+def no_first_pass(cfg: Config) -> int:
+  """`first_passes` of an objective that runs the model once."""
+  del cfg
+  return 0
+
+
+def count_labels(batch) -> jax.Array:
+  """The rows with a label (at least 1): the `normalizer` of a per-token mean."""
+  return jnp.maximum(jnp.sum(batch.labels >= 0), 1)
 
 
 def model_hidden(spec, model, batch, inputs, layer_weights):

@@ -6,7 +6,7 @@ import numpy as np
 
 from bdlm_jax.config import Config, ObjectiveConfig
 from bdlm_jax.kernels.mask import NOISY
-from bdlm_jax.objectives.base import check_block_size, model_hidden
+from bdlm_jax.objectives.base import check_block_size, count_labels, model_hidden, no_first_pass
 from bdlm_jax.objectives.streams import logical_stream
 
 NAME = "bd3lm"
@@ -14,11 +14,15 @@ LOSS_SLOT = "noisy"  # logits are computed only for the noisy rows
 NOISY_STREAM = True
 COPIES = 1
 DRAFTER = False
+SAMPLER = "mask"
+BLOCK_IDS = "index"
 TOKEN_SHIFT = False
 MASK_TOKEN = True
 FROZEN = ()
 ATTEND_ROWS = ("all",)
 hidden = model_hidden
+normalizer = count_labels
+first_passes = no_first_pass
 
 
 def check_config(cfg: Config) -> None:
@@ -56,19 +60,20 @@ def draw_noise(key, num_seqs: int, seq_len: int, cfg: ObjectiveConfig):
   return t_SN, jax.random.uniform(k_u, (num_seqs, seq_len))
 
 
-def corrupt(key, batch, seq_len: int, cfg: ObjectiveConfig):
+def corrupt(key, batch, cfg: Config):
   """Masks rows in *logical* coordinates, so every layout sees the same corruption.
 
   t is drawn per (sequence, block) and a uniform per (sequence, position); each row reads
   its own values through its position and block. Returns (batch, inputs, masked, weight)
   per row; a masked row is scored with weight w(t).
   """
-  t_SN, u_SL = draw_noise(key, batch.tokens.shape[0], seq_len, cfg)
+  o = cfg.objective
+  t_SN, u_SL = draw_noise(key, batch.tokens.shape[0], cfg.data.seq_len, o)
   t_row = jnp.take_along_axis(t_SN, batch.block, axis=1)
   u_row = jnp.take_along_axis(u_SL, batch.pos, axis=1)
   masked = batch.maskable & (u_row < t_row)
-  inputs = jnp.where(masked, cfg.mask_token_id, batch.tokens)
-  weight = 1.0 / t_row if cfg.loss_weight == "inv_t" else jnp.ones_like(t_row)
+  inputs = jnp.where(masked, o.mask_token_id, batch.tokens)
+  weight = 1.0 / t_row if o.loss_weight == "inv_t" else jnp.ones_like(t_row)
   return batch, inputs, masked, weight
 
 

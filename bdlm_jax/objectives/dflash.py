@@ -31,6 +31,7 @@ from bdlm_jax.kernels.mask import CLEAN, NOISY
 from bdlm_jax.models import drafter as drafter_lib
 from bdlm_jax.models.drafter import drafter_model, target_depth, target_layer_ids
 from bdlm_jax.models.pattern import layer_types
+from bdlm_jax.objectives.base import count_labels, no_first_pass
 from bdlm_jax.objectives.bd3lm import token_nll
 
 NAME = "dflash"
@@ -39,9 +40,13 @@ NOISY_STREAM = True
 COPIES = 1
 TOKEN_SHIFT = False
 DRAFTER = True  # a drafter over a frozen target (models/drafter.py)
+SAMPLER = ""
+BLOCK_IDS = "position"  # a draft block holds its anchor
 MASK_TOKEN = True
 FROZEN = (drafter_lib.FROZEN,)  # the target
 ATTEND_ROWS = ("clean", "draft")  # the target over the context; the drafter's draft rows
+normalizer = count_labels
+first_passes = no_first_pass
 
 
 def check_config(cfg: Config) -> None:
@@ -171,13 +176,14 @@ def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
       dtypes.get(name, np.int32)) for name in draft}
 
 
-def corrupt(key, batch, seq_len: int, cfg: ObjectiveConfig):
+def corrupt(key, batch, cfg: Config):
   """Nothing random: every draft slot but the anchor is [MASK]; slot k = pos - block of a
   scored row has weight exp(-(k-1)/gamma)."""
-  del key, seq_len
-  inputs = jnp.where(batch.maskable, cfg.mask_token_id, batch.tokens)
+  del key
+  o = cfg.objective
+  inputs = jnp.where(batch.maskable, o.mask_token_id, batch.tokens)
   slot = (batch.pos - batch.block).astype(jnp.float32)
-  return batch, inputs, batch.labels >= 0, jnp.exp(-(slot - 1.0) / cfg.gamma)
+  return batch, inputs, batch.labels >= 0, jnp.exp(-(slot - 1.0) / o.gamma)
 
 
 def score(logits_SNV, labels_SN, scored_SN, weight_SN, teacher_SNV=None, *, cfg=None):

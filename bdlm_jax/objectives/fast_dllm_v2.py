@@ -33,7 +33,7 @@ import numpy as np
 import bdlm_jax.objectives.bd3lm as bd3lm
 from bdlm_jax.config import Config, ObjectiveConfig
 from bdlm_jax.objectives.bd3lm import draw_noise
-from bdlm_jax.objectives.base import check_block_size, model_hidden
+from bdlm_jax.objectives.base import check_block_size, count_labels, model_hidden, no_first_pass
 from bdlm_jax.objectives.streams import logical_stream
 
 NAME = "fast_dllm_v2"
@@ -41,11 +41,15 @@ LOSS_SLOT = "all"  # noisy rows inside blocks, clean rows at the block ends
 NOISY_STREAM = True
 COPIES = 2  # complementary masks
 DRAFTER = False
+SAMPLER = "mask"
+BLOCK_IDS = "index"
 TOKEN_SHIFT = True
 MASK_TOKEN = True
 FROZEN = ()
 ATTEND_ROWS = ("all",)
 hidden = model_hidden
+normalizer = count_labels
+first_passes = no_first_pass
 
 
 def check_config(cfg: Config) -> None:
@@ -89,7 +93,7 @@ def _interleave(a_SR, b_SR):
   return jnp.stack([a_SR, b_SR], axis=1).reshape(-1, *a_SR.shape[1:])
 
 
-def corrupt(key, batch, seq_len: int, cfg: ObjectiveConfig):
+def corrupt(key, batch, cfg: Config):
   """Both complementary copies: (batch2, inputs, scored, weight), each with 2S sequences;
   every weight is 1.
 
@@ -98,14 +102,15 @@ def corrupt(key, batch, seq_len: int, cfg: ObjectiveConfig):
   (copy 2); its logit is scored when position pos+1 does, for rows that have a label
   (a clean row's logit is the same in both copies: it is scored in one).
   """
-  t_SN, u_SL = draw_noise(key, batch.tokens.shape[0], seq_len, cfg)
-  hit_SL = u_SL < jnp.repeat(t_SN, cfg.block_size, axis=1)
+  o, seq_len = cfg.objective, cfg.data.seq_len
+  t_SN, u_SL = draw_noise(key, batch.tokens.shape[0], seq_len, o)
+  hit_SL = u_SL < jnp.repeat(t_SN, o.block_size, axis=1)
   hit_here = jnp.take_along_axis(hit_SL, batch.pos, axis=1)
   nxt = jnp.minimum(batch.pos + 1, seq_len - 1)
   hit_next = jnp.take_along_axis(hit_SL, nxt, axis=1)
   has_label = batch.labels >= 0
   masked = _interleave(batch.maskable & hit_here, batch.maskable & ~hit_here)
-  inputs = jnp.where(masked, cfg.mask_token_id, _interleave(batch.tokens, batch.tokens))
+  inputs = jnp.where(masked, o.mask_token_id, _interleave(batch.tokens, batch.tokens))
   scored = _interleave(has_label & hit_next, has_label & ~hit_next)
   batch2 = jax.tree.map(lambda x: _interleave(x, x), batch)
   return batch2, inputs, scored, jnp.ones(scored.shape)

@@ -19,6 +19,7 @@ adding a builder (or reusing one) and a record, and the model and the objective 
 import dataclasses
 import functools
 
+import jax.numpy as jnp
 import numpy as np
 
 from bdlm_jax.errors import ConfigError
@@ -144,6 +145,16 @@ class LayoutPlan:
     x = x_SR.reshape(s, self.num_ranks, self.rows_per_rank, *x_SR.shape[2:])
     x = x[:, :, :self.n_noisy] if slot == "noisy" else x[:, :, self.n_noisy:]
     return x.reshape(s, -1, *x_SR.shape[2:])
+
+  def with_slot(self, x_SR, slot_rows, slot: str):
+    """`x_SR` with the rows of every rank's noisy (or clean) slot replaced by `slot_rows`
+    ([S, P * slot rows, ...], as `slot_rows` gives them)."""
+    s, rest = x_SR.shape[0], x_SR.shape[2:]
+    x = x_SR.reshape(s, self.num_ranks, self.rows_per_rank, *rest)
+    new = slot_rows.reshape(s, self.num_ranks, -1, *rest)
+    x = jnp.concatenate([new, x[:, :, self.n_noisy:]] if slot == "noisy" else
+                        [x[:, :, :self.n_noisy], new], axis=2)
+    return x.reshape(s, -1, *rest)
 
   def valid_rows(self) -> np.ndarray:
     """int64 [P]: non-padding rows held by each rank (what activation memory scales with)."""

@@ -19,6 +19,7 @@ from bdlm_jax.config import Config
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.kernels import get_kernel, with_windows
 from bdlm_jax.kernels.mask import RowMeta, as_keys
+from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel.allgather import allgather_attend
 from bdlm_jax.parallel.layout import LayoutPlan
 from bdlm_jax.parallel.mesh import BATCH_AXES
@@ -67,13 +68,15 @@ def window_transport(plan: LayoutPlan, window: int) -> str:
   return "exchange" if exchange_for(plan, window).rows_sent() < travelling else transport
 
 
-def _windowed_attend(plan: LayoutPlan, global_body, kernel, chunk: int, window: int):
-  """The attention body of a local layer of window W."""
+def _windowed_attend(plan: LayoutPlan, global_body, kernel, chunk: int, window: int,
+                     block_unit: int):
+  """The attention body of a local layer of window W (`block_unit`: positions per unit of a
+  row's `block`, see `windowed`)."""
   if window_transport(plan, window) == "exchange":
     return functools.partial(exchange_attend, kernel, "seq", exchange_for(plan, window),
-                             plan.n_stay, chunk, window, plan.block_size)
+                             plan.n_stay, chunk, window, block_unit)
 
-  return functools.partial(with_windows(global_body, plan.block_size), window=window)
+  return functools.partial(with_windows(global_body, block_unit), window=window)
 
 
 def make_attend(cfg: Config, mesh=None, rows: str = "all", plan: LayoutPlan | None = None):
@@ -102,13 +105,14 @@ def make_attend(cfg: Config, mesh=None, rows: str = "all", plan: LayoutPlan | No
   if rows == "draft":
     return _draft_attend(cfg, mesh, global_body)
   bodies = {None: _sharded(cfg, mesh, global_body, n_kv=1)}
+  block_unit = plan.block_size if get_objective(cfg.objective.name).BLOCK_IDS == "index" else 1
 
   def attend(q, k, v, q_meta, k_meta, window=None):
     if window is not None and rows != "all":  # the windowed exchange plans whole layouts
       raise ValueError(f"local layers over {rows!r} rows are not supported")
     if window not in bodies:
       bodies[window] = _sharded(cfg, mesh, _windowed_attend(plan, global_body, kernel, chunk,
-                                                            window), n_kv=1)
+                                                            window, block_unit), n_kv=1)
     with jax.named_scope(ATTENTION_SCOPE):
       return bodies[window](q, k, v, q_meta, k_meta)
 

@@ -110,6 +110,20 @@ def test_csbp_sends_half_the_attention_bytes_of_cp():
   assert sum(sr.config_attention_traffic(config("bp")).values()) == 0
 
 
+def test_self_conditioning_pass_moves_only_clean_kv_in_its_own_shape():
+  """diffusiongemma's self-conditioning runs a forward without gradient before the one it
+  differentiates: under csbp_ring it sends each rank's clean K/V around the ring once more,
+  forward only, and nothing else. The layers' K/V have the global shape (head dim 32, two
+  K/V heads: 512 bytes a row in float32)."""
+  cfg = config(model=dict(TINY, self_conditioning=True, global_head_dim=32),
+               objective=dict(name="diffusiongemma", block_size=B))
+  rows, kv, meta = 16, 2 * 2 * 32 * 4, sr.META_ROW_BYTES
+  layer = (2 + 1) * 7 * rows * (kv + meta) + 8 * rows * kv
+  assert sr.config_attention_traffic(cfg)["collective-permute"] == 2 * layer
+  compiled = sr.step_report(cfg).attention_collective_bytes
+  assert compiled["collective-permute"] == sum(compiled.values()) == 2 * layer
+
+
 def test_state_arguments_shrink_as_the_seq_axis_grows():
   """Parameters and optimiser moments are sharded over fsdp*seq: 4x the ranks, ~1/4 the state
   (vectors stay replicated)."""

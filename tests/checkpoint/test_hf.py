@@ -20,7 +20,7 @@ from bdlm_jax.checkpoint.hf_import import import_hf, params_from_hf
 from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
 from bdlm_jax.errors import ConfigError
-from bdlm_jax.loss import ar_logits
+from bdlm_jax.loss import ar_logits, canvas_logits
 from bdlm_jax.models.transformer import layer_slots
 from bdlm_jax.params import abstract_params, init_params
 from bdlm_jax.parallel.mesh import make_mesh
@@ -544,6 +544,8 @@ def test_gemma4_import_gives_the_logits_of_transformers(gemma4_model):
   assert (m.global_partial_rotary_factor, m.rope_theta, m.rope_local_theta) == (0.25, 1e6, 1e4)
   assert (m.moe_experts, m.moe_top_k, m.moe_d_ff, m.self_conditioning) == (4, 2, 16, diffusion)
   assert m.vocab_size == 64 + (not diffusion)
+  if diffusion:  # its own objective, on canvases of the folder's canvas_length
+    assert (cfg.objective.name, cfg.objective.block_size) == ("diffusiongemma", 256)
   assert params["global_layers"]["attn"]["k_proj"]["kernel"].shape == (2, 32, 16)
   assert "v_proj" not in params["global_layers"]["attn"]
   err = np.abs(jax_logits(params, cfg, gemma4_model.tokens)[..., :64] - gemma4_model.logits).max()
@@ -578,25 +580,26 @@ def test_gemma4_export_loads_as_the_same_class_and_round_trips(gemma4_model, tmp
 
 
 @pytest.mark.parametrize("gemma4_model", ["diffusion_gemma"], indirect=True)
-def test_self_conditioning_equals_diffusion_gemma_s(gemma4_model):
-  """`Transformer.self_condition`: a canvas's embeddings conditioned on logits, with one
-  sequence switched off, as `DiffusionGemmaDecoderModel` computes them."""
+def test_canvas_logits_equal_diffusion_gemma_s(gemma4_model):
+  """`canvas_logits` against `DiffusionGemmaForBlockDiffusion(input_ids=prompt,
+  decoder_input_ids=canvas, self_conditioning_logits=...)`: the first denoising step (no
+  logits) and a later one (logits given); a prompt of 13 tokens (not whole blocks) and longer
+  than the window, so that the canvas's local layers see only its last window - 1 tokens."""
   import torch
-  from bdlm_jax.params import merge
   cfg, params = import_hf(gemma4_model.folder)
-  model = merge(cfg, params)
   rng = np.random.default_rng(5)
-  tokens, logits = rng.integers(0, 64, (2, 6)), 3 * rng.normal(size=(2, 6, 64)).astype(np.float32)
-  on = np.array([True, False])
-  x = model.embed_tokens(jnp.asarray(tokens))
-  got = np.asarray(model.self_condition(x, jnp.asarray(logits), jnp.asarray(on)))
-  decoder = gemma4_model.torch_model.model.decoder
-  with torch.no_grad():
-    embeds = decoder.embed_tokens(torch.as_tensor(tokens))
-    soft = (torch.as_tensor(logits).softmax(-1) @ decoder.embed_tokens.weight
-            * decoder.embed_tokens.embed_scale) * torch.as_tensor(on)[:, None, None]
-    want = decoder.self_conditioning(embeds, soft).numpy()
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  prompt, canvas = rng.integers(0, 64, (2, 13)), rng.integers(0, 64, (2, 8))
+  logits = 3 * rng.normal(size=(2, 8, 64)).astype(np.float32)
+  run = jax.jit(lambda p, *a: canvas_logits(p, cfg, prompt, canvas, *a))
+  for given in (None, logits):
+    got = np.asarray(run(params) if given is None else run(params, given))
+    with torch.no_grad():
+      want = gemma4_model.torch_model(
+          input_ids=torch.as_tensor(prompt), decoder_input_ids=torch.as_tensor(canvas),
+          self_conditioning_logits=None if given is None else torch.as_tensor(given)).logits
+    err = np.abs(got - want.numpy()).max()
+    assert err < TOL, f"self-conditioning logits {given is not None}: max abs error {err}"
+  assert np.abs(got - np.asarray(run(params))).max() > 1000 * TOL  # the logits matter
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,9 @@ from bdlm_jax import make_batch
 from bdlm_jax.config import Config, DataConfig
 from bdlm_jax.configure import replace
 from bdlm_jax.errors import ConfigError
-from bdlm_jax.data import ByteTokenizer, DataError, make_dataset
-from bdlm_jax.data.chat import ChatSource
+from bdlm_jax.data import ByteTokenizer, DataError, check_arithmetic, make_dataset
+from bdlm_jax.data.chat import ChatSource, prompt_text
+from bdlm_jax.evaluate import arithmetic_prompts
 from bdlm_jax.objectives import get_objective
 
 B, L = 4, 128
@@ -77,7 +78,7 @@ def test_prompt_tokens_are_never_masked_and_never_in_the_loss(chat_batch, object
   prompt = np.take_along_axis(chat_batch["protected"] | (chat_batch["segment_ids"] == 0),
                               noisy_pos, 1)
   assert not batch.maskable[:, :L][prompt].any()
-  _, inputs, _, _ = get_objective(objective).corrupt(jax.random.key(0), batch, L, cfg.objective)
+  _, inputs, _, _ = get_objective(objective).corrupt(jax.random.key(0), batch, cfg)
   inputs = np.asarray(inputs)  # [copies * S, R]
   masked = (inputs == cfg.objective.mask_token_id).reshape(len(prompt), -1, 2 * L)[..., :L]
   assert masked.any() and not (masked & prompt[:, None]).any()
@@ -98,6 +99,37 @@ def test_record_without_assistant_response_is_a_data_error_naming_file_and_line(
     make_dataset(_chat_cfg(first_bad), batch_size=2, seed=0, vocab_size=260, block_size=B)
 
 
-def test_chat_format_needs_jsonl():
+def test_chat_format_needs_jsonl_or_arithmetic():
   with pytest.raises(ConfigError, match="data.source=jsonl"):
-    replace(Config(), data=dict(format="chat", source="arithmetic"))
+    replace(Config(), data=dict(format="chat", source="text", path="corpus.txt"))
+
+
+def _conversations(batch):
+  """(prompt, response) text of every conversation of a batch."""
+  tok, found = ByteTokenizer(), []
+  for tokens, seg, protected in zip(batch["tokens"], batch["segment_ids"], batch["protected"]):
+    for s in np.unique(seg[seg > 0]):
+      found.append((tok.decode(tokens[(seg == s) & protected]),
+                    tok.decode(tokens[(seg == s) & ~protected], skip_special=False)))
+  return found
+
+
+def test_arithmetic_chat_protects_questions_and_holds_out_its_eval_split():
+  cfg = replace(Config(), data=dict(source="arithmetic", format="chat", seq_len=64))
+  train, held = (_conversations(next(make_dataset(cfg.data, batch_size=2, seed=0,
+                                                  vocab_size=260, block_size=B, split=split)))
+                 for split in ("train", "eval"))
+  for prompt, response in train + held:
+    assert prompt.startswith("User: ") and prompt.endswith("=\nAssistant: ")
+    assert response.endswith("<eos>")
+    question = prompt.removeprefix("User: ").removesuffix("\nAssistant: ")
+    assert check_arithmetic(question + response.removesuffix("<eos>")) == (1, 1)
+  assert len(train) >= 4 and set(train) != set(held)  # (single questions may recur)
+
+
+def test_arithmetic_chat_eval_prompts_are_questions_as_the_sampler_templates_them():
+  cfg = replace(Config(), data=dict(source="arithmetic", format="chat", chat_template="chatml"))
+  for prompt, answer in arithmetic_prompts(cfg, 20):
+    question = prompt.removeprefix("<|im_start|>user\n").split("<|im_end|>")[0]
+    assert prompt == prompt_text(question, "chatml")
+    assert check_arithmetic(question + answer) == (1, 1)

@@ -35,12 +35,10 @@ SCALED = {"layer_scalar": (0.5, 1.5), "expert_scale": (0.5, 1.5), "router_scale"
           "q_norm": (0.2, 0.5), "k_norm": (0.2, 0.5)}
 
 
-def _loss_and_grads(cfg, mesh):
-  """(loss, gradients) at parameters whose layer scalars, router and expert scales are far
-  from 1, and whose q/k norms are below 1 (Gemma 4 leaves attention logits unscaled: sharp
-  attention would amplify float32 rounding past the tolerance); the layer scalars'
-  gradients are checked to be zero and left out."""
-  batch = make_batch(cfg, *test_strategies._logical_batch())
+def drawn_params(cfg, mesh):
+  """Parameters whose layer scalars, router and expert scales are far from 1, and whose q/k
+  norms are below 1 (Gemma 4 leaves attention logits unscaled: sharp attention would amplify
+  float32 rounding past the tolerance)."""
   params = init_params(cfg, jax.random.key(0), mesh)
   key = iter(jax.random.split(jax.random.key(9), 64))
 
@@ -48,9 +46,16 @@ def _loss_and_grads(cfg, mesh):
     span = next((SCALED[k.key] for k in path if getattr(k, "key", None) in SCALED), None)
     return p if span is None else p * jax.random.uniform(next(key), p.shape, p.dtype, *span)
 
-  params = jax.tree_util.tree_map_with_path(draw, params)
+  return jax.tree_util.tree_map_with_path(draw, params)
+
+
+def loss_and_grads(cfg, mesh, logical=None):
+  """(loss, gradients) of `logical` (tokens, segments, protected; default the strategy
+  tests' batch) at `drawn_params`; the layer scalars' gradients are checked to be zero and
+  left out."""
+  batch = make_batch(cfg, *(logical or test_strategies._logical_batch()))
   step = jax.jit(jax.value_and_grad(lambda p, b, k: loss_fn(p, b, k, cfg, mesh), has_aux=True))
-  (loss, _), grads = step(params, batch, jax.random.key(7))
+  (loss, _), grads = step(drawn_params(cfg, mesh), batch, jax.random.key(7))
   grads = jax.tree.map(np.asarray, grads)
   for stack in ("layers", "global_layers"):
     assert not grads[stack].pop("layer_scalar").any()
@@ -59,7 +64,7 @@ def _loss_and_grads(cfg, mesh):
 
 @functools.cache
 def _one_device():
-  return _loss_and_grads(_cfg(), None)
+  return loss_and_grads(_cfg(), None)
 
 
 def test_global_layers_have_their_own_stacks_and_scan_like_a_loop():
@@ -80,14 +85,14 @@ def test_global_layers_have_their_own_stacks_and_scan_like_a_loop():
 
 def test_gemma4_features_equal_one_device_under_csbp_ring():
   cfg = _cfg("csbp_ring", seq=8)
-  test_strategies.assert_close(*_loss_and_grads(cfg, make_mesh(cfg)), *_one_device())
+  test_strategies.assert_close(*loss_and_grads(cfg, make_mesh(cfg)), *_one_device())
 
 
 def test_gemma4_features_equal_one_device_with_experts_split_remat_and_zero3():
   """cp_allgather over seq, ZeRO-3 over fsdp x seq, experts split over data x fsdp."""
   cfg = replace(_cfg("cp_allgather", data=2, fsdp=2, seq=2, expert_axes="data,fsdp",
                      moe_dispatch="all_gather"), model=dict(remat="full"))
-  test_strategies.assert_close(*_loss_and_grads(cfg, make_mesh(cfg)), *_one_device())
+  test_strategies.assert_close(*loss_and_grads(cfg, make_mesh(cfg)), *_one_device())
 
 
 @pytest.mark.parametrize("model, message", [

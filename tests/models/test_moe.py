@@ -270,8 +270,7 @@ def assert_scan_equals_layer_loop(cfg, params):
   """The model's scanned forward equals a plain loop over its layers, each read from its
   stack (`layer_slots`), on a corrupted `_logical_batch`; returns (inputs, router stats)."""
   batch = make_batch(cfg, *test_strategies._logical_batch())
-  batch, inputs, *_ = get_objective("bd3lm").corrupt(jax.random.key(1), batch,
-                                                       cfg.data.seq_len, cfg.objective)
+  batch, inputs, *_ = get_objective("bd3lm").corrupt(jax.random.key(1), batch, cfg)
   model, attend = merge(cfg, params), make_attend(cfg, None)
   hidden, stats = model.forward(inputs, batch.pos, batch.meta, attend)
   x = model.embed_tokens(inputs)

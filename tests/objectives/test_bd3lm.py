@@ -29,7 +29,7 @@ def test_realised_mask_rate_tracks_t():
   cfg = replace(Config(), data=dict(seq_len=4096), objective=dict(block_size=1024))
   tokens = np.random.default_rng(0).integers(0, 250, (8, 4096))
   batch = jax.tree.map(jnp.asarray, make_batch(cfg, tokens))
-  _, _, masked, weight = bd3lm.corrupt(jax.random.key(1), batch, 4096, cfg.objective)
+  _, _, masked, weight = bd3lm.corrupt(jax.random.key(1), batch, cfg)
   noisy = np.asarray(batch.stream) == NOISY
   t_row = 1.0 / np.asarray(weight)
   for s in range(8):
@@ -47,7 +47,7 @@ def test_protected_padding_and_clean_rows_are_never_masked():
   seg[:, 50:] = 0
   protected = rng.random((3, 64)) < 0.3
   batch = jax.tree.map(jnp.asarray, make_batch(cfg, tokens, seg, protected))
-  _, _, masked, _ = bd3lm.corrupt(jax.random.key(3), batch, 64, cfg.objective)
+  _, _, masked, _ = bd3lm.corrupt(jax.random.key(3), batch, cfg)
   masked = np.asarray(masked)
   noisy = np.asarray(batch.stream) == NOISY
   expect = noisy & ~np.concatenate([protected, protected], 1) & (np.asarray(batch.seg) > 0)
@@ -60,7 +60,7 @@ def test_corruption_is_the_same_under_every_layout():
   for strategy, seq in (("none", 1), ("cp_ring", 8), ("bp", 8), ("csbp_ring", 8)):
     cfg = replace(_cfg(), parallel=dict(strategy=strategy, seq=seq))
     batch = jax.tree.map(jnp.asarray, make_batch(cfg, tokens))
-    _, _, masked, _ = bd3lm.corrupt(jax.random.key(5), batch, 64, cfg.objective)
+    _, _, masked, _ = bd3lm.corrupt(jax.random.key(5), batch, cfg)
     rows = np.asarray(masked) & (np.asarray(batch.stream) == NOISY)
     masked_positions[strategy] = {(s, int(p)) for s, p in zip(*np.nonzero(rows))
                                   for p in [np.asarray(batch.pos)[s, p]]}

@@ -41,7 +41,7 @@ def test_complementary_masks_supervise_each_token_exactly_once():
   tokens, seg, protected = _packed_sft_batch(32)
   batch = make_batch(cfg, tokens, seg, protected)
   batch2, inputs, scored, _ = jax.jit(
-      lambda k: fast_dllm_v2.corrupt(k, batch, 32, cfg.objective))(jax.random.key(3))
+      lambda k: fast_dllm_v2.corrupt(k, batch, cfg))(jax.random.key(3))
   inputs = np.asarray(inputs).reshape(4, 2, 64)[..., :32]  # noisy rows = positions (none)
   scored = np.asarray(scored).reshape(4, 2, 64)[..., :32]
   masked = inputs == MASK
@@ -65,7 +65,7 @@ def test_logit_at_i_is_scored_against_token_i_plus_1():
   np.testing.assert_array_equal(batch.labels[0, :8], [-1, 12, 13, -1, 15, -1, -1, -1])
   np.testing.assert_array_equal(batch.labels[0, 8:], [-1, -1, -1, 14, -1, -1, -1, -1])
   key = jax.random.key(0)
-  _, inputs, scored, _ = fast_dllm_v2.corrupt(key, batch, 8, cfg.objective)
+  _, inputs, scored, _ = fast_dllm_v2.corrupt(key, batch, cfg)
   np.testing.assert_array_equal(inputs[0, :8], [10, 11, MASK, MASK, MASK, MASK, 16, 17])
   np.testing.assert_array_equal(inputs[1], batch.tokens[0])  # the complement masks nothing
   assert not np.asarray(scored[1]).any()
@@ -105,7 +105,7 @@ def test_a_blocks_first_token_is_scored_on_the_clean_row_that_sampling_uses():
       merge(cfg, p)(inputs, b.pos, b.meta, make_attend(cfg))))
   row3 = np.asarray(model_logits(params, batch.tokens, batch))[0, 8 + 3]  # nothing masked
   for seed in range(3):
-    batch2, inputs, _, _ = fast_dllm_v2.corrupt(jax.random.key(seed), batch, 8, cfg.objective)
+    batch2, inputs, _, _ = fast_dllm_v2.corrupt(jax.random.key(seed), batch, cfg)
     assert (np.asarray(inputs)[:, :4] == MASK).any()  # block 0 is partly masked
     np.testing.assert_allclose(model_logits(params, inputs, batch2)[:, 8 + 3],
                                np.stack([row3] * 2), rtol=1e-5, atol=1e-6)
