@@ -235,8 +235,8 @@ def test_bad_canvas_options_are_config_errors_naming_the_key(section, message):
 
 def test_sample_generates_canvases_deterministically_and_stops_after_eos():
   """A Gemma 4-shaped model of ours with self-conditioning (its global layers' K/V need no
-  cache: canvases recompute the context, so sample.use_cache=true is no error); 10 tokens
-  are 3 canvases of 4, cut to 10. Stopping at a token it generates gives the same tokens up
+  cache: canvases recompute the context, so sample.use_cache=true is no error); 6 tokens
+  are 2 canvases of 4, cut to 6. Stopping at a token it generates gives the same tokens up
   to and including its first occurrence."""
   cfg = replace(Config(), model={**dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
                                         d_ff=64), **GEMMA4, "self_conditioning": True},
@@ -244,12 +244,12 @@ def test_sample_generates_canvases_deterministically_and_stops_after_eos():
                 sample=dict(denoising_steps=6))
   params = init_params(cfg, jax.random.key(0))
   prompt = list(b"12+7=")
-  free = sample(params, cfg, prompt, jax.random.key(1), max_new_tokens=10, eos_id=-1)
-  assert free.shape == (10,) and free.dtype == np.int32
+  free = sample(params, cfg, prompt, jax.random.key(1), max_new_tokens=6, eos_id=-1)
+  assert free.shape == (6,) and free.dtype == np.int32
   assert 0 <= free.min() and free.max() < cfg.model.vocab_size
   np.testing.assert_array_equal(sample(params, cfg, prompt, jax.random.key(1),
-                                       max_new_tokens=10, eos_id=-1), free)
+                                       max_new_tokens=6, eos_id=-1), free)
   eos = int(free[5])
   first = list(free).index(eos)
-  stopped = sample(params, cfg, prompt, jax.random.key(1), max_new_tokens=10, eos_id=eos)
+  stopped = sample(params, cfg, prompt, jax.random.key(1), max_new_tokens=6, eos_id=eos)
   np.testing.assert_array_equal(stopped, free[:first + 1])

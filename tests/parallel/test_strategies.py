@@ -86,9 +86,13 @@ def test_balanced_cp_ring_equals_single_device_on_seq8():
   _assert_matches_reference(cfg, make_mesh(cfg))
 
 
-@pytest.mark.parametrize("strategy", SEQ_STRATEGIES + ["cp_ring_balanced"])
-@pytest.mark.parametrize("mesh_shape", [dict(data=2, seq=4), dict(data=2, fsdp=2, seq=2)],
-                         ids=["data2_seq4", "data2_fsdp2_seq2"])
+COMPOSED = [(s, dict(data=2, seq=4)) for s in SEQ_STRATEGIES + ["cp_ring_balanced"]] + [
+    (s, dict(data=2, fsdp=2, seq=2)) for s in ("cp_ring", "bp", "csbp_ring")]
+
+
+@pytest.mark.parametrize("strategy, mesh_shape", COMPOSED,
+                         ids=[f"{s}-{'_'.join(f'{k}{v}' for k, v in m.items())}"
+                              for s, m in COMPOSED])
 def test_loss_and_grads_equal_single_device_on_composed_meshes(strategy, mesh_shape):
   cfg = _cfg(strategy, BLOCKS["N=2P"], **mesh_shape)
   _assert_matches_reference(cfg, make_mesh(cfg))
