@@ -25,6 +25,15 @@ import pytest  # noqa: E402
 jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
 
 NOBODY = 65534
+# The longest files (minutes each) first: with `--dist loadfile` a file runs whole on one
+# worker, taken in collection order, and these two, collected last, would end the run alone.
+LONGEST_FIRST = ("test_readme.py", "test_sample.py")
+
+
+def pytest_collection_modifyitems(items):
+  rank = lambda item: next((i for i, name in enumerate(LONGEST_FIRST)
+                            if item.path.name == name), len(LONGEST_FIRST))
+  items.sort(key=rank)  # stable: each file keeps its own order
 
 
 @pytest.fixture

@@ -100,12 +100,17 @@ def _one_device():
   return test_gemma4.loss_and_grads(_cfg(), None, _sft_batch())
 
 
-@pytest.mark.parametrize("strategy, parallel", [
+STRATEGIES = [
     *[(s, dict(seq=8)) for s in ("cp_allgather", "cp_ring", "cp_ring_balanced", "bp",
                                   "csbp_allgather", "csbp_ring")],
     ("csbp_ring", dict(data=2, fsdp=2, seq=2, expert_axes="data,fsdp",
                        moe_dispatch="all_gather")),
-], ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}{v}" for k, v in x.items()))
+]
+
+
+@pytest.mark.parametrize(
+    "strategy, parallel", STRATEGIES,
+    ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}{v}" for k, v in x.items()))
 def test_every_strategy_equals_one_device(strategy, parallel):
   """Self-conditioning on every sequence (both passes run), router losses on; the composed
   mesh also splits the experts and shards the weights (ZeRO-3)."""
