@@ -85,13 +85,19 @@ def count_labels(batch) -> jax.Array:
 
 def model_hidden(spec, model, batch, inputs, layer_weights):
   """The model over every row of the layout, its LOSS_SLOT rows kept: the `hidden` of every
-  objective that trains the model itself. Router statistics count the plan's counted rows
-  (each logical row once, the same under every strategy) that are not padding."""
-  counted = (batch.seg > 0) & spec.plan.counted_rows[None]
-  hidden, stats = model.forward(inputs, batch.pos, batch.meta, spec.attend["all"],
-                                layer_weights=layer_weights, row_weight_BR=counted,
-                                dispatch=spec.dispatch, rows=spec.rows)
+  objective that trains the model itself on its input tokens."""
+  hidden, stats = over_layers(spec, model, batch, model.embed_tokens(inputs), layer_weights)
   return spec.plan.slot_rows(hidden, spec.objective.LOSS_SLOT), (), stats
+
+
+def over_layers(spec, model, batch, x_BRD, layer_weights):
+  """(final hidden states of every row, router statistics) from the first layer's input
+  `x_BRD`, with the step's attention, expert dispatch and row chunks. Router statistics count
+  the plan's counted rows (each logical row once, the same under every strategy) that are not
+  padding."""
+  counted = (batch.seg > 0) & spec.plan.counted_rows[None]
+  return model.over_layers(x_BRD, batch.pos, batch.meta, spec.attend["all"], layer_weights,
+                           counted, spec.dispatch, spec.rows)
 
 
 def check_block_size(cfg: Config) -> None:

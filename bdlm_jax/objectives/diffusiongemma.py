@@ -35,7 +35,7 @@ from bdlm_jax.errors import ConfigError
 from bdlm_jax.kernels.mask import CLEAN, NOISY
 from bdlm_jax.models.transformer import expected_embedding, head_logits
 from bdlm_jax.objectives import ar
-from bdlm_jax.objectives.base import check_block_size
+from bdlm_jax.objectives.base import check_block_size, over_layers
 from bdlm_jax.objectives.bd3lm import draw_noise
 from bdlm_jax.objectives.streams import logical_stream
 
@@ -133,12 +133,7 @@ def hidden(spec, model, batch, inputs, layer_weights):
   """The model over every row, its canvas rows self-conditioned (module docstring)."""
   tokens, conditioned_S = inputs
   plan = spec.plan
-  counted = (batch.seg > 0) & plan.counted_rows[None]
-
-  def run(x_BRD):
-    return model.over_layers(x_BRD, batch.pos, batch.meta, spec.attend["all"], layer_weights,
-                             counted, spec.dispatch, spec.rows)
-
+  run = lambda x_BRD: over_layers(spec, model, batch, x_BRD, layer_weights)
   x = model.embed_tokens(tokens)
   if not spec.cfg.model.self_conditioning:
     hidden_BRD, stats = run(x)
