@@ -27,7 +27,7 @@ MLP_TYPES = ("dense", "moe")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama, Qwen3), GeGLU (Gemma 3)
 MOE_DISPATCHES = ("ragged_all_to_all", "all_gather")  # parallel.moe_dispatch
 DTYPES = ("float32", "bfloat16")
-REMAT = ("none", "full", "offload")
+REMAT = ("none", "full", "offload", "offload_input")
 MODES = ("train", "eval", "sample", "export", "plan", "prepare")
 # "tokens": a folder of token ids written by mode=prepare (bdlm_jax/data/prepare.py).
 DATA_SOURCES = ("arithmetic", "text", "jsonl", "array_record", "tokens")
@@ -153,7 +153,9 @@ class ModelConfig(Section):
   compute_dtype: str = "float32"
   # "full": a layer keeps only its input and the attention core's output + LSE for the
   # backward, and recomputes projections, norms and the MLP; "offload": the same, kept in
-  # host memory; "none" keeps everything.
+  # host memory; "offload_input": only the layer input, in host memory, the backward
+  # re-running the whole layer, attention and its K/V transport included; "none" keeps
+  # everything.
   remat: str = "none"
   # A layer's row-wise work (norms, q/k/v/o projections, RoPE, MLP or experts) in this many
   # chunks of each device's rows (the last one shorter if need be), each rematerialised: no

@@ -9,11 +9,17 @@ Recipes (RECIPES): configs/llama3_8b_bdlm_1m.py on 16 devices and, with parallel
 and configs/gemma3_27b_bdlm_256k.py on 16. Steps (STEPS), each adding one feature to the one
 before: remat=full and whole rows (the layer's saved residuals on the device, its row-wise work
 over all of a device's rows at once), then the saved residuals in host memory
-(model.remat=offload), then row chunks (the recipe's model.row_chunks). Attention always runs in
-its tiles (kernels/xla.py). Every compile runs in its own process (bdlm_jax.analysis.isolated);
-one that does not fit is a row with the compiler's refusal. The peak is the compiler's own where
-it reports one (XLA:TPU), else the every-buffer bound (XLA:CPU; docs/measuring.md). Writes
-memory_features[_cpu].{csv,md} under --out; a run replaces the rows it measures.
+(model.remat=offload), then row chunks (the recipe's model.row_chunks), then, where host memory
+runs out (8 devices at 1M), only the layer input in host memory (model.remat=offload_input).
+Attention always runs in its tiles (kernels/xla.py). Every compile runs in its own process
+(bdlm_jax.analysis.isolated); one that does not fit is a row with the compiler's refusal.
+
+Per device: *peak*, the compiler's own where it reports one (XLA:TPU), else the every-buffer
+bound (XLA:CPU), and with buffers in host memory the smaller of the two (XLA:TPU's peak then
+counts the host's: docs/measuring.md); *device peak*, with --breakdown, the device's high-water
+mark read from the compiler's buffer assignment (bdlm_jax.analysis.buffers; one compile with
+XLA's dumps). Writes memory_features[_cpu].{csv,md} under --out; a run replaces the rows it
+measures.
 """
 
 import argparse
@@ -22,7 +28,7 @@ import json
 import os
 import sys
 
-from bdlm_jax.analysis import isolated, step_report, targets
+from bdlm_jax.analysis import buffers, isolated, step_report, targets
 from bdlm_jax.configure import load_config
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.parallel.mesh import make_mesh
@@ -31,19 +37,25 @@ from bdlm_jax.parallel.registry import get_strategy, strategy_names
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
 GB = 1e9
-# name: (config file, overrides, its TPU topology, the per-device budget it must meet in GB)
+# name: (config file, overrides, its TPU topology, the per-device budget it must meet in GB,
+# its steps: indices into STEPS)
 RECIPES = {
-    "llama3-8b-1m-16": ("configs/llama3_8b_bdlm_1m.py", (), "tpu:v5p:2x2x4", 48),
-    "llama3-8b-1m-8": ("configs/llama3_8b_bdlm_1m.py", ("parallel.seq=8",), "tpu:v5p:2x2x2", 80),
-    "gemma3-27b-256k-16": ("configs/gemma3_27b_bdlm_256k.py", (), "tpu:v5p:2x2x4", 64),
+    "llama3-8b-1m-16": ("configs/llama3_8b_bdlm_1m.py", (), "tpu:v5p:2x2x4", 48, (0, 1, 2)),
+    "llama3-8b-1m-8": ("configs/llama3_8b_bdlm_1m.py", ("parallel.seq=8",), "tpu:v5p:2x2x2", 80,
+                       (2, 3)),
+    "gemma3-27b-256k-16": ("configs/gemma3_27b_bdlm_256k.py", (), "tpu:v5p:2x2x4", 64,
+                           (0, 1, 2)),
 }
 STEPS = (  # (what is on, overrides); model.row_chunks unset keeps the recipe's
     ("remat=full, whole rows", ("model.remat=full", "model.row_chunks=1")),
     ("+ residuals in host memory (remat=offload)", ("model.remat=offload", "model.row_chunks=1")),
     ("+ row chunks (the recipe's model.row_chunks)", ("model.remat=offload",)),
+    ("+ only the layer input in host memory (remat=offload_input)",
+     ("model.remat=offload_input",)),
 )
-FIELDS = ("recipe", "step", "strategy", "target", "devices", "peak_bytes", "bound_bytes",
-          "temp_bytes", "argument_bytes", "host_bytes", "compile_s", "error")
+FIELDS = ("recipe", "step", "strategy", "target", "devices", "peak_bytes", "device_peak_bytes",
+          "compiler_peak_bytes", "bound_bytes", "temp_bytes", "argument_bytes", "host_bytes",
+          "compile_s", "error")
 
 
 def default_strategies(recipe: str) -> list[str]:
@@ -53,7 +65,7 @@ def default_strategies(recipe: str) -> list[str]:
 
 
 def job_config(job: dict):
-  path, overrides, _, _ = RECIPES[job["recipe"]]
+  path, overrides, *_ = RECIPES[job["recipe"]]
   return load_config(os.path.join(ROOT, path), (*overrides, *job["overrides"],
                                                  f"parallel.strategy={job['strategy']}"))
 
@@ -61,8 +73,12 @@ def job_config(job: dict):
 def _worker(job: dict) -> None:
   try:
     cfg = job_config(job)
-    target = targets.resolve(job["target"], cfg.parallel.seq)
-    row = step_report.step_report(cfg, make_mesh(cfg, target.devices)).row()
+    mesh = make_mesh(cfg, targets.resolve(job["target"], cfg.parallel.seq).devices)
+    if job.get("breakdown"):
+      report, breakdown = buffers.step_breakdown(cfg, mesh)
+      row = dict(report.row(), device_peak_bytes=breakdown.device_bytes)
+    else:
+      row = step_report.step_report(cfg, mesh).row()
   except ConfigError as e:
     row = dict(error=str(e))
   except Exception as e:  # noqa: BLE001 (a step that does not fit is a finding)
@@ -84,32 +100,32 @@ def _gb(row: dict, key: str) -> str:
 
 def markdown(rows: list[dict], compiler: str) -> str:
   lines = [f"## Memory features at the long-context recipes ({compiler}, per device)", "",
-           "Each step adds one feature to the one above; *peak* is the compiler's own where it "
-           "reports one (XLA:TPU), else the every-buffer bound; *bound* = arguments + temp + "
-           "output - alias, the device's buffers (host ones reported apart); *host* is what "
-           "the step keeps in host memory (the offloaded residuals). Under `remat=offload` the "
-           "peak and the bound disagree both ways, and a peak above a v5p's 102.8 GB of HBM "
-           "still compiles (XLA:TPU's check is on temporaries): our reading is that the peak "
-           "then counts host-resident bytes too, so both bound the device's high-water mark "
-           "(docs/memory.md). Produced by `python experiments/memory_features.py` (see its "
-           "docstring).", ""]
-  for recipe, (path, overrides, _, budget) in RECIPES.items():
+           "Each step adds one feature to the one above. *bound* = arguments + temp + output - "
+           "alias: every device buffer live at once (host ones reported apart); *compiler's "
+           "peak*: XLA:TPU's peak_memory_in_bytes, which counts host-resident buffers too "
+           "(docs/measuring.md); *peak*: the compiler's where nothing is in host memory, else the "
+           "smaller of the two; *device peak*: the device's high-water mark from the compiler's "
+           "buffer assignment, where measured (`--breakdown`); *host*: what the step keeps in "
+           "host memory (the offloaded residuals). Produced by `python "
+           "experiments/memory_features.py` (see its docstring).", ""]
+  for recipe, (path, overrides, _, budget, _) in RECIPES.items():
     mine = [r for r in rows if r["recipe"] == recipe]
     if not mine:
       continue
     lines += [f"### {recipe}: `{path}`{''.join(' --set ' + o for o in overrides)} "
               f"(target <= {budget} GB)", "",
-              "| step | strategy | devices | peak GB | bound GB | temp GB | host GB | "
-              f"peak <= {budget} GB | bound <= {budget} GB |", "|---|---|---|---|---|---|---|---|---|"]
+              "| step | strategy | devices | peak GB | device peak GB | compiler's peak GB | "
+              f"bound GB | temp GB | host GB | peak <= {budget} GB |", "|" + "---|" * 10]
     for r in mine:
       if r.get("error"):
         lines.append(f"| {r['step']} | {r['strategy']} | {r['devices']} | "
-                     f"{r['error'][:160]} | | | | no | no |")
+                     f"{r['error'][:160]} | | | | | | no |")
         continue
-      fits = lambda key: "yes" if float(r[key]) <= budget * GB else "no"
+      fits = "yes" if float(r["peak_bytes"]) <= budget * GB else "no"
       lines.append(f"| {r['step']} | {r['strategy']} | {r['devices']} | {_gb(r, 'peak_bytes')} "
-                   f"| {_gb(r, 'bound_bytes')} | {_gb(r, 'temp_bytes')} | "
-                   f"{_gb(r, 'host_bytes')} | {fits('peak_bytes')} | {fits('bound_bytes')} |")
+                   f"| {_gb(r, 'device_peak_bytes') or '—'} | {_gb(r, 'compiler_peak_bytes')} | "
+                   f"{_gb(r, 'bound_bytes')} | {_gb(r, 'temp_bytes')} | {_gb(r, 'host_bytes')} | "
+                   f"{fits} |")
     lines.append("")
   return "\n".join(lines)
 
@@ -120,11 +136,14 @@ def main(argv=None):
   parser.add_argument("--strategies", nargs="+",
                       help="default: the recipe's own, then the first published baseline "
                            "with its transport (csbp_ring, then cp_ring)")
-  parser.add_argument("--steps", nargs="+", type=int, default=list(range(len(STEPS))),
-                      help="indices into STEPS; the other strategies run the last one only")
+  parser.add_argument("--steps", nargs="+", type=int,
+                      help="indices into STEPS (default: the recipe's own); the other "
+                           "strategies run the last one only")
   parser.add_argument("--target", default="tpu",
                       help="tpu (each recipe's TPU topology) or cpu (simulated devices)")
   parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per compile")
+  parser.add_argument("--breakdown", action="store_true",
+                      help="also the device's high-water mark from the buffer assignment")
   parser.add_argument("--out", default=RESULTS_DIR)
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -133,11 +152,12 @@ def main(argv=None):
   rows = []
   for recipe in args.recipes:
     target = RECIPES[recipe][2] if args.target == "tpu" else args.target
+    steps = args.steps or RECIPES[recipe][4]
     for i, strategy in enumerate(args.strategies or default_strategies(recipe)):
-      for s in args.steps if i == 0 else args.steps[-1:]:
+      for s in steps if i == 0 else steps[-1:]:
         label, overrides = STEPS[s]
         job = dict(recipe=recipe, step=label, strategy=strategy, target=target,
-                   overrides=list(overrides))
+                   overrides=list(overrides), breakdown=args.breakdown)
         rows.append(measure(job, args.timeout))
         r = rows[-1]
         print(f"{recipe} | {label} | {strategy}: "
@@ -148,7 +168,7 @@ def main(argv=None):
   earlier = []
   if os.path.exists(f"{name}.csv"):
     with open(f"{name}.csv") as f:
-      earlier = list(csv.DictReader(f))
+      earlier = [dict.fromkeys(FIELDS, "") | r for r in csv.DictReader(f)]
   fresh = {key(r) for r in rows}
   merged = [r for r in earlier if key(r) not in fresh] + rows
   order = {k: i for i, k in enumerate(RECIPES)}

@@ -338,6 +338,43 @@ def model_section(rows: list[dict], model: str, args, device_bytes: float) -> li
                  f"({full['compile_s'] / check['compile_s']:.2f}x)")
   if m.moe_experts:
     lines += [""] + _dispatch_table(rows, model, args, device_bytes)
+  return lines + [""] + _beside_cpu(mine, args, device_bytes)
+
+
+def _beside_cpu(mine: list[dict], args, device_bytes: float) -> list[str]:
+  """Each compiled setting next to XLA:CPU's figure of the same setting (the scale_probe.csv
+  of the same --out folder), with the ratio and both verdicts against this target's device
+  memory: what a table of simulated CPU devices would have concluded."""
+  path = os.path.join(args.out, _table_name(args, "cpu") + ".csv")
+  if args.target == "cpu" or not os.path.exists(path):
+    return []
+  setting_of = lambda r: tuple(str(r.get(k)) for k in ("model", "seq_len", "strategy",
+                                                       "devices", "layers", "block_size",
+                                                       "remat", "objective")) + (
+      tuple(r["overrides"]),)
+  cpu = {setting_of(r): r for r in _real_step_rows(read(path), mine[0]["model"])}
+  pairs = [(r, cpu.get(setting_of(r))) for r in mine]
+  pairs = [(r, c) for r, c in pairs if c is not None and not c.get("error")]
+  if not pairs:
+    return []
+  gb = step_report.format_gb
+  fits = lambda nbytes: "yes" if nbytes <= device_bytes else "no"
+  lines = [f"Beside XLA:CPU (the same setting on {args.devices} simulated CPU devices, "
+           f"{os.path.basename(path)}; XLA:CPU reports no peak of its own, its figure is the "
+           "bound). A verdict that differs is in bold.", "",
+           "| seq_len | strategy | this peak GB | this bound GB | XLA:CPU GB | peak / XLA:CPU | "
+           f"fits {device_bytes / GB:g} GB: XLA:CPU, this |", "|" + "---|" * 7]
+  for r, c in pairs:
+    if r.get("error"):
+      ours, ratio, verdict = ("does not compile", "—"), "—", "no"
+    else:
+      ours = (gb(r["peak_bytes"]), gb(r.get("bound_bytes") or r["peak_bytes"]))
+      ratio, verdict = f"{r['peak_bytes'] / c['peak_bytes']:.2f}", fits(r["peak_bytes"])
+    verdicts = f"{fits(c['peak_bytes'])}, {verdict}"
+    if fits(c["peak_bytes"]) != verdict:
+      verdicts = f"**{verdicts}**"
+    lines.append(f"| {r['seq_len']} | {r['strategy']} | {ours[0]} | {ours[1]} | "
+                 f"{gb(c['peak_bytes'])} | {ratio} | {verdicts} |")
   return lines + [""]
 
 
@@ -517,6 +554,14 @@ def write(rows: list[dict], path: str) -> None:
     writer.writerows(dict(r, overrides=" ".join(r["overrides"])) for r in rows)
 
 
+def _table_name(args, target: str) -> str:
+  """The files' name (without suffix) of a run of `args` compiled for `target`."""
+  return "".join(["scale_probe", "_quick" if args.quick else "",
+                  "" if target == "cpu" else f"_{targets.platform_of(target)}",
+                  "_dflash" if args.objective == "dflash" else "",
+                  "_ablation" if args.ablate else ""])
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", nargs="+", default=["llama3-8b", "qwen3-8b", "gemma3-27b"],
@@ -566,10 +611,7 @@ def main(argv=None):
   if args.quick:  # the tiny setting, keeping --lens if given
     vars(args).update({k: v for k, v in QUICK.items()
                        if k != "lens" or args.lens == parser.get_default("lens")})
-  name = "".join(["scale_probe", "_quick" if args.quick else "",
-                  "" if args.target == "cpu" else f"_{targets.platform_of(args.target)}",
-                  "_dflash" if args.objective == "dflash" else "",
-                  "_ablation" if args.ablate else ""])
+  name = _table_name(args, args.target)
   command = ("python experiments/scale_probe.py "
              + " ".join(sys.argv[1:] if argv is None else argv)).strip()
   try:

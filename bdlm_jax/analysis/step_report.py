@@ -48,6 +48,7 @@ from bdlm_jax.configure import override
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.models.drafter import drafter_model, target_depth
 from bdlm_jax.models.pattern import attention_shape, layer_types
+from bdlm_jax.models.transformer import reruns_attention
 from bdlm_jax.kernels.mask import RowMeta
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.analysis import hlo_stats, targets
@@ -71,7 +72,8 @@ def attention_traffic(plan: LayoutPlan, kv_row_bytes: float, grad_row_bytes: flo
   K and V (their gradients, their metadata) of one travelling row, summed over the
   sequences a device holds; `last_grad_row_bytes`, the ring's last dK/dV hop where a
   compiler narrows it (default `grad_row_bytes`); `first_passes`, forward passes the step
-  runs without gradient before the differentiated one (the objective's `first_passes`)."""
+  runs beyond the differentiated one and its backward (the objective's no-gradient
+  `first_passes`, the backward's re-run under remat `offload_input`)."""
   out = dict.fromkeys(hlo_stats.COLLECTIVE_KINDS, 0.0)
   p = plan.num_ranks
   transport = (get_strategy(plan.strategy).transport if window is None
@@ -146,13 +148,15 @@ def config_attention_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype
     kv, _, meta = row_bytes(m)
     drafter = drafter_model(cfg)
     totals = [attention_traffic(plan, *row_bytes(drafter), drafter.n_layers,
+                                first_passes=reruns_attention(drafter.remat),
                                 **last_hop(drafter))]
     totals.append(context_traffic(plan, kv, meta, target_depth(cfg)))
   else:
     kinds = layer_types(m)
     by_kind = [("global", None), ("local", m.sliding_window)]
     totals = [attention_traffic(plan, *row_bytes(m, kind), kinds.count(kind), window,
-                                first_passes=objective.first_passes(cfg), **last_hop(m, kind))
+                                first_passes=objective.first_passes(cfg)
+                                + reruns_attention(m.remat), **last_hop(m, kind))
               for kind, window in by_kind if kinds.count(kind)]
   return {kind: sum(t[kind] for t in totals) for kind in hlo_stats.COLLECTIVE_KINDS}
 
@@ -190,8 +194,15 @@ class StepReport:
 
   @property
   def peak_bytes(self) -> int:
-    """The compiler's own peak where it reports one, else `bound_bytes`."""
-    return self.bound_bytes if self.compiler_peak_bytes is None else self.compiler_peak_bytes
+    """Device memory at the step's peak: the compiler's own peak where it reports one, else
+    `bound_bytes`. XLA:TPU's peak counts host-resident buffers too (a step's peak grows with
+    the bytes it offloads while its device buffers do not: docs/memory.md), so with any the
+    device's figure is the smaller of the two."""
+    if self.compiler_peak_bytes is None:
+      return self.bound_bytes
+    if self.host_bytes:
+      return min(self.compiler_peak_bytes, self.bound_bytes)
+    return self.compiler_peak_bytes
 
   @property
   def weight_collective_bytes(self) -> dict:
@@ -287,7 +298,8 @@ def device_memory_bytes(gb: float = 0.0, target: targets.Target | None = None) -
   return (target.memory_bytes() if target else None) or 141 * GB
 
 
-def _gb(nbytes: float) -> str:
+def format_gb(nbytes: float) -> str:
+  """GB with two decimals; a figure under 0.01 GB in scientific notation."""
   return f"{nbytes / GB:.2f}" if nbytes == 0 or nbytes >= 0.01 * GB else f"{nbytes / GB:.1e}"
 
 
@@ -313,9 +325,10 @@ def table(rows: list[dict], device_bytes: float, keys=("strategy",)) -> list[str
       cells += [f"not run: {r['error']}"] + [""] * (len(head) - 1)
     else:
       check = r["attention_check"]
-      cells += [_gb(r["argument_bytes"]), _gb(r["temp_bytes"]), _gb(r["peak_bytes"]),
-                _gb(r.get("bound_bytes") or r["peak_bytes"]),
-                f"{r['compile_s']:.1f}", _gb(r["attention_bytes"]),
+      cells += [format_gb(r["argument_bytes"]), format_gb(r["temp_bytes"]),
+                format_gb(r["peak_bytes"]),
+                format_gb(r.get("bound_bytes") or r["peak_bytes"]),
+                f"{r['compile_s']:.1f}", format_gb(r["attention_bytes"]),
                 "—" if check is None else f"{check:.2f}",
                 "yes" if r["peak_bytes"] <= device_bytes else "**no**"]
     lines.append("| " + " | ".join(cells) + " |")

@@ -271,20 +271,30 @@ def remat_policy(remat: str):
   arrays in host memory: each is written once in the forward and read once in the backward,
   a layer's compute apart, so the copies can hide under it (docs/memory.md).
 
-  The attention core is never recomputed: a ring inside it would re-run its collectives
-  (docs/strategies.md). Its output and LSE are named inside every attention `custom_vjp`
-  (`kernels.residuals`), which is what lets the policy keep them and drop the rest.
+  `full` and `offload` never recompute the attention core: a ring inside it would re-run its
+  collectives (docs/strategies.md). Its output and LSE are named inside every attention
+  `custom_vjp` (`kernels.residuals`), which is what lets the policy keep them and drop the
+  rest. `offload_input` keeps only the layer input, in host memory: half of `offload`'s host
+  bytes, for a backward that re-runs each layer's whole forward, attention and its
+  collectives included (what makes one 1M-token sequence fit 8 devices' host memory).
   """
   if remat == "none":
     return lambda fn: fn
   policies = jax.checkpoint_policies
-  if remat == "offload":
+  if remat.startswith("offload"):
     policy = policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=(), names_which_can_be_offloaded=residuals.SAVED,
-        offload_src="device", offload_dst="pinned_host")
+        names_which_can_be_saved=(), offload_src="device", offload_dst="pinned_host",
+        names_which_can_be_offloaded=(residuals.LAYER_INPUT,) if remat == "offload_input"
+        else residuals.SAVED)
   else:
     policy = policies.save_only_these_names(*residuals.SAVED)
   return functools.partial(jax.checkpoint, policy=policy)
+
+
+def reruns_attention(remat: str) -> bool:
+  """Whether the backward re-runs each layer's attention forward, its K/V transport included
+  (remat `offload_input` saves nothing of the attention): one more forward pass of traffic."""
+  return remat == "offload_input"
 
 
 class LayerStack(nnx.Module):

@@ -16,7 +16,7 @@ from bdlm_jax import init_params, loss_fn, make_batch, make_mesh
 from bdlm_jax.analysis.cost_model import report, setting, timing
 from bdlm_jax.analysis.cost_model.memory import peak_memory, saved_layer_bytes
 from bdlm_jax.analysis.cost_model.projection import offload_rows, scaling_rows
-from bdlm_jax.analysis.cost_model.work import plan_work
+from bdlm_jax.analysis.cost_model.work import plan_work, step_comm_bytes
 from bdlm_jax.analysis.plan_mode import mesh_hardware
 from bdlm_jax.analysis.step_report import META_ROW_BYTES
 from bdlm_jax.config import Config
@@ -120,8 +120,12 @@ def test_offload_rows_say_whether_offload_stays_within_5_percent():
   fast, crawl = (offload_rows(h, models, (4096,), 16, ("csbp_ring",))[0] for h in (hw, slow))
   assert fast["full_fits"] and fast["within_tolerance"] and fast["slowdown"] == 1.0
   assert crawl["slowdown"] > 1.05 and crawl["within_tolerance"] is False
+  # offload_input: less in host memory, a slower step (the attention forward twice)
+  assert fast["input_host_bytes"] < 0.7 * fast["host_bytes"]
+  assert fast["input_s"] > fast["offload_s"]
   text = "\n".join(report._offload_section(hw, [fast, dict(crawl, host_gb_s=450.0)]))
   assert "| small | 4K | csbp_ring |" in text and "(within 5%)" in text
+  assert f"| {fast['input_s']:.2f} / " in text
 
 
 def test_more_gpus_compute_less_each_and_a_hop_leaving_the_node_is_slower():
@@ -153,3 +157,28 @@ def test_scaling_flag_writes_its_table_csv_and_plot(tmp_path):
   assert "| small | 4K | 16 |" in text and "* small at 4K: 8: " in text
   assert (tmp_path / "cost_model_scaling.png").stat().st_size > 0
   assert "strong scaling" in (tmp_path / "README_results.md").read_text()
+
+
+def test_offload_input_keeps_the_layer_input_alone_and_reruns_the_attention_forward():
+  """remat=offload_input, csbp_ring on 4 ranks: host memory holds each layer's input with its
+  6 int32 fields alone (hand-worked, and what the traced step offloads); with a local and a
+  global layer, the backward's re-run adds each layer's attention forward to the time and
+  one forward's K/V + metadata to the traffic."""
+  work = plan_work("csbp_ring", L, B, 4)
+  hand = work.plan.rows_per_rank * (D * 4 + 6 * 4)
+  cfg = replace(_cfg("csbp_ring", 4), model=dict(remat="offload_input"))
+  assert saved_layer_bytes(cfg.model, work, None, F32) == hand
+  assert sum(a.size * a.dtype.itemsize for a in _host_residuals(cfg)) / 4 == 2 * hand
+  m = replace(cfg, model=dict(layer_pattern="local,global", sliding_window=8)).model
+  assert saved_layer_bytes(m, work, 8, F32) == hand
+  hw = setting.Hardware(nodes=1, gpus_per_node=4)
+  offload = dataclasses.replace(m, remat="offload")
+  rerun = (timing.attention_s(m, work, *work.executed(F32.tile_skipping), hw, F32)[0]
+           + timing.local_attention_s(m, work, 8, hw, F32)[0])
+  np.testing.assert_allclose(timing.step_time(m, work, hw, F32)["attention_s"],
+                             timing.step_time(offload, work, hw, F32)["attention_s"] + rerun)
+  row = 2 * KV_HEADS * HEAD_DIM * 4 + F32.meta_bytes_per_row  # K and V in f32, metadata
+  ring = 3 * work.n_travel * row  # the global layer's forward ring: P - 1 hops
+  window = exchange_for(work.plan, 8).rows_sent() * row  # the local layer's exchange
+  np.testing.assert_allclose(step_comm_bytes(work, m, F32),
+                             step_comm_bytes(work, offload, F32) + ring + window)

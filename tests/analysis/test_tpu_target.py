@@ -113,3 +113,42 @@ def test_offload_puts_the_saved_residuals_in_host_memory():
              + TINY["n_heads"] * 4 + 6 * 4 + 4)
   assert report().host_bytes == 0
   assert offload.host_bytes >= TINY["n_layers"] * rows * per_row
+
+
+def _offloading_scan_memory(layers: int, rows=8192, width=256):
+  """memory_analysis() of the gradient of a layer scan whose per-layer input is offloaded to
+  host memory (the policy model.remat=offload uses), one chip of TARGET."""
+  import jax
+  import jax.numpy as jnp
+  from jax.ad_checkpoint import checkpoint_name
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  device = NamedSharding(Mesh(targets.resolve(TARGET).devices[:1], ("x",)), PartitionSpec())
+  policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=[], names_which_can_be_offloaded=["x"], offload_src="device",
+      offload_dst="pinned_host")
+
+  def layer(x, w):
+    return jnp.tanh(checkpoint_name(x, "x") @ w).astype(x.dtype), None
+
+  def loss(w, x):
+    return jnp.sum(jax.lax.scan(jax.checkpoint(layer, policy=policy), x, w)[0])
+
+  shapes = (jax.ShapeDtypeStruct((layers, width, width), jnp.bfloat16, sharding=device),
+            jax.ShapeDtypeStruct((rows, width), jnp.bfloat16, sharding=device))
+  return sr.compiled_memory(jax.jit(jax.grad(loss)).lower(*shapes).compile(), "tpu")
+
+
+def test_xla_tpus_peak_counts_host_memory():
+  """Why StepReport.peak_bytes takes the smaller of the compiler's peak and the bound when
+  anything is offloaded: 6 more layers offload 6 more layer inputs, the device's buffers (the
+  bound: every one live at once) stay put, and XLA:TPU's peak_memory_in_bytes grows with the
+  host bytes, past the bound (at 32768 rows by 0.84 of them)."""
+  two, eight = _offloading_scan_memory(2), _offloading_scan_memory(8)
+  residual = 8192 * 256 * 2
+  assert eight["host_bytes"] - two["host_bytes"] == 6 * residual
+  bound = lambda m: (m["argument_bytes"] + m["temp_bytes"] + m["output_bytes"]
+                     - m["alias_bytes"])
+  assert bound(eight) - bound(two) < residual  # only the 6 more layers' weights
+  assert eight["compiler_peak_bytes"] - two["compiler_peak_bytes"] > 3 * residual
+  assert eight["compiler_peak_bytes"] > bound(eight) + eight["host_bytes"] / 2

@@ -183,3 +183,20 @@ def test_dflash_probe_jobs_are_a_drafter_over_the_frozen_target(tmp_path, monkey
   assert 0 < float(rows["csbp_ring"]["attention_bytes"]) < float(rows["cp_ring"]["attention_bytes"])
   text = (tmp_path / "scale_probe_quick_dflash.md").read_text()
   assert "frozen target" in text and "4 anchors; a 2-layer drafter" in text
+
+
+def test_another_compilers_table_puts_each_setting_beside_xla_cpus(tmp_path, monkeypatch):
+  """A TPU run next to the CPU table of the same folder: the ratio of each setting both
+  compiled, a verdict that changes in bold, a setting XLA:TPU refuses kept as such."""
+  scale_probe.write([_row(strategy=s, peak_bytes=8 * 10**6) for s in ("cp_ring", "csbp_ring")]
+                    + [_row(seq_len=32)], tmp_path / "scale_probe_quick.csv")
+  tpu = [_row(target="tpu:v5p:2x2", peak_bytes=2 * 10**6, bound_bytes=3 * 10**6),
+         _row(target="tpu:v5p:2x2", strategy="cp_ring", error="compile failed: OOM")]
+  args = argparse.Namespace(out=str(tmp_path), target="tpu:v5p:2x2", quick=True,
+                            objective="bd3lm", ablate=False, devices=4)
+  text = "\n".join(scale_probe._beside_cpu(tpu, args, device_bytes=5e6))
+  assert "| 64 | csbp_ring | 2.0e-03 | 3.0e-03 | 8.0e-03 | 0.25 | **no, yes** |" in text
+  assert "| 64 | cp_ring | does not compile | — | 8.0e-03 | — | no, no |" in text
+  assert "| 32 |" not in text  # compiled on XLA:CPU only
+  on_cpu = argparse.Namespace(**dict(vars(args), target="cpu"))
+  assert scale_probe._beside_cpu(tpu, on_cpu, device_bytes=5e6) == []  # a CPU table itself

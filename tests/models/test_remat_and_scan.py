@@ -105,7 +105,7 @@ def _assert_same_loss_and_grads(ref_cfg, cfg, seed=0):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("remat", ["none", "full", "offload"])
+@pytest.mark.parametrize("remat", ["none", "full", "offload", "offload_input"])
 def test_remat_keeps_loss_and_grads(remat):
   _assert_same_loss_and_grads(_cfg("none", n_layers=2), _cfg(remat, n_layers=2))
 
@@ -113,6 +113,14 @@ def test_remat_keeps_loss_and_grads(remat):
 def test_offload_saves_what_full_saves():
   """remat=offload keeps the same arrays as remat=full (their memory kind aside)."""
   assert _saved_per_layer(_cfg("offload")) == _saved_per_layer(_cfg("full"))
+
+
+def test_offload_input_saves_only_the_layer_input():
+  """remat=offload_input keeps the layer input with its row metadata, nothing of the
+  attention: the backward re-runs it (test_strategies: exact under a ring that re-runs)."""
+  rows = 2 * L
+  assert _saved_per_layer(_cfg("offload_input")) == sorted(
+      [("f", (4, 2, rows, D)), *[("i", (4, 2, rows))] * 6])
 
 
 MOE = dict(moe_experts=4, moe_top_k=2, moe_aux_weight=0.01, moe_z_weight=0.01)

@@ -21,6 +21,7 @@ from bdlm_jax.analysis.targets import platform_of
 from bdlm_jax.config import ModelConfig
 from bdlm_jax.kernels.mask import RowMeta
 from bdlm_jax.metrics import param_count
+from bdlm_jax.models.transformer import reruns_attention
 from bdlm_jax.parallel.strategies import exchange_for, window_transport
 
 # int32 position and row metadata (`RowMeta`) a layer input carries with each row
@@ -64,7 +65,8 @@ def peak_memory(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) ->
   logits_tmp = 2 * chunk * m.vocab_size * 4
   transient = max(transient, logits_tmp)
   host = 0.0
-  if m.remat == "offload":  # in host memory but the layer streaming out or in, and the next
+  if m.remat.startswith("offload"):  # in host memory, but the layer streaming out or in
+    # and the next
     host, saved = saved, 2 * max(saved_layer_bytes(m, work, w, a) for w, _ in
                                  attention_kinds(m))
   total = states + saved + transient
@@ -78,8 +80,10 @@ def saved_layer_bytes(m: ModelConfig, work: PlanWork, window: int | None,
   `full`, or copies to host memory and back under `offload` (`models.transformer.
   remat_policy`): the layer input with its row metadata, the attention core's output and
   LSE, and a local layer's exchanged K/V rows with theirs; q, K/V and any gathered K/V are
-  recomputed."""
+  recomputed. Under `offload_input`, the layer input with its row metadata only."""
   rows = work.plan.rows_per_rank
+  if reruns_attention(m.remat):
+    return rows * (m.d_model * a.compute_bytes + INPUT_META_BYTES_PER_ROW)
   saved = rows * ((m.d_model + m.n_heads * m.head_dim) * a.compute_bytes
                   + INPUT_META_BYTES_PER_ROW + 4 * m.n_heads)
   if window is not None and window_transport(work.plan, window) == "exchange":

@@ -47,15 +47,16 @@ def offload_rows(hw: Hardware, models=MODELS, seq_lens=SEQ_LENS, block_size: int
                  strategies=STRATEGIES, compiled=None) -> list[dict]:
   """Per (model, L, strategy): the step under `model.remat=full` (its memory and fits verdict
   as `project` gives them, compiled where `compiled` has the setting) next to `offload` (the
-  residuals' host bytes and copy time, what of it is exposed; its device memory assumed), and
-  whether offload stays within `OFFLOAD_TOLERANCE` of full where full fits."""
+  residuals' host bytes and copy time, what of it is exposed; its device memory assumed),
+  whether offload stays within `OFFLOAD_TOLERANCE` of full where full fits, and
+  `offload_input` (half the host bytes, the attention forward re-run)."""
   by_remat = {remat: project(hw, {"default": Assumptions()},
                              {n: dataclasses.replace(m, remat=remat) for n, m in models.items()},
                              seq_lens, (block_size,), strategies,
                              compiled if remat == "full" else None)["default"]
-              for remat in ("full", "offload")}
+              for remat in ("full", "offload", "offload_input")}
   out = []
-  for full, off in zip(by_remat["full"], by_remat["offload"]):
+  for full, off, inp in zip(*by_remat.values()):
     slowdown = off["total_s"] / full["total_s"]
     out.append(dict(
         model=full["model"], seq_len=full["seq_len"], block_size=block_size,
@@ -68,7 +69,10 @@ def offload_rows(hw: Hardware, models=MODELS, seq_lens=SEQ_LENS, block_size: int
         host_bytes_per_step=off["host_bytes_per_step"],
         host_copy_s=off["host_copy_s"], host_exposed_s=off["host_exposed_s"],
         slowdown=slowdown,
-        within_tolerance=slowdown <= 1 + OFFLOAD_TOLERANCE if full["fits"] else None))
+        within_tolerance=slowdown <= 1 + OFFLOAD_TOLERANCE if full["fits"] else None,
+        input_s=inp["total_s"], input_device_bytes=inp["total_bytes"], input_fits=inp["fits"],
+        input_host_bytes=inp["host_bytes"],
+        input_host_fits=inp["host_bytes"] * hw.gpus_per_node <= hw.host_gb_per_node * GB))
   return out
 
 

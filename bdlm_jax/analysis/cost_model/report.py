@@ -265,10 +265,13 @@ def _offload_section(hw: Hardware, rows: list[dict]) -> list[str]:
            "(compiled where probed); *offload*: its device memory assumed (states, the "
            "largest transient, two layers' residuals in flight), its host memory per GPU "
            f"(**over** where a node's {hw.gpus_per_node} GPUs need more than its "
-           f"{hw.host_gb_per_node:g} GB). *copied*: both directions per step.", "",
+           f"{hw.host_gb_per_node:g} GB). *copied*: both directions per step. "
+           "*offload_input*: `model.remat=offload_input`, the layer input alone in host "
+           "memory (about half the bytes), each layer's attention forward and its K/V "
+           "transport run again in the backward: step s / device GB / host GB per GPU.", "",
            "| model | L | strategy | full s / GB | offload s / GB | host GB per GPU | copied GB "
-           "| copy s | exposed s (PCIe / C2C) | offload ÷ full |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| copy s | exposed s (PCIe / C2C) | offload ÷ full | offload_input s / GB / host GB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in pcie:
     over = "" if r["host_fits"] else " **over**"
     oom = lambda fits: "" if fits else " **OOM**"
@@ -282,7 +285,9 @@ def _offload_section(hw: Hardware, rows: list[dict]) -> list[str]:
         f"{r['host_bytes'] / GB:.1f}{over} | {r['host_bytes_per_step'] / GB:.0f} | "
         f"{r['host_copy_s']:.2f} | {r['host_exposed_s']:.2f} / "
         f"{c2c[(r['model'], r['seq_len'], r['strategy'])]['host_exposed_s']:.2f} | "
-        f"{r['slowdown']:.3f}{within} |")
+        f"{r['slowdown']:.3f}{within} | {r['input_s']:.2f} / "
+        f"{r['input_device_bytes'] / GB:.0f}{oom(r['input_fits'])} / "
+        f"{r['input_host_bytes'] / GB:.1f}{'' if r['input_host_fits'] else ' **over**'} |")
   return lines + ["", _offload_reading(pcie, hw), ""]
 
 

@@ -6,7 +6,8 @@ ring is timed step by step from each rank's work at that step. All-gather and re
 are exposed (attention needs the gathered K/V; the backward gathers them again), as is an
 MoE's token exchange (the MLP waits for its rows) and a local layer's windowed exchange.
 Under `model.remat=offload` a layer's saved residuals cross the host link (`host_gb_s`) once
-each way, beside the layer's own time: only what outlasts it adds to the step.
+each way, beside the layer's own time: only what outlasts it adds to the step; under
+`offload_input` its input alone does, and the backward re-runs its attention forward.
 """
 
 import numpy as np
@@ -17,6 +18,7 @@ from bdlm_jax.analysis.cost_model.work import (PlanWork, attention_kinds, expert
                                                kv_row, moe_layers, step_comm_bytes)
 from bdlm_jax.config import ModelConfig
 from bdlm_jax.metrics import linear_flops_per_row, param_count
+from bdlm_jax.models.transformer import reruns_attention
 from bdlm_jax.parallel.strategies import exchange_for, window_transport
 
 
@@ -155,15 +157,16 @@ def step_time(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) -> d
                                                    hw, a)
     else:
       attn_fwd, attn_bwd, layer_busy = local_attention_s(m, work, window, hw, a)
-    attention += n * (attn_fwd + attn_bwd)
-    busy += n * (1 + a.attention_bwd_factor) * layer_busy
+    rerun = reruns_attention(m.remat) * attn_fwd  # the backward re-runs the forward first
+    attention += n * (attn_fwd + attn_bwd + rerun)
+    busy += n * (1 + a.attention_bwd_factor + reruns_attention(m.remat)) * layer_busy
     layers.append((n, saved_layer_bytes(m, work, window, a), layer_linear + attn_fwd,
-                   (2 + a.remat_forward) * layer_linear + attn_bwd))
+                   (2 + a.remat_forward) * layer_linear + attn_bwd + rerun))
   linear = m.n_layers * layer_linear * (3 + a.remat_forward)
   logits = 3 * 2 * work.plan.n_noisy * m.d_model * m.vocab_size / matmul
   moe_bytes, moe_s = moe_exchange(m, rows, hw, a)
-  host_bytes, host_copy, host_exposed = (host_transfer(layers, hw) if m.remat == "offload"
-                                         else (0.0, 0.0, 0.0))
+  host_bytes, host_copy, host_exposed = (host_transfer(layers, hw)
+                                         if m.remat.startswith("offload") else (0.0, 0.0, 0.0))
   return dict(total_s=linear + logits + attention + moe_s + host_exposed,
               attention_s=attention, linear_s=linear + logits, attention_busy_s=busy,
               comm_bytes_per_step=step_comm_bytes(work, m, a),

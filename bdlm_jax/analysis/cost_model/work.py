@@ -19,6 +19,7 @@ from bdlm_jax.configure import replace
 from bdlm_jax.metrics import model_flops_per_step
 from bdlm_jax.models.moe import capacity
 from bdlm_jax.models.pattern import layer_types, mlp_types
+from bdlm_jax.models.transformer import reruns_attention
 from bdlm_jax.parallel.layout import LayoutPlan
 from bdlm_jax.parallel.registry import SINGLE_DEVICE, get_strategy, make_plan, strategy_names
 
@@ -136,11 +137,12 @@ def step_comm_bytes(work: PlanWork, m: ModelConfig, a: Assumptions) -> float:
   the transport issues per layer kind (`attention_traffic`: the ring shifts K/V + metadata
   P-1 times forward and P-1 times backward and the dK/dV P times; the all-gather gathers K/V
   + metadata forward and again backward and reduce-scatters the dK/dV; a local layer's
-  windowed exchange sends the rows its windows reach and takes their dK/dV back), as ring
-  algorithms send it (`wire_bytes`)."""
+  windowed exchange sends the rows its windows reach and takes their dK/dV back; one more
+  forward's where the backward re-runs it), as ring algorithms send it (`wire_bytes`)."""
   kv = kv_row(m)
   totals = [attention_traffic(work.plan, kv * a.compute_bytes, kv * a.kv_grad_bytes,
-                              a.meta_bytes_per_row, n, window)
+                              a.meta_bytes_per_row, n, window,
+                              first_passes=reruns_attention(m.remat))
             for window, n in attention_kinds(m)]
   traffic = {kind: sum(t[kind] for t in totals) for kind in COLLECTIVE_KINDS}
   return wire_bytes(traffic, work.plan.num_ranks)
