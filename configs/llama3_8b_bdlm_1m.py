@@ -2,7 +2,7 @@
 
   python run.py --config configs/llama3_8b_bdlm_1m.py --set mode=plan
   python run.py --config configs/llama3_8b_bdlm_1m.py --set mode=plan --set parallel.seq=8 \
-      --set plan.target=tpu:v5p:2x2x2                  # the 8-device case
+      --set model.remat=offload_input --set plan.target=tpu:v5p:2x2x2   # the 8-device case
   python experiments/scale_probe.py --target tpu:v5p:2x2x4 --models llama3-8b \
       --lens 1048576 --strategies csbp_ring cp_ring --remat offload --set model.row_chunks=16
 
@@ -13,6 +13,9 @@ strategy's per-device peak; `--set plan.target=cpu` compiles on simulated CPU de
 layers in host memory (`model.remat=offload`: 2 x 131,072 rows x 4096 x 2 B a layer, 69 GB in
 all), each layer's row-wise work in 16 parts (`model.row_chunks`: no [131,072, 14,336] MLP
 intermediate), attention in 512 x 512 tiles, the loss over 1024-row chunks, ZeRO-3 state.
+On 8 devices a rank's residuals double (129 GiB), past the host memory XLA:TPU allows a chip:
+`model.remat=offload_input` keeps the layer inputs alone there (69 GB) and re-runs each
+layer's attention in the backward.
 
 Random weights and the embedded data, so it compiles and runs from a fresh clone; for the real
 model, uncomment `init_from` (a Hugging Face folder: the import adds the [MASK] row) and point

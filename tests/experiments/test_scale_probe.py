@@ -126,6 +126,8 @@ def test_ragged_standins_keep_the_ragged_ops_shapes(monkeypatch):
   ragged_dot = jax.lax.ragged_dot
   monkeypatch.setattr(jax.lax, "ragged_dot", ragged_dot)  # restored after the test
   monkeypatch.setattr(jax.lax, "ragged_all_to_all", jax.lax.ragged_all_to_all)
+  monkeypatch.setattr(scale_probe.targets, "check_dispatch_runs_here",
+                      scale_probe.targets.check_dispatch_runs_here)
   scale_probe._ragged_standins()
   x, w, sizes = jnp.ones((12, 4)), jnp.ones((3, 4, 5)), jnp.array([5, 0, 7], jnp.int32)
   assert jax.lax.ragged_dot(x, w, sizes).shape == ragged_dot(x, w, sizes).shape == (12, 5)
@@ -152,7 +154,29 @@ def test_dispatch_real_compiles_the_moes_own_ragged_ops_and_xla_cpu_refuses_them
   row = scale_probe.measure({k: ragged[k] for k in scale_probe.KEYS}, timeout_s=1)
   assert "ragged_all_to_all cannot run on CPU" in row["error"]
   args.dispatch = "standins"
-  assert scale_probe.jobs(args)[1]["standins"] and not scale_probe.jobs(args)[1]["overrides"]
+  standins = scale_probe.jobs(args)[1]
+  assert standins["standins"] and not standins["overrides"]
+
+
+def test_ragged_standins_compile_on_cpu_past_the_dispatch_check(monkeypatch):
+  """A stand-in job reaches its worker, where the stand-ins lift the check that refuses the
+  ragged dispatch on CPU (what they replace)."""
+  import jax
+  from bdlm_jax.analysis import targets
+  from bdlm_jax.errors import ConfigError
+  for name in ("ragged_dot", "ragged_all_to_all"):
+    monkeypatch.setattr(jax.lax, name, getattr(jax.lax, name))  # restored after the test
+  monkeypatch.setattr(targets, "check_dispatch_runs_here", targets.check_dispatch_runs_here)
+  job = dict(model="qwen3-30b-a3b", seq_len=4096, strategy="csbp_ring", devices=4, layers=1,
+             block_size=64, remat="full", overrides=[], standins=True, objective="bd3lm",
+             anchors=0, drafter_layers=0, target="cpu")
+  monkeypatch.setattr(scale_probe.isolated, "run_worker", lambda *a, **k: {"ran": True})
+  assert scale_probe.measure(job, timeout_s=1) == {"ran": True}
+  cfg = scale_probe.job_config(job)
+  with pytest.raises(ConfigError, match="cannot run on CPU"):
+    targets.check(cfg, "cpu")
+  scale_probe._ragged_standins()
+  targets.check(cfg, "cpu")
 
 
 def test_dflash_probe_jobs_are_a_drafter_over_the_frozen_target(tmp_path, monkeypatch):
