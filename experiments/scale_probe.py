@@ -35,12 +35,13 @@ one memory feature off (or one option on), so the table shows what each buys.
 Writes scale_probe.{csv,md,png} under --out (scale_probe_quick.* with --quick). A run merges
 into what is there: the rows it measures replace their earlier figures, every other row stays,
 and the markdown sections of the other models stay as written (a run of one model, length or
-strategy never drops the rest of the table; `--out` writes elsewhere). XLA:CPU is not the GPU
+strategy never drops the rest of the table; `--out` writes elsewhere). A table of another
+compiler puts each setting beside XLA:CPU's figure of it, from the scale_probe.csv of the same
+folder, with the ratio and both verdicts. XLA:CPU is not the GPU
 compiler: its memory is the structure to optimise, not a GPU's exact figure. Model presets
 (the Llama-style block of bdlm_jax.models): llama3-8b, gemma3-27b and qwen3-30b-a3b as in
 `bdlm_jax.analysis.cost_model.setting` (Gemma 3 27B's dimensions and
-5 local : 1 global layers, whose rows in results/scale_probe.csv were compiled before the
-preset had local layers, every layer global; Qwen3-30B-A3B's, a mixture of experts),
+5 local : 1 global layers; Qwen3-30B-A3B's, a mixture of experts),
 qwen3-8b (Qwen3-8B's dimensions, qk_norm) and diffusiongemma-26b-a4b (the released Gemma 4
 layers of configs/diffusiongemma_26b_a4b_sft_256k.py; with `--objective diffusiongemma`).
 

@@ -11,18 +11,24 @@ SECTIONS = ("parallel_bench.md", "scale_probe.md", "scale_probe_ablation.md",
             "scale_probe_tpu.md", "cost_model.md", "cost_model_scaling.md",
             "parallel_bench_dflash.md", "scale_probe_dflash.md", "window_traffic.md",
             "block_size_sweep.md")
+SCALE = ("--models llama3-8b --lens 65536 262144 524288 1048576 --depth-check 0",
+         "--models qwen3-8b gemma3-27b --lens 65536 262144 1048576 --strategies csbp_ring "
+         "cp_ring --depth-check 0",
+         "--models qwen3-30b-a3b --lens 262144 --strategies csbp_ring cp_ring --depth-check 0")
 HEADER = ("# Results\n\n"
           "Generated; do not edit. Regenerate with "
-          "`python experiments/parallel_bench.py --quick && python experiments/scale_probe.py "
-          "&& python experiments/scale_probe.py --models qwen3-30b-a3b --lens 262144 "
-          "&& python experiments/scale_probe.py --ablate --models llama3-8b --lens 262144 "
-          "--strategies csbp_ring csbp_allgather && python experiments/scale_probe.py --target "
-          "tpu:v5p:2x2x4 --models llama3-8b --lens 262144 524288 1048576 --depth-check 0 "
-          "&& python experiments/cost_model.py "
+          "`python experiments/parallel_bench.py --quick && "
+          + " && ".join(f"python experiments/scale_probe.py {a}" for a in SCALE)
+          + " && python experiments/scale_probe.py --ablate --models llama3-8b --lens 262144 "
+          "--strategies csbp_ring csbp_allgather cp_ring && "
+          + " && ".join(f"python experiments/scale_probe.py --target tpu:v5p:2x2x4 {a}"
+                        + (" --dispatch real" if "30b" in a else "") for a in SCALE)
+          + " && python experiments/cost_model.py "
           "--kernel-csv experiments/results/kernel_bench.csv "
           "&& python experiments/cost_model.py --scaling "
           "--kernel-csv experiments/results/kernel_bench.csv` "
-          "(and `python experiments/window_traffic.py`, `python experiments/block_size_sweep.py` "
+          "(XLA:TPU's after XLA:CPU's, which they are put beside; and "
+          "`python experiments/window_traffic.py`, `python experiments/block_size_sweep.py` "
           "for the last sections).\n")
 RESULTS_START, RESULTS_END = "<!-- results:start -->", "<!-- results:end -->"
 
