@@ -464,8 +464,9 @@ def _users(comp: _Computation, name: str) -> list[_Instr]:
 def _moved(instr: _Instr, comp: _Computation, comps: dict[str, _Computation]):
     """(kind, operand bytes, op_name) of the collective ``instr``. A collective XLA:TPU
     creates (an all-gather rewritten as an all-reduce, a reduce-scatter as an all-reduce and
-    a slice) prints no op_name: it takes that of the instruction computing what it moves,
-    else of those using what it delivers. An all-gather in all-reduce form
+    a slice) prints no op_name: it takes that of its operand (the reshape or copy that
+    readies what it moves), else of the instruction computing that (a loop's result has
+    none), else of those using what it delivers. An all-gather in all-reduce form
     (`_gathered_shards`) counts as the all-gather, its shard's bytes."""
     shards = _gathered_shards(instr, comp, comps)
     if shards is None:
@@ -476,6 +477,7 @@ def _moved(instr: _Instr, comp: _Computation, comps: dict[str, _Computation]):
         nbytes = sum(_shape_bytes(where.shapes[name]) for where, name in shards)
     names = itertools.chain(  # lazily: most collectives name themselves
         [_op_name(instr)],
+        (_op_name(where.defs.get(name)) for where, name in moved),
         (_op_name(_definition(where, name, comps)[0]) for where, name in moved),
         (_op_name(user) for user in _users(comp, instr.name)))
     return kind, nbytes, next((n for n in names if n is not None), None)

@@ -65,8 +65,7 @@ def peak_memory(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) ->
   logits_tmp = 2 * chunk * m.vocab_size * 4
   transient = max(transient, logits_tmp)
   host = 0.0
-  if m.remat.startswith("offload"):  # in host memory, but the layer streaming out or in
-    # and the next
+  if m.remat.startswith("offload"):  # in host memory, but for the layer streaming out or in
     host, saved = saved, 2 * max(saved_layer_bytes(m, work, w, a) for w, _ in
                                  attention_kinds(m))
   total = states + saved + transient
