@@ -352,12 +352,8 @@ def _beside_cpu(mine: list[dict], args, device_bytes: float) -> list[str]:
   path = os.path.join(args.out, _table_name(args, "cpu") + ".csv")
   if args.target == "cpu" or not os.path.exists(path):
     return []
-  setting_of = lambda r: tuple(str(r.get(k)) for k in ("model", "seq_len", "strategy",
-                                                       "devices", "layers", "block_size",
-                                                       "remat", "objective")) + (
-      tuple(r["overrides"]),)
-  cpu = {setting_of(r): r for r in _real_step_rows(read(path), mine[0]["model"])}
-  pairs = [(r, cpu.get(setting_of(r))) for r in mine]
+  cpu = {_identity(r): r for r in _real_step_rows(read(path), mine[0]["model"])}
+  pairs = [(r, cpu.get(_identity(dict(r, target="cpu")))) for r in mine]
   pairs = [(r, c) for r, c in pairs if c is not None and not c.get("error")]
   if not pairs:
     return []

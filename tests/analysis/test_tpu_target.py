@@ -117,22 +117,21 @@ def test_offload_puts_the_saved_residuals_in_host_memory():
 
 def _offloading_scan_memory(layers: int, rows=8192, width=256):
   """memory_analysis() of the gradient of a layer scan whose per-layer input is offloaded to
-  host memory (the policy model.remat=offload uses), one chip of TARGET."""
+  host memory (the layers' own policy, model.remat=offload_input), one chip of TARGET."""
   import jax
   import jax.numpy as jnp
-  from jax.ad_checkpoint import checkpoint_name
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+  from bdlm_jax.kernels import residuals
+  from bdlm_jax.models.transformer import remat_policy
+
   device = NamedSharding(Mesh(targets.resolve(TARGET).devices[:1], ("x",)), PartitionSpec())
-  policy = jax.checkpoint_policies.save_and_offload_only_these_names(
-      names_which_can_be_saved=[], names_which_can_be_offloaded=["x"], offload_src="device",
-      offload_dst="pinned_host")
 
   def layer(x, w):
-    return jnp.tanh(checkpoint_name(x, "x") @ w).astype(x.dtype), None
+    return jnp.tanh(residuals.keep_input(x) @ w).astype(x.dtype), None
 
   def loss(w, x):
-    return jnp.sum(jax.lax.scan(jax.checkpoint(layer, policy=policy), x, w)[0])
+    return jnp.sum(jax.lax.scan(remat_policy("offload_input")(layer), x, w)[0])
 
   shapes = (jax.ShapeDtypeStruct((layers, width, width), jnp.bfloat16, sharding=device),
             jax.ShapeDtypeStruct((rows, width), jnp.bfloat16, sharding=device))
