@@ -32,8 +32,9 @@ matches:
                       ("state.params[...]", "state.opt_state[...]", else batch and key)
   ring buffers        a collective-permute (the ring's K/V, metadata and dK/dV hops)
   loss chunk          a vocabulary-wide dim without d_model (or the two flattened): logits
-  saved residuals     the layer scan's stacks: a leading dim that divides the layer count,
-                      and the rank's rows; named by their trailing dims (kernels/residuals.py:
+  saved residuals     the layer scans' stacks: a leading dim that is a scan's length
+                      (periods of the layer pattern, or a remainder run's layers), and the
+                      rank's rows; named by their trailing dims (kernels/residuals.py:
                       attention_out [heads, head_dim], attention_lse [heads] in f32,
                       attention_exchanged_kv [kv heads, head_dim]; [d_model] the layer input,
                       the scan carry; [d_ff] an MLP intermediate, without remat)
@@ -74,6 +75,7 @@ import tempfile
 from bdlm_jax.analysis import step_report
 from bdlm_jax.config import Config
 from bdlm_jax.kernels import residuals
+from bdlm_jax.models.transformer import scan_lengths
 from bdlm_jax.parallel.registry import plan_for
 from bdlm_jax.parallel.strategies import ATTENTION_SCOPE
 
@@ -328,6 +330,7 @@ class _Dims:
   vocab: int
   d_ff: tuple
   n_layers: int
+  scan_lengths: tuple  # the layer scans' lengths: leading dims of their saved stacks
   rows: int  # per rank, both streams
   heads: int
   kv_heads: tuple
@@ -339,7 +342,7 @@ class _Dims:
     m = cfg.model
     return cls(m.d_model, m.vocab_size, tuple({m.d_ff, 2 * m.d_ff, m.moe_d_ff or m.d_ff,
                                                2 * (m.moe_d_ff or m.d_ff)}),
-               m.n_layers, plan_for(cfg).rows_per_rank, m.n_heads,
+               m.n_layers, tuple(scan_lengths(m)), plan_for(cfg).rows_per_rank, m.n_heads,
                tuple({m.n_kv_heads, m.global_n_kv_heads or m.n_kv_heads}),
                tuple({m.head_dim, m.global_head_dim or m.head_dim}),
                cfg.parallel.data * cfg.parallel.fsdp * cfg.parallel.seq)
@@ -403,7 +406,7 @@ def _categorise(value, dtype, dims, host, kind, opcode, op_name, parameter_op_na
     return RING, ""
   if _vocabulary_wide(dims, d):
     return LOSS, ""
-  if len(dims) > 2 and dims[0] > 1 and d.n_layers % dims[0] == 0 and d.rows in dims[1:]:
+  if len(dims) > 2 and dims[0] > 1 and dims[0] in d.scan_lengths and d.rows in dims[1:]:
     return RESIDUALS, _residual_name(dtype, dims, d)
   if _weight_shaped(dims, weights, d):
     return (GRADIENTS if "transpose(" in op_name else WEIGHTS), ""

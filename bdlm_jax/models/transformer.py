@@ -250,6 +250,26 @@ def layer_slots(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
   return tuple(slots)
 
 
+def scan_runs(cfg: ModelConfig, depth: int | None = None) -> tuple[int, int, list]:
+  """How `LayerStack.scan_layers` runs the first `depth` layers: (period, n_scanned, runs).
+  The first `n_scanned` run as one scan over whole periods of `period` layers (the lcm of
+  the layer and MLP patterns); then each run in `runs` (consecutive layers of one kind in
+  one stack) as a scan of its own."""
+  kinds, slots = layer_types(cfg)[:depth], layer_slots(cfg)[:depth]
+  period = math.lcm(len(cfg.layer_period), len(cfg.mlp_period))
+  n_scanned = min(len(kinds) // period * period, periodic_layers(cfg, period))
+  runs = [list(run) for _, run in itertools.groupby(range(n_scanned, len(kinds)),
+                                                     key=lambda i: (kinds[i], slots[i][0]))]
+  return period, n_scanned, runs
+
+
+def scan_lengths(cfg: ModelConfig) -> set[int]:
+  """The leading dims of the stacks the layer scans save: the periods scanned, and each
+  remainder run's length."""
+  period, n_scanned, runs = scan_runs(cfg)
+  return {len(run) for run in runs} | ({n_scanned // period} if n_scanned else set())
+
+
 def stack_kinds(cfg: ModelConfig, name: str) -> tuple[bool, str]:
   """(whether its layers have experts, the layer kind whose attention shapes they have) of
   the layers of stack `name`."""
@@ -328,8 +348,7 @@ class LayerStack(nnx.Module):
     """
     kinds, slots = layer_types(self.cfg)[:depth], layer_slots(self.cfg)[:depth]
     stacks = {name: nnx.split(getattr(self, name)) for name in dict.fromkeys(n for n, _ in slots)}
-    period = math.lcm(len(self.cfg.layer_period), len(self.cfg.mlp_period))
-    n_scanned = min(len(kinds) // period * period, periodic_layers(self.cfg, period))
+    period, n_scanned, runs = scan_runs(self.cfg, depth)
     per_period = {name: sum(n == name for n, _ in slots[:period]) for name in stacks}
 
     def one_layer(kind, stack):
@@ -363,10 +382,8 @@ class LayerStack(nnx.Module):
       ys.append(jax.tree.map(lambda a: a.reshape(n_scanned, *a.shape[2:]), y))
     # The remainder, in scans over runs of one kind: in a loop the weights' gradient
     # accumulates in one buffer, where two unrolled layers would add a full-size one.
-    for (kind, stack), run in itertools.groupby(range(n_scanned, len(kinds)),
-                                                key=lambda i: (kinds[i], slots[i][0])):
-      run = list(run)
-      body = one_layer(kind, stack)
+    for run in runs:
+      body = one_layer(kinds[run[0]], slots[run[0]][0])
       x, y = jax.lax.scan(lambda x, li: body(x, *li, layered), x,
                           (jnp.asarray(run), jnp.asarray([slots[i][1] for i in run])))
       ys.append(y)

@@ -63,6 +63,18 @@ def test_remat_full_saves_fewer_residuals_than_none():
   assert full.by_category()[buffers.RESIDUALS] < none.by_category()[buffers.RESIDUALS] / 2
 
 
+def test_the_stacks_of_a_period_scan_are_saved_residuals_where_periods_do_not_divide_the_layers():
+  """7 layers of a 3-layer pattern scan as 2 periods, then a run of 1 layer: stacks with a
+  leading 2, which does not divide 7 (as 10 periods do not divide Gemma 3 27B's 62 layers)."""
+  periodic = ("model.n_layers=7", "model.layer_pattern=local,local,global",
+              "model.sliding_window=32", "model.remat=none")
+  rows = buffers._Dims.of(config(*periodic)).rows
+  dims = [buffers._array(x.shape)[1] for x in breakdown(*periodic).buffers]
+  stacks = [x for x, d in zip(breakdown(*periodic).buffers, dims)
+            if len(d) > 2 and d[0] == 2 and rows in d[1:]]
+  assert stacks and {x.category for x in stacks} == {buffers.RESIDUALS}
+
+
 def test_plan_breakdown_adds_the_chosen_strategys_breakdown_below_the_verdict(monkeypatch):
   """plan.breakdown=true: the chosen strategy (the least peak where none fits) compiled
   once more for its breakdown, printed below the table and the `chosen:` line."""
