@@ -16,17 +16,24 @@ import jax
 import jax.numpy as jnp
 
 
-def over_row_chunks(fn, chunk: int, *xs_BR, remat: bool = False):
+def over_row_chunks(fn, chunk: int, *xs_BR, remat: bool = False, add_rows_to=None):
   """`fn(*xs) -> (rows, sums)` over contiguous chunks of `chunk` rows (axis 1 of every array
   in `xs`; None entries pass through), the last one shorter where `chunk` does not divide the
   rows: the chunks' `rows` (a pytree of [B, r, ...]) joined back on the row axis, their
   `sums` (a pytree) added up. Exact where `fn`'s rows depend on their own row alone and its
   sums are sums over rows. `chunk <= 0` runs all rows at once. `remat`: each chunk is
   rematerialised, so a differentiated caller keeps only a chunk's inputs, never its
-  intermediates, for the backward."""
+  intermediates, for the backward. `add_rows_to`: arrays shaped as the joined rows that
+  each chunk's rows are added into, in the loop's carry (updated in place), returned as the
+  rows: a running sum over calls, without a stacked copy of the chunks' rows beside it."""
   n = jax.tree.leaves(xs_BR)[0].shape[1]
+  add_at = lambda acc, rows, start: jax.tree.map(
+      lambda a, r: jax.lax.dynamic_update_slice_in_dim(
+          a, jax.lax.dynamic_slice_in_dim(a, start, r.shape[1], axis=1) + r, start, axis=1),
+      acc, rows)
   if chunk <= 0 or chunk >= n:
-    return fn(*xs_BR)
+    rows, sums = fn(*xs_BR)
+    return (rows if add_rows_to is None else jax.tree.map(jnp.add, add_rows_to, rows)), sums
   full, tail = divmod(n, chunk)
 
   def rows_from(start, size):
@@ -34,16 +41,24 @@ def over_row_chunks(fn, chunk: int, *xs_BR, remat: bool = False):
 
   run = jax.checkpoint(fn) if remat else fn
   first, sums = run(*rows_from(0, chunk))
+  acc = None if add_rows_to is None else add_at(add_rows_to, first, 0)
 
-  def body(sums, i):
+  def body(carry, i):
+    sums, acc = carry
     rows, more = run(*rows_from(i * chunk, chunk))
-    return jax.tree.map(jnp.add, sums, more), rows
+    sums = jax.tree.map(jnp.add, sums, more)
+    if acc is None:
+      return (sums, acc), rows
+    return (sums, add_at(acc, rows, i * chunk)), None
 
-  sums, rest_KB = jax.lax.scan(body, sums, jnp.arange(1, full))
-  rows = [first, jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape(
-      y.shape[1], -1, *y.shape[3:]), rest_KB)]
+  (sums, acc), rest_KB = jax.lax.scan(body, (sums, acc), jnp.arange(1, full))
+  tails = []
   if tail:
     tail_rows, tail_sums = run(*rows_from(full * chunk, tail))
-    rows.append(tail_rows)
+    tails.append(tail_rows)
     sums = jax.tree.map(jnp.add, sums, tail_sums)
+  if acc is not None:
+    return (add_at(acc, tails[0], full * chunk) if tails else acc), sums
+  rows = [first, jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape(
+      y.shape[1], -1, *y.shape[3:]), rest_KB), *tails]
   return jax.tree.map(lambda *r: jnp.concatenate(r, axis=1), *rows), sums

@@ -1,8 +1,8 @@
 """The `pallas` attention: flash-attention kernels that visit only the tiles the mask needs.
 
 Same interface and semantics as kernels/xla.py (the oracle): `attend_fwd` -> (out f32, lse),
-`attend_bwd(..., out, lse, dout, dlse)` -> (dq, dk, dv) f32 given the *global* out and lse,
-and the differentiable `attend`. The mask comes from row metadata (kernels/mask.py). A
+`attend_bwd(..., out, lse, dout, dlse, chunk, dq)` -> (dq, dk, dv) f32 given the *global* out
+and lse (plus a running `dq` where given), and the differentiable `attend`. The mask comes from row metadata (kernels/mask.py). A
 block-sparse tile map (kernels/tiles.py), built from the same metadata, lists for each tile
 the tiles it meets: FULL ones first (no mask arithmetic), then PARTIAL ones (masked); EMPTY
 tiles are never loaded. Grouped-query attention reads K/V head h // G in place.
@@ -287,8 +287,9 @@ def _dkdv_kernel(order_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, de
 
 
 def attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse=None, chunk: int = 512,
-               tiles=None):
-  """(dq, dk, dv) f32 of this (q, k, v) block given the global out, lse and their cotangents."""
+               dq=None, tiles=None):
+  """(dq, dk, dv) f32 of this (q, k, v) block given the global out, lse and their cotangents;
+  `dq` (f32, q's shape: a ring's running sum) is added to the query gradient."""
   del chunk
   interpret, tiles = _setup(q, k, v, tiles)
   s, rq, hq, d = q.shape
@@ -309,7 +310,7 @@ def attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse=None, chunk: int = 
 
   # dq: one program per (q tile, sequence, query head), walking that q tile's key tiles.
   g = _q_grid_specs(tq, rk_pad, d, group, nk)
-  dq = call(
+  dq_padded = call(
       functools.partial(_dq_kernel, scale=scale, tk=tk),
       grid=(nq, s, hq),
       in_specs=[g["order"], g["counts"], g["q"], g["kv"], g["kv"], g["q"], g["row"], g["row"],
@@ -336,7 +337,8 @@ def attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse=None, chunk: int = 
       out_shape=[jax.ShapeDtypeStruct((s, rk_pad, hkv, d), _F32)] * 2,
       name="bdlm_attention_dkdv",
   )(*by_k, q, k, v, dout, lse, delta, *q_meta, *k_meta[:_N_KEY_META])
-  return dq[:, :rq], dk[:, :rk], dv[:, :rk]
+  dq_rows = dq_padded[:, :rq]
+  return (dq_rows if dq is None else dq + dq_rows), dk[:, :rk], dv[:, :rk]
 
 
 # ---- differentiable entry point ----------------------------------------------------------
@@ -355,7 +357,7 @@ def _attend_fwd_rule(q, k, v, q_meta, k_meta, chunk, tiles):
 def _attend_bwd_rule(chunk, tiles, res, cts):
   q, k, v, q_meta, k_meta, out, lse = res
   dout, dlse = cts
-  dq, dk, dv = attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse, chunk, tiles)
+  dq, dk, dv = attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse, chunk, tiles=tiles)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 

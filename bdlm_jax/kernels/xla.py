@@ -2,15 +2,16 @@
 
 Interface shared by every implementation (docs/kernels.md):
   attend_fwd(q, k, v, q_meta, k_meta) -> (out, lse)
-  attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse) -> (dq, dk, dv)
+  attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse, chunk, dq) -> (dq, dk, dv)
 q: [S, Rq, Hq, D]; k, v: [S, Rk, Hkv, D] (grouped-query: Hq a multiple of Hkv);
 lse: f32 [S, Rq, Hq], natural log. The raw fwd/bwd return float32 (out, dq, dk, dv) so a
 ring can merge and accumulate in full precision; the differentiable `attend` casts back to
-the input dtypes. The backward takes the *global* out and lse,
-so a ring can hand it the merged statistics of all steps. The work runs in tiles of `chunk`
-queries x `chunk` keys, so no (Rq x Rk) score matrix, nor an (Rq x chunk) one, is ever live:
-memory grows with chunk^2 per tile, and a tile of queries visits only the key chunks its
-mask reaches.
+the input dtypes. The backward takes the *global* out and lse, so a ring can hand it the
+merged statistics of all steps, and adds its dq into the ring's running f32 sum where given
+one (`dq`): the ring then holds one [Rq, Hq, D] f32 array, not that and this call's own.
+The work runs in tiles of `chunk` queries x `chunk` keys, so no (Rq x Rk) score matrix, nor
+an (Rq x chunk) one, is ever live: memory grows with chunk^2 per tile, and a tile of queries
+visits only the key chunks its mask reaches.
 """
 
 import functools
@@ -103,8 +104,10 @@ def attend_fwd(q, k, v, q_meta: RowMeta, k_meta: RowMeta, chunk: int = 512):
   return over_row_chunks(tile, chunk, q, q_meta)[0]
 
 
-def attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse=None, chunk: int = 512):
-  """Gradients of this (q, k, v) block given the global out, lse and their cotangents."""
+def attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse=None, chunk: int = 512, dq=None):
+  """Gradients of this (q, k, v) block given the global out, lse and their cotangents. Each
+  query tile's dq is added in place into `dq` (f32, q's shape: a ring's running sum; zeros
+  where not given), so no stack of the tiles' dq exists beside it."""
   hkv = k.shape[2]
   s, rk, _, d = k.shape
   k_n, v_n, km_n = _chunked_keys(k, v, k_meta, min(chunk, rk))
@@ -141,7 +144,9 @@ def attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse=None, chunk: int = 
     dq, dk_n, dv_n = _visited_chunks(q_meta, km_n, visit, (zeros(q5), zeros(k_n), zeros(v_n)))
     return dq.reshape(q.shape), (dk_n, dv_n)
 
-  dq, (dk_n, dv_n) = over_row_chunks(tile, chunk, q, q_meta, out, lse, dout, dlse)
+  dq = jnp.zeros_like(q, jnp.float32) if dq is None else dq
+  dq, (dk_n, dv_n) = over_row_chunks(tile, chunk, q, q_meta, out, lse, dout, dlse,
+                                     add_rows_to=dq)
 
   def unchunk(x):
     return jnp.moveaxis(x, 0, 1).reshape(s, -1, hkv, d)[:, :rk]

@@ -33,11 +33,12 @@ def _partial(kernel, chunk, q, k, v, q_meta, k_meta):
   return kernel.attend_fwd(q, k, v, q_meta, k_meta, chunk)
 
 
-def _grads(kernel, chunk, q, k, v, q_meta, k_meta, out, lse, dout, dlse):
+def _grads(kernel, chunk, q, k, v, q_meta, k_meta, out, lse, dout, dlse, dq=None):
+  """(dq, dk, dv) in float32 of one K/V part, dq added into the running `dq` where given."""
   if k.shape[1] == 0:
-    return (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k, jnp.float32),
-            jnp.zeros_like(v, jnp.float32))
-  return kernel.attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse, chunk)
+    return (jnp.zeros_like(q, jnp.float32) if dq is None else dq,
+            jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
+  return kernel.attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse, chunk, dq)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
@@ -75,9 +76,9 @@ def _ring_bwd(kernel, axis, num_ranks, chunk, grad_dtype, res, cts):
   dq, dk_stay, dv_stay = grads(k=k_stay, v=v_stay, q_meta=q_meta, k_meta=stay_meta)
 
   def visit(dq, kv, dkv):
-    dq_i, dk_i, dv_i = grads(k=kv[0], v=kv[1], q_meta=q_meta, k_meta=kv[2])
+    dq, dk_i, dv_i = grads(k=kv[0], v=kv[1], q_meta=q_meta, k_meta=kv[2], dq=dq)
     dkv = (dkv[0] + dk_i).astype(grad_dtype), (dkv[1] + dv_i).astype(grad_dtype)
-    return dq + dq_i, _shift(dkv, axis, num_ranks)
+    return dq, _shift(dkv, axis, num_ranks)
 
   def step(carry, _):
     dq, kv, dkv = carry

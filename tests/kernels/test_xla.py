@@ -89,6 +89,22 @@ def test_flash_backward_equals_autodiff_of_dense_oracle_including_lse():
     np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
 
 
+@pytest.mark.parametrize("rows", [32, 40])  # query tiles of 16: whole, and a shorter last one
+def test_the_backward_adds_dq_into_a_running_sum_in_place(rows):
+  """A ring hands attend_bwd its running dq: the result is that sum plus this part's dq, the
+  key gradients unchanged."""
+  q, k, v, meta, rng = _inputs(6, r=rows)
+  out, lse = xla.attend_fwd(q, k, v, meta, meta, 16)
+  dout = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+  running = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+  alone = xla.attend_bwd(q, k, v, meta, meta, out, lse, dout, None, 16)
+  added = jax.jit(xla.attend_bwd, static_argnums=9)(q, k, v, meta, meta, out, lse, dout, None,
+                                                    16, running)
+  np.testing.assert_allclose(added[0], running + alone[0], rtol=1e-6, atol=1e-6)
+  for a, b in zip(added[1:], alone[1:]):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_bf16_inputs_accumulate_in_f32():
   """With f32 statistics and accumulators, the bf16 output is off the f32 oracle by little more
   than rounding the oracle to bf16 (RMS 1.1x on these inputs); attention done wholly in bf16
