@@ -2,10 +2,11 @@
 
 Same interface and semantics as kernels/xla.py (the oracle): `attend_fwd` -> (out f32, lse),
 `attend_bwd(..., out, lse, dout, dlse, chunk, dq)` -> (dq, dk, dv) f32 given the *global* out
-and lse (plus a running `dq` where given), and the differentiable `attend`. The mask comes from row metadata (kernels/mask.py). A
-block-sparse tile map (kernels/tiles.py), built from the same metadata, lists for each tile
-the tiles it meets: FULL ones first (no mask arithmetic), then PARTIAL ones (masked); EMPTY
-tiles are never loaded. Grouped-query attention reads K/V head h // G in place.
+and lse (plus a running `dq` where given), and the differentiable `attend`. The mask comes
+from row metadata (kernels/mask.py). A block-sparse tile map (kernels/tiles.py), built from
+the same metadata, lists for each tile the tiles it meets: FULL ones first (no mask
+arithmetic), then PARTIAL ones (masked); EMPTY tiles are never loaded. Grouped-query
+attention reads K/V head h // G in place.
 
 Three `pl.pallas_call`s, each a grid with BlockSpecs:
   forward  grid (q tiles, S, Hq):  online softmax over the q tile's key-tile list
