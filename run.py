@@ -86,10 +86,9 @@ def main(argv=None) -> int:
   except (ConfigError, DataError, CheckpointError, BadStepsError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  except KeyboardInterrupt:
-    print(f"interrupted; checkpoints in {workdir} are kept, continue with --resume",
-          file=sys.stderr)
-    return 130
+  except KeyboardInterrupt as e:  # loop.Interrupted says what the workdir holds
+    print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
+    return 128 + getattr(e, "signum", 2)
   if jax.process_index() == 0:
     if not history:
       print(f"nothing to train: {workdir} is already at train.steps={cfg.train.steps} or past it")

@@ -15,14 +15,17 @@ import difflib
 import json
 import math
 import typing
+import warnings
 from typing import Any, ClassVar, Iterable
 
 from bdlm_jax.errors import ConfigError
 
 
-ANCHOR_SAMPLING = ("uniform", "strided")  # objective.anchors (dflash)
+ANCHOR_SAMPLING = ("uniform", "strided", "locality")  # objective.anchors (dflash)
+DFLASH_LOSSES = ("", "dflash", "dpace", "dpace-cumulative-confidence-only",
+                 "dpace-continuation-value-only")  # objective.dflash_loss
 ATTENTION_IMPLS = ("xla", "pallas")
-LAYER_TYPES = ("global", "local")
+LAYER_TYPES = ("global", "local", "gdn")  # gdn: Gated DeltaNet (docs/gdn.md)
 MLP_TYPES = ("dense", "moe")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama, Qwen3), GeGLU (Gemma 3)
 MOE_DISPATCHES = ("ragged_all_to_all", "all_gather")  # parallel.moe_dispatch
@@ -32,7 +35,7 @@ MODES = ("train", "eval", "sample", "export", "plan", "prepare")
 # "tokens": a folder of token ids written by mode=prepare (bdlm_jax/data/prepare.py).
 DATA_SOURCES = ("arithmetic", "text", "jsonl", "array_record", "tokens")
 DATA_FORMATS = ("text", "chat")
-CHAT_TEMPLATES = ("plain", "chatml")  # defined in bdlm_jax/data/chat.py
+CHAT_TEMPLATES = ("plain", "chatml", "tokenizer")  # in bdlm_jax/data/chat.py
 
 
 class OneOf(tuple):
@@ -103,6 +106,17 @@ class ModelConfig(Section):
   layer_pattern: str = "global"
   sliding_window: int = 0  # W, needed (>= 1) when the pattern has a local layer
   rope_local_theta: float = 0.0  # RoPE base of local layers; 0: rope_theta
+  # Gated DeltaNet layers (kind "gdn", docs/gdn.md): key and value heads and their dims (0:
+  # n_heads, head_dim) and the causal conv's kernel. Qwen3.5 / Qwen3-Next's attention layers
+  # gate their output (q_proj gives [q | gate] per head: attention_gate) and rotate only the
+  # first partial_rotary_factor of the head dim, frequencies over that part.
+  gdn_key_heads: int = 0
+  gdn_value_heads: int = 0
+  gdn_key_dim: int = 0
+  gdn_value_dim: int = 0
+  gdn_conv: int = 4
+  attention_gate: bool = False
+  partial_rotary_factor: float = 1.0
   # Mixture of experts (Qwen3-MoE form) in the MLPs when moe_experts > 0: top-k of a softmax
   # router, experts of width moe_d_ff (0: d_ff) run as grouped matmuls.
   moe_experts: int = 0  # E; 0: dense MLPs
@@ -112,6 +126,9 @@ class ModelConfig(Section):
   moe_top_k: int = 2
   moe_d_ff: int = 0
   moe_norm_topk: bool = False  # renormalise the k weights to sum to 1 (norm_topk_prob)
+  # A shared SwiGLU expert of this width beside the routed ones, its output times
+  # sigmoid(x @ w) (Qwen3.5-MoE, Qwen3-Next's shared_expert); 0: none.
+  moe_shared_d_ff: int = 0
   moe_aux_weight: float = 0.001  # load-balancing loss (Qwen3-MoE's router_aux_loss_coef)
   moe_z_weight: float = 0.0  # router z-loss
   # Drop (token, expert) pairs over an expert's capacity, ceil(factor * tokens * k / E) of
@@ -175,6 +192,7 @@ class ModelConfig(Section):
       sliding_window=Holds(">= 0 (0: no local layers)", lambda x: x >= 0),
       moe_experts=Holds(">= 0 (0: dense MLPs)", lambda x: x >= 0),
       moe_d_ff=Holds(">= 0 (0: model.d_ff)", lambda x: x >= 0),
+      moe_shared_d_ff=Holds(">= 0 (0: no shared expert)", lambda x: x >= 0),
       moe_aux_weight=AT_LEAST_0, moe_z_weight=AT_LEAST_0, moe_capacity_factor=ABOVE_0,
       norm_eps=Holds("in (0, 1)", lambda x: 0 < x < 1),
       query_pre_attn_scalar=Holds(">= 0 (0: head_dim)", lambda x: x >= 0),
@@ -183,7 +201,12 @@ class ModelConfig(Section):
       global_head_dim=Holds(">= 0 (0: model.head_dim)", lambda x: x >= 0),
       global_n_kv_heads=Holds(">= 0 (0: model.n_kv_heads)", lambda x: x >= 0),
       global_partial_rotary_factor=Holds("in (0, 1]", lambda x: 0 < x <= 1),
-      row_chunks=AT_LEAST_1,
+      row_chunks=AT_LEAST_1, gdn_conv=AT_LEAST_1,
+      gdn_key_heads=Holds(">= 0 (0: model.n_heads)", lambda x: x >= 0),
+      gdn_value_heads=Holds(">= 0 (0: model.n_heads)", lambda x: x >= 0),
+      gdn_key_dim=Holds(">= 0 (0: model.head_dim)", lambda x: x >= 0),
+      gdn_value_dim=Holds(">= 0 (0: model.head_dim)", lambda x: x >= 0),
+      partial_rotary_factor=Holds("in (0, 1]", lambda x: 0 < x <= 1),
       attention_impl=OneOf(ATTENTION_IMPLS), param_dtype=OneOf(DTYPES),
       compute_dtype=OneOf(DTYPES), remat=OneOf(REMAT), mlp_activation=OneOf(MLP_ACTIVATIONS))
 
@@ -202,6 +225,10 @@ class ModelConfig(Section):
       if t not in LAYER_TYPES:
         raise ConfigError(f"model.layer_pattern={self.layer_pattern!r} has the layer type "
                           f"{t!r}; valid types: {list(LAYER_TYPES)}, comma-separated")
+    if "gdn" in self.layer_period and (self.gdn_value_heads or self.n_heads) % (
+        self.gdn_key_heads or self.n_heads):
+      raise ConfigError(f"model.gdn_value_heads={self.gdn_value_heads} must be a multiple of "
+                        f"model.gdn_key_heads={self.gdn_key_heads} (0: model.n_heads)")
     if "local" in self.layer_period and self.sliding_window < 1:
       raise ConfigError(f"model.layer_pattern={self.layer_pattern!r} has local layers, whose "
                         f"model.sliding_window must be >= 1 position; got {self.sliding_window}")
@@ -247,7 +274,9 @@ class DataConfig(Section):
   # message is the response, everything before it the (never corrupted) prompt. With
   # source=arithmetic each embedded document gives one question ("12+7=") and its answer.
   format: str = "text"
-  chat_template: str = "plain"  # how messages render to text: "plain" or "chatml"
+  # How messages render to text: "plain", "chatml" (ours; EOS ends the response) or
+  # "tokenizer" (the data.tokenizer folder's own chat template, as transformers renders it).
+  chat_template: str = "plain"
   seq_len: int = 128  # L
   shuffle: bool = True
   num_threads: int = 2  # grain read threads (2-core friendly)
@@ -268,6 +297,10 @@ class DataConfig(Section):
                         f"(data.source=arithmetic); got data.source={self.source!r}")
     if self.source != "arithmetic" and not self.path:
       raise ConfigError(f"data.source={self.source!r} needs data.path")
+    if self.format == "chat" and self.chat_template == "tokenizer" and self.tokenizer == "byte":
+      raise ConfigError("data.chat_template='tokenizer' renders with the data.tokenizer "
+                        "folder's chat template, but data.tokenizer='byte' has none: set "
+                        "data.tokenizer to that folder, or use 'plain' or 'chatml'")
 
 
 @dataclasses.dataclass
@@ -286,6 +319,19 @@ class ObjectiveConfig(Section):
   anchors: str = "uniform"
   gamma: float = 7.0
   draft_loss: str = "ce"
+  # DFlash2 (docs/dflash.md, "DFlash2"): "" keeps the loss above (/ the scored-slot count);
+  # "dflash" (the same weights), "dpace" or its ablations weigh slots as the seed does and
+  # divide by the global sum of weights; lk_loss "tv" or "lambda" replaces the CE numerator
+  # (kl_scale, kl_decay); selector_rank > 0 adds the candidate selector (top-K candidates,
+  # its CE times selector_loss_alpha).
+  dflash_loss: str = ""
+  dpace_alpha: float = 0.5
+  lk_loss: str = ""
+  kl_scale: float = 1.0
+  kl_decay: float = 1.0
+  selector_rank: int = 0
+  selector_top_k: int = 16
+  selector_loss_alpha: float = 1.0
   # diffusiongemma (docs/diffusiongemma.md): canvases corrupted with uniform tokens; each
   # sequence self-conditioned with this probability (a first pass without gradient feeds
   # its logits to the second), and the clean stream's next-token loss added with this weight.
@@ -294,7 +340,11 @@ class ObjectiveConfig(Section):
 
   RULES = dict(block_size=AT_LEAST_1, max_anchors=AT_LEAST_1, gamma=ABOVE_0,
                loss_weight=OneOf(("inv_t", "unit")), anchors=OneOf(ANCHOR_SAMPLING),
-               draft_loss=OneOf(("ce", "kl")),
+               draft_loss=OneOf(("ce", "kl")), dflash_loss=OneOf(DFLASH_LOSSES),
+               dpace_alpha=Holds("in [0, 1]", lambda x: 0 <= x <= 1),
+               lk_loss=OneOf(("", "tv", "lambda")), kl_decay=AT_LEAST_0,
+               selector_rank=AT_LEAST_0, selector_top_k=AT_LEAST_1,
+               selector_loss_alpha=AT_LEAST_0,
                self_condition_p=Holds("in [0, 1]", lambda x: 0 <= x <= 1),
                encoder_loss_weight=AT_LEAST_0)
 
@@ -323,8 +373,16 @@ class DrafterConfig(Section):
   # loaded (only the embedding, final norm and LM head the drafter shares). Empty: the
   # target runs inside the step.
   features: str = ""
+  # DFlash2 (docs/dflash.md): a block-local grouped convolution of `conv_taps` taps (0: none)
+  # around each layer's attention and MLP, one dynamic coefficient per `conv_group_size`
+  # channels; `window` W > 0 makes every drafter layer sliding-window (a draft slot j at
+  # anchor a sees context positions >= a + j - W + 1).
+  conv_taps: int = 0
+  conv_group_size: int = 16
+  window: int = 0
 
-  RULES = dict(n_layers=AT_LEAST_1, n_heads=Holds(">= 0 (0: the target's)", lambda x: x >= 0),
+  RULES = dict(conv_taps=AT_LEAST_0, conv_group_size=AT_LEAST_1, window=AT_LEAST_0,
+               n_layers=AT_LEAST_1, n_heads=Holds(">= 0 (0: the target's)", lambda x: x >= 0),
                n_kv_heads=Holds(">= 0 (0: the target's)", lambda x: x >= 0),
                head_dim=Holds(">= 0 (0: the target's)", lambda x: x >= 0),
                d_ff=Holds(">= 0 (0: the target's)", lambda x: x >= 0))
@@ -389,8 +447,13 @@ class TrainConfig(Section):
   # Steps with a non-finite loss, gradient or update are skipped; this many in a row stop the run.
   max_bad_steps: int = 3
   eval_every: int = 0  # steps between held-out evaluations (and one at the end); 0: never
+  # Parameter groups that get no gradient, no update and no optimiser state: "routers" (every
+  # MoE router's projection, input scale and per-expert scale), "" none; "auto": the
+  # objective's choice (routers for diffusiongemma, as the seed's native SFT; else none).
+  freeze: str = "auto"
 
   RULES = dict(
+      freeze=OneOf(("auto", "", "routers")),
       steps=AT_LEAST_1, batch_size=AT_LEAST_1, grad_accum=AT_LEAST_1, log_every=AT_LEAST_1,
       ckpt_every=AT_LEAST_1, max_to_keep=AT_LEAST_1, max_bad_steps=AT_LEAST_1, lr=ABOVE_0,
       warmup_steps=AT_LEAST_0, min_lr_ratio=Holds("in [0, 1]", lambda x: 0 <= x <= 1),
@@ -400,6 +463,15 @@ class TrainConfig(Section):
                       lambda x: x > 0),
       peak_tflops=Holds(">= 0 (0: guessed from the backend)", lambda x: x >= 0),
       eval_every=Holds(">= 0 (0: never)", lambda x: x >= 0))
+
+  def check(self) -> None:
+    # AdamW moves every weight by about lr a step; weights are ~0.01-1, so from lr ~1 on a
+    # step replaces them (train.py skips such steps: MAX_UPDATE_RATIO) and the run cannot train.
+    if self.lr >= 1.0:
+      warnings.warn(f"train.lr={self.lr:g} cannot train: AdamW moves every weight by about lr "
+                    f"each step, and weights are ~0.01-1 (usual lr: 1e-5 to 1e-2); such steps "
+                    f"are skipped, and train.max_bad_steps of them in a row stop the run",
+                    stacklevel=2)
 
 
 @dataclasses.dataclass
@@ -427,13 +499,19 @@ class SampleConfig(Section):
   # its mean token entropy is below confidence_threshold.
   stability_threshold: int = 1
   confidence_threshold: float = 0.005
+  # Comma-separated ids that end generation (any of them); "": the tokenizer's EOS. Imported
+  # from a Hugging Face folder's generation_config.json (DiffusionGemma IT: "1,106,50").
+  eos_ids: str = ""
 
   RULES = dict(strategy=OneOf(("confidence", "first_hitting")), max_new_tokens=AT_LEAST_1,
                steps_per_block=Holds(">= 0 (0: one token per step)", lambda x: x >= 0),
                temperature=Holds(">= 0 (0: greedy)", lambda x: x >= 0), checkpoint_step=STEP,
                denoising_steps=AT_LEAST_1, t_min=AT_LEAST_0, t_max=ABOVE_0,
                entropy_bound=ABOVE_0, stability_threshold=AT_LEAST_0,
-               confidence_threshold=ABOVE_0)
+               confidence_threshold=ABOVE_0,
+               eos_ids=Holds("comma-separated token ids, or empty",
+                             lambda x: all(i.strip().isdigit() for i in x.split(",")) if x
+                             else True))
 
   def check(self) -> None:
     if self.t_max < self.t_min:
@@ -465,6 +543,9 @@ class ExportConfig(Section):
   dtype: str = "float32"
   # Export into a folder that is not empty, replacing the files an export writes (others stay).
   overwrite: bool = False
+  # A DiffusionGemma without the Hugging Face folder it came from (init_from): write the
+  # smallest Gemma 4 vision tower, initialised at random by transformers (text use only).
+  toy_vision: bool = False
 
   RULES = dict(checkpoint_step=STEP, dtype=OneOf(DTYPES))
 

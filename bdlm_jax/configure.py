@@ -14,7 +14,7 @@ from typing import Iterable
 from bdlm_jax import objectives
 from bdlm_jax.config import Config, apply_overrides, updated
 from bdlm_jax.errors import ConfigError
-from bdlm_jax.parallel import experts, mesh, registry
+from bdlm_jax.parallel import experts, mesh, recurrence, registry
 from bdlm_jax.parallel.registry import plan_for
 
 
@@ -35,6 +35,7 @@ def validate(cfg: Config) -> None:
         f"{list(registry.strategy_names(needs_noisy_stream=False))}")
   mesh.check_config(cfg)
   experts.check_config(cfg)
+  recurrence.check_config(cfg)
   plan_for(cfg)  # the layout (block count vs ranks, divisibility) fails here, not at a batch
 
 

@@ -31,7 +31,7 @@ from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.data.arithmetic import ArithmeticSource, split_statement
-from bdlm_jax.data.chat import ArithmeticChatSource
+from bdlm_jax.data.chat import ArithmeticChatSource, make_template
 from bdlm_jax.feed import Feed
 from bdlm_jax.loss import spec_loss
 from bdlm_jax.parallel.mesh import make_mesh, row_sharding, to_host
@@ -111,8 +111,8 @@ def arithmetic_prompts(cfg: Config, n: int) -> list[tuple[str, str]]:
   statement drawn at random), and that statement's result; for a chat model, held-out
   conversations (`data.format=chat`)."""
   if cfg.data.format == "chat":
-    chats = ArithmeticChatSource(cfg.seed, "eval", cfg.data.chat_template)
-    return [(chats[i]["prompt"], chats[i]["response"]) for i in range(n)]
+    chats = ArithmeticChatSource(cfg.seed, "eval", make_template(cfg.data))
+    return [(chats[i]["prompt"], chats.messages(i)[-1]["content"]) for i in range(n)]
   source = ArithmeticSource(cfg.seed, split="eval")
   rng = np.random.default_rng(cfg.seed)
   pairs = []
@@ -164,8 +164,7 @@ def evaluate_checkpoint(cfg: Config, workdir: str) -> tuple[int, dict[str, float
 
 def describe(metrics: dict[str, float], objective: str) -> str:
   """One line for people: the held-out loss under its right name, and accuracy vs chance."""
-  likelihood = {"bd3lm": ("NELBO", "perplexity bound"), "ar": ("NLL", "perplexity")}
-  name, ppl = likelihood.get(objective, (f"{objective} loss", None))
+  name, ppl = get_objective(objective).HELD_OUT
   extra = f"{ppl} {metrics['eval_ppl']:.2f}, " if ppl else ""
   line = (f"held-out {name} {metrics['eval_loss']:.4f} nats/token ({extra}"
           f"{int(metrics['eval_tokens'])} tokens)")

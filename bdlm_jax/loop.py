@@ -1,8 +1,11 @@
 """The training loop: data -> layout -> jitted step -> metrics and checkpoints, resumable."""
 
 import collections
+import contextlib
 import math
 import os
+import signal
+import threading
 import time
 import warnings
 
@@ -24,34 +27,77 @@ from bdlm_jax.objectives import get_objective
 from bdlm_jax.params import init_params
 from bdlm_jax.parallel.experts import check_dispatch_runs_here
 from bdlm_jax.parallel.mesh import initialize_distributed, make_mesh
-from bdlm_jax.train import abstract_state, init_state, make_train_step
+from bdlm_jax.train import MAX_UPDATE_RATIO, abstract_state, init_state, make_train_step
 
 
-# A loss above SPIKE_FACTOR x the median of the last SPIKE_WINDOW applied steps' losses (once
-# there are SPIKE_MIN of them) is a spike: its step gets no regular checkpoint, so a diverging
-# run (finite but ever larger losses) does not rotate its good checkpoints out. Spikes count
-# in the median, so a level that lasts over half the window becomes the new normal.
+# A checkpoint holds the state after a step, so that state is what is judged: train_step
+# applies a step only if the state it gives is finite and its update is within
+# train.MAX_UPDATE_RATIO of the weights, and a state is checkpointed only if none of its
+# step's JUDGED metrics (the loss, ||update|| / ||weights||, ||weights||) is a spike: over
+# SPIKE_FACTOR x the median of that metric over the last SPIKE_WINDOW applied steps (once there
+# are SPIKE_MIN of them). So a diverging run (finite but ever larger losses or weights) does
+# not rotate its good checkpoints out. Spikes count in the median, so a level that lasts over
+# half the window becomes the new normal.
 SPIKE_FACTOR = 3.0
 SPIKE_WINDOW = 50
 SPIKE_MIN = 10
+JUDGED = ("loss", "update_ratio", "param_norm")
+GOOD = (f"finite; its loss, update/weight ratio and weight norm within {SPIKE_FACTOR:g}x the "
+        f"median of the recent steps")
 
 
 class BadStepsError(RuntimeError):
-  """`train.max_bad_steps` steps in a row had a non-finite loss, gradient or update."""
+  """`train.max_bad_steps` steps in a row had a non-finite loss, gradient or update, or an
+  update over train.MAX_UPDATE_RATIO."""
+
+
+class Interrupted(KeyboardInterrupt):
+  """Training stopped on SIGINT or SIGTERM; the message says what was saved."""
+
+  def __init__(self, message: str, signum: int = signal.SIGINT):
+    super().__init__(message)
+    self.signum = signum
 
 
 class SpikeDetector:
-  """Tells whether each applied step's loss is a spike (see SPIKE_FACTOR)."""
+  """Tells whether each applied step's value of one metric is a spike (see SPIKE_FACTOR)."""
 
   def __init__(self):
     self._recent = collections.deque(maxlen=SPIKE_WINDOW)
     self.median = math.inf  # of the losses the last one was compared with
 
-  def __call__(self, loss: float) -> bool:
+  def __call__(self, value: float) -> bool:
     enough = len(self._recent) >= SPIKE_MIN
     self.median = float(np.median(self._recent)) if enough else math.inf
-    self._recent.append(loss)
-    return loss > SPIKE_FACTOR * self.median
+    self._recent.append(value)
+    return value > SPIKE_FACTOR * self.median
+
+
+@contextlib.contextmanager
+def stop_requests():
+  """Turns the first SIGINT or SIGTERM (a scheduler's preemption) into a request, read
+  between steps: `requests` holds the signal numbers received. A second signal interrupts at
+  once. Only in the main thread of a single-process run; multi-host runs leave preemption to
+  Orbax (PreemptionCheckpointingPolicy), which saves on every host at the same step."""
+  requests = []
+  if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
+    yield requests
+    return
+  signals = (signal.SIGINT, signal.SIGTERM)
+  previous = {s: signal.getsignal(s) for s in signals}
+
+  def on_signal(signum, frame):
+    if requests:
+      raise Interrupted(f"{signal.Signals(signum).name} twice: stopped without saving", signum)
+    requests.append(signum)
+
+  for s in signals:
+    signal.signal(s, on_signal)
+  try:
+    yield requests
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
 
 
 def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool = True,
@@ -65,12 +111,15 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
   (`trajectory_changes`: train.steps, which shapes the learning-rate schedule, the batch, the
   data, the seed...) unless `allow_changes`, which warns naming them. If training stops early
   (an error, Ctrl-C), checkpoints already started are finished before the exception
-  propagates, so `resume` can continue from them.
+  propagates, so `resume` can continue from them. SIGINT or SIGTERM stops the run after the
+  step in progress, saving it (if judged good, below) and raising `Interrupted`, whose
+  message names the checkpoint to resume from, if any.
 
-  A step that `train_step` skips (a non-finite loss, gradient or update) is counted in the
-  logged `skipped_steps` and gets no regular checkpoint (the final one is still written);
-  `train.max_bad_steps` in a row raise `BadStepsError`, naming the last good checkpoint. A
-  step whose loss is a spike (SPIKE_FACTOR) is applied but not checkpointed either.
+  A step that `train_step` skips (a non-finite loss, gradient or update, or an update over
+  MAX_UPDATE_RATIO x the weights) is counted in the logged `skipped_steps` and gets no regular
+  checkpoint (the final one is still written); `train.max_bad_steps` in a row raise
+  `BadStepsError`, naming the last good checkpoint. A step with a spike in a JUDGED metric
+  (SPIKE_FACTOR) is applied but its state is not checkpointed, until a step without one.
 
   Every `train.eval_every` steps and at the last step, the held-out metrics of evaluate.py
   join that step's row.
@@ -82,7 +131,7 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
     raise _nothing_to_resume(workdir)
   ckpt = Checkpointer(workdir, cfg, save_every=cfg.train.ckpt_every,
                       max_to_keep=cfg.train.max_to_keep, async_save=cfg.train.async_checkpoint)
-  writer = None
+  writer, handlers = None, contextlib.ExitStack()
   try:
     if not resume and ckpt.latest_step() is not None:
       raise FileExistsError(f"{workdir} already holds checkpoints (latest step "
@@ -111,14 +160,17 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not progress or jax.process_index())
     last_time, last_step = time.perf_counter(), start
     bad_in_a_row = skipped_since_row = 0
-    is_spike = SpikeDetector()
-    good_state = start > 0  # a restored state, or one some step of this run has updated
+    is_spike = {name: SpikeDetector() for name in JUDGED}
+    good_state = start > 0  # a restored checkpoint, or a state judged good (GOOD) since
+    requests = handlers.enter_context(stop_requests())  # until the finally below
     for step in range(start, cfg.train.steps):
       state, metrics = train_step(state, next(data), jax.random.fold_in(step_key, step))
       done = step + 1
       skipped = int(metrics.pop("skipped"))  # waits for the step: its state may be saved below
-      spike = not skipped and is_spike(float(metrics["loss"]))
-      good_state |= not skipped
+      spikes = [] if skipped else [name for name in JUDGED  # each detector sees every step
+                                   if is_spike[name](float(metrics[name]))]
+      if not skipped:  # a skipped step leaves the state, and its judgement, as they were
+        good_state = not spikes
       bad_in_a_row = bad_in_a_row + 1 if skipped else 0
       skipped_since_row += skipped
       evaluate = held_out is not None and (done % cfg.train.eval_every == 0
@@ -143,28 +195,50 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
       if bad_in_a_row == cfg.train.max_bad_steps:
         ckpt.wait()
         saved = ckpt.latest_step()
-        good = (f"{ckpt.step_dir(saved)} (step {saved}; its loss was finite and no spike)"
-                if saved is not None else "none yet")
+        good = f"{ckpt.step_dir(saved)} (step {saved}; {GOOD})" if saved is not None else (
+            "none yet")
         raise BadStepsError(
-            f"steps {done - bad_in_a_row + 1}-{done} had a non-finite loss, gradient or update "
-            f"(train.max_bad_steps={cfg.train.max_bad_steps} in a row); stopped at step {done}. "
-            f"Last good checkpoint: {good}")
+            f"steps {done - bad_in_a_row + 1}-{done} had a non-finite loss, gradient or "
+            f"update, or an update over {MAX_UPDATE_RATIO:g}x the weights "
+            f"(train.max_bad_steps={cfg.train.max_bad_steps} in a row); stopped at step "
+            f"{done}. Last good checkpoint: {good}")
       final = done == cfg.train.steps
-      if spike and done % cfg.train.ckpt_every == 0 and not final:
-        warnings.warn(f"step {done}: loss {float(metrics['loss']):.4g} is over {SPIKE_FACTOR:g}x "
-                      f"the median {is_spike.median:.4g} of the recent steps; not checkpointed")
-      # A skipped step changed nothing, and a spike's state may be diverging: a regular save
-      # would only rotate out an older good checkpoint. The final save is forced, unless no
-      # step ever applied (the state may be a NaN init_from).
-      if (not skipped and not spike) or (final and good_state):
+      if spikes and (final or done % cfg.train.ckpt_every == 0):
+        name = spikes[0]
+        warnings.warn(f"step {done}: {name} {float(metrics[name]):.4g} is over "
+                      f"{SPIKE_FACTOR:g}x the median {is_spike[name].median:.4g} of the recent "
+                      f"steps; not checkpointed")
+      # Only a state judged good is saved. A skipped step changed nothing: a regular save
+      # would only rotate out an older checkpoint; the final save is forced.
+      if good_state and (final or not skipped):
         ckpt.save(done, state, data.get_state(), force=final)
+      if requests:  # save the step reached, unless it is saved or not judged good
+        if good_state:
+          ckpt.save(done, state, data.get_state(), force=True)
+        name = signal.Signals(requests[0]).name
+        raise Interrupted(f"{name} at step {done}", requests[0])
     bar.close()
     return history
+  except KeyboardInterrupt as e:
+    raise _interrupted(ckpt, workdir, e) from None
   finally:
+    handlers.close()
     ckpt.wait()
     ckpt.close()
     if writer is not None:
       writer.close()
+
+
+def _interrupted(ckpt: Checkpointer, workdir: str, e: KeyboardInterrupt) -> Interrupted:
+  """`e` with what the workdir now holds: only what is true."""
+  ckpt.wait()
+  latest = ckpt.latest_step()
+  if latest is None:
+    held = (f"{workdir} holds no checkpoint (none was due, and no step was judged good): "
+            f"rerun without --resume to start again")
+  else:
+    held = f"latest checkpoint {ckpt.step_dir(latest)} (step {latest}): continue with --resume"
+  return Interrupted(f"{e or 'interrupted'}; {held}", getattr(e, "signum", signal.SIGINT))
 
 
 def _nothing_to_resume(workdir: str) -> CheckpointError:
@@ -176,7 +250,7 @@ def _nothing_to_resume(workdir: str) -> CheckpointError:
 
 def _check_same_run(ckpt: Checkpointer, step: int, cfg: Config, allow_changes: bool) -> None:
   """Refuses, or with `allow_changes` warns about, settings that change the resumed run."""
-  changes = trajectory_changes(ckpt.saved_config(step), cfg)
+  changes = trajectory_changes(ckpt.saved_config(step), cfg) + ckpt.data_changes(step)
   if not changes:
     return
   where = ckpt.step_dir(step)

@@ -23,7 +23,8 @@ from bdlm_jax.kernels import with_windows, xla
 from bdlm_jax.kernels.mask import CLEAN, NOISY, row_meta
 from bdlm_jax.models.transformer import STACKS, expected_embedding, head_logits
 from bdlm_jax.objectives import ar
-from bdlm_jax.params import merge
+from bdlm_jax.params import join, merge, split_frozen
+from bdlm_jax.parallel import recurrence
 from bdlm_jax.parallel.mesh import BATCH_AXES
 from bdlm_jax.parallel.registry import SINGLE_DEVICE
 from bdlm_jax.parallel.zero3 import gathered_weights
@@ -106,18 +107,19 @@ def loss_fn(params, batch, key, cfg: Config, mesh=None):
   `normalizer` (its valid tokens, for most), plus an MoE's weighted router losses (then the
   CE alone is `metrics["token_loss"]`).
 
-  An objective's frozen parameters (a drafter's target) get no gradient here, whatever the
-  caller differentiates."""
+  Frozen parameters (a drafter's target, `train.freeze`'s routers) get no gradient here,
+  whatever the caller differentiates."""
   return spec_loss(resolve(cfg, mesh), params, batch, key)
 
 
-def spec_loss(spec: StepSpec, params, batch, key):
+def spec_loss(spec: StepSpec, params, batch, key, counts=None):
   """`loss_fn` of a config resolved once (`bdlm_jax.spec.resolve`): rows -> corrupt ->
-  model -> score, whatever the objective and the strategy."""
+  model -> score, whatever the objective and the strategy. `counts`: the objective's
+  `step_counts` of the whole step when `batch` is one of its micro-batches."""
   cfg, mesh, plan, objective = spec.cfg, spec.mesh, spec.plan, spec.objective
   _check_batch(cfg, batch, plan)
-  params = {k: jax.lax.stop_gradient(v) if k in objective.FROZEN else v
-            for k, v in params.items()}
+  trainable, frozen = split_frozen(cfg, params)
+  params = join(trainable, jax.lax.stop_gradient(frozen))
   # The embedding and head are gathered in param_dtype: the chunked loss accumulates the
   # head's gradient over many row chunks. Layers are cast to compute_dtype, then gathered,
   # and so is a frozen subtree's every weight (no gradient to accumulate).
@@ -130,20 +132,31 @@ def spec_loss(spec: StepSpec, params, batch, key):
   batch = spec.rows_sharded(batch)
   n_valid = jnp.sum(batch.labels >= 0)  # before an objective adds copies of the batch
   normalizer = objective.normalizer(batch)
-  batch, inputs, scored, weight = objective.corrupt(key, batch, cfg)
+  counts = objective.step_counts(batch) if counts is None else counts
+  batch, inputs, scored, weight = objective.corrupt(key, batch, cfg, counts)
   hidden, teacher, stats = objective.hidden(spec, model, batch, inputs, layer_weights)
-  score = functools.partial(objective.score, cfg=cfg.objective)
-  rows = [hidden] + [plan.slot_rows(x, objective.LOSS_SLOT)
-                     for x in (batch.labels, scored, weight)] + list(teacher)
-  total = _loss_on_every_device(model.head, score, cfg.model.logits_chunk,
-                                cfg.model.logit_softcap, mesh, *rows)
-  loss = total / normalizer
   metrics = dict(valid_tokens=n_valid, masked_tokens=jnp.sum(scored & (batch.labels >= 0)))
+  # An objective whose rows weigh each other (DFlash2's D-PACE, LK and selector losses) may
+  # score them as a whole, (loss, metrics); else a score is summed over chunks of rows.
+  whole = getattr(objective, "rows_loss", lambda *_: None)(spec, model, batch, hidden, scored,
+                                                            weight)
+  if whole is not None:
+    loss, more = whole
+    metrics.update(more)
+  else:
+    score = functools.partial(objective.score, cfg=cfg.objective)
+    rows = [hidden] + [plan.slot_rows(x, objective.LOSS_SLOT)
+                       for x in (batch.labels, scored, weight)] + list(teacher)
+    total = _loss_on_every_device(model.head, score, cfg.model.logits_chunk,
+                                  cfg.model.logit_softcap, mesh, *rows)
+    loss = total / normalizer
   if cfg.model.moe_experts:
     router = router_losses(stats, cfg.model.moe_experts)
     metrics.update(router, token_loss=loss)
-    loss = (loss + cfg.model.moe_aux_weight * router["moe_aux_loss"]
-            + cfg.model.moe_z_weight * router["moe_z_loss"])
+    # A micro-batch given the step's counts adds its valid tokens' share of router losses.
+    share = n_valid / jnp.maximum(counts["labelled"], 1) if counts else 1.0
+    loss = loss + share * (cfg.model.moe_aux_weight * router["moe_aux_loss"]
+                           + cfg.model.moe_z_weight * router["moe_z_loss"])
   return loss, dict(metrics, loss=loss)
 
 
@@ -169,8 +182,10 @@ def canvas_logits(params, cfg: Config, prompt_tokens, canvas_tokens,
   self_conditioning_logits=...)` computes them.
 
   A model with `model.self_conditioning` passes the canvas embeddings through it, conditioned
-  on the softmax of `self_conditioning_logits` [S, C, vocab] (zeros without: the first
-  denoising step). The prompt need not fill whole blocks: it is one causal stream."""
+  on the soft embedding of `self_conditioning_logits` [S, C, vocab] (zeros without: the first
+  denoising step), a constant to differentiation as in the seed's training (no gradient to
+  the embedding table through it). The prompt need not fill whole blocks: it is one causal
+  stream."""
   prompt, canvas = jnp.asarray(prompt_tokens), jnp.asarray(canvas_tokens)
   if prompt.ndim != 2 or canvas.ndim != 2 or prompt.shape[0] != canvas.shape[0]:
     raise ConfigError(f"canvas_logits needs prompt [S, T] and canvas [S, C] tokens, got shapes "
@@ -183,12 +198,14 @@ def canvas_logits(params, cfg: Config, prompt_tokens, canvas_tokens,
   # Blocks of one token: the prompt is causal, and the canvas is one block after all of it.
   meta = row_meta(jnp.where(pos < t, CLEAN, NOISY), jnp.minimum(pos, t), jnp.ones_like(pos), pos)
   attend = with_windows(functools.partial(xla.attend, chunk=cfg.model.attention_chunk), 1)
+  attend.recur = recurrence.causal  # the canvas after its prompt: the concat reference itself
   model = merge(cfg, params)
   x = model.embed_tokens(jnp.concatenate([prompt, canvas], axis=1))
   if cfg.model.self_conditioning:
     soft = (jnp.zeros_like(x[:, t:]) if self_conditioning_logits is None else
             expected_embedding(model.embed, self_conditioning_logits,
                                cfg.model.scale_embeddings).astype(x.dtype))
+    soft = jax.lax.stop_gradient(soft)  # a constant input, as the seed trains it
     x = x.at[:, t:].set(model.self_condition(x[:, t:], soft))
   hidden, _ = model.over_layers(x, pos, meta, attend)
   return model.logits(hidden[:, t:])

@@ -5,10 +5,10 @@ import functools
 import json
 
 import jax
-from flax import nnx
+from flax import nnx, traverse_util
 
 from bdlm_jax.config import Config, ModelConfig
-from bdlm_jax.models.drafter import DFlash, drafter_model, target_layer_ids
+from bdlm_jax.models.drafter import DFlash, drafter_args, target_layer_ids
 from bdlm_jax.models.transformer import STACKS, Transformer
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel.zero3 import zero3_shardings
@@ -21,7 +21,8 @@ def _model_args(cfg: Config) -> tuple:
   if not get_objective(cfg.objective.name).DRAFTER:
     return _json(cfg.model), "", 0
   target = dataclasses.replace(cfg.model, n_layers=0) if cfg.drafter.features else cfg.model
-  return _json(target), _json(drafter_model(cfg)), len(target_layer_ids(cfg))
+  return (_json(target), json.dumps(drafter_args(cfg), sort_keys=True),
+          len(target_layer_ids(cfg)))
 
 
 def _json(model: ModelConfig) -> str:
@@ -33,7 +34,7 @@ def _build(model_json: str, drafter_json: str, n_features: int, rngs: nnx.Rngs):
   model = ModelConfig(**json.loads(model_json))
   if not drafter_json:
     return Transformer(model, rngs=rngs)
-  return DFlash(model, ModelConfig(**json.loads(drafter_json)), n_features, rngs)
+  return DFlash(model, json.loads(drafter_json), n_features, rngs)
 
 
 @functools.lru_cache(maxsize=16)
@@ -45,11 +46,41 @@ def _graph_of(cfg: Config):
   return _graph(*_model_args(cfg))
 
 
+# The parameters of an MoE router (under a layer's "mlp"): its projection, and with
+# `model.moe_router_norm` its input scale and per-expert output scale (Gemma 4's router.proj,
+# router.scale, router.per_expert_scale).
+ROUTER_LEAVES = (("router", "kernel"), ("router_scale",), ("expert_scale",))
+
+
+def frozen_groups(cfg: Config) -> tuple[str, ...]:
+  """`train.freeze`, or with "auto" the objective's default (routers for diffusiongemma)."""
+  groups = cfg.train.freeze
+  groups = get_objective(cfg.objective.name).FREEZE if groups == "auto" else groups
+  return tuple(g for g in groups.split(",") if g)
+
+
+def is_frozen(cfg: Config, path: tuple) -> bool:
+  """Whether the parameter at `path` (keys into the params pytree) gets no gradient and no
+  optimiser state: a drafter's target, and the groups of `frozen_groups`."""
+  if path[0] in get_objective(cfg.objective.name).FROZEN:
+    return True
+  return "routers" in frozen_groups(cfg) and any(
+      len(path) > len(leaf) and path[-len(leaf) - 1:] == ("mlp", *leaf) for leaf in ROUTER_LEAVES)
+
+
 def split_frozen(cfg: Config, params) -> tuple[dict, dict]:
-  """(trainable, frozen) parts of `params`: a drafter's target is frozen, nothing else."""
-  frozen = get_objective(cfg.objective.name).FROZEN
-  return ({k: v for k, v in params.items() if k not in frozen},
-          {k: v for k, v in params.items() if k in frozen})
+  """(trainable, frozen) parts of `params` (nested dicts of the same keys; `join` undoes it)."""
+  flat = traverse_util.flatten_dict(params)
+  parts = ({}, {})
+  for path, x in flat.items():
+    parts[is_frozen(cfg, path)][path] = x
+  return tuple(traverse_util.unflatten_dict(p) for p in parts)
+
+
+def join(trainable: dict, frozen: dict) -> dict:
+  """The params pytree of its (trainable, frozen) parts."""
+  return traverse_util.unflatten_dict({**traverse_util.flatten_dict(trainable),
+                                       **traverse_util.flatten_dict(frozen)})
 
 
 def abstract_params(cfg: Config):

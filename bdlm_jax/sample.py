@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 from typing import Callable, NamedTuple
 
 import jax
@@ -202,23 +203,28 @@ def _schedule(strategy: str, block_size: int, steps: int, key) -> tuple[list[int
 def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | None = None,
            steps_per_block: int | None = None, strategy: str | None = None,
            temperature: float | None = None, use_cache: bool | None = None,
-           eos_id: int | None = None) -> np.ndarray:
+           eos_id: int | Sequence[int] | None = None) -> np.ndarray:
   """Tokens generated after `prompt_tokens` (int [T]): int32 [<= max_new_tokens].
 
   Block diffusion objectives generate block by block, DiffusionGemma canvas by canvas
   (above); `ar` decodes one token at a time with a KV cache (the block options do not apply;
   nor do they to canvases, which read the sample.* canvas options). Options default to
-  `cfg.sample`; `eos_id` defaults to the EOS of `data.tokenizer`. The result ends with EOS
-  if generation stopped there. Same key, same tokens, with or without the KV cache. Prompt
+  `cfg.sample`; `eos_id` (one id or a list: generation stops at any of them) defaults to
+  `sample.eos_ids` (an imported folder's generation config sets it), else the EOS of
+  `data.tokenizer`. The result ends with its EOS if generation stopped there. Same key, same tokens, with or without the KV cache. Prompt
   ids must index the embedding and not be the [MASK] id.
   """
+  if "gdn" in cfg.model.layer_period:
+    raise ConfigError("sample does not run Gated DeltaNet layers yet (its contexts are "
+                      "left-padded and its cache holds K/V only; docs/gdn.md): score blocks with "
+                      "canvas_logits or ar_logits")
   o = cfg.sample
   max_new_tokens = o.max_new_tokens if max_new_tokens is None else max_new_tokens
   steps = o.steps_per_block if steps_per_block is None else steps_per_block
   strategy = o.strategy if strategy is None else strategy
   temperature = o.temperature if temperature is None else temperature
   use_cache = o.use_cache if use_cache is None else use_cache
-  eos_id = checked_tokenizer(cfg).eos_id if eos_id is None else eos_id
+  eos_id = stop_ids(cfg) if eos_id is None else tuple(np.atleast_1d(eos_id).tolist())
   objective = get_objective(cfg.objective.name)
   if not objective.SAMPLER:
     raise ConfigError(f"objective={cfg.objective.name} does not generate alone (a drafter "
@@ -229,6 +235,10 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
     raise ConfigError(f"need a non-empty prompt and max_new_tokens >= 1; got {prompt.size} "
                       f"prompt tokens, max_new_tokens={max_new_tokens}")
   check_token_ids(cfg, prompt, "the prompt")
+  if prompt.size > cfg.data.seq_len:  # not refused: an imported model may know longer ones
+    warnings.warn(f"the prompt has {prompt.size} tokens, more than data.seq_len="
+                  f"{cfg.data.seq_len}, the context the model was trained at: positions past "
+                  f"{cfg.data.seq_len} were not trained, and the completion may be noise")
   prompt = prompt.astype(np.int32)
   if objective.SAMPLER == "canvas":
     return _sample_canvas(params, cfg, prompt, key, max_new_tokens, eos_id)
@@ -277,7 +287,7 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
                                   temperature, priority, by_confidence=strategy == "confidence")
     tokens = np.asarray(tokens)
     out.extend(tokens.tolist())
-    if eos_id in tokens:
+    if set(eos_id) & set(tokens.tolist()):
       break
     ctx[0, start:start + bs], seg[0, start:start + bs] = tokens, 1
     if use_cache:
@@ -285,12 +295,18 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
   return _until_eos(out, max_new_tokens, eos_id)
 
 
-def _until_eos(tokens: list[int], max_new_tokens: int, eos_id: int) -> np.ndarray:
-  """The first max_new_tokens tokens, cut after the first EOS."""
+def stop_ids(cfg: Config) -> tuple[int, ...]:
+  """`sample.eos_ids`, else the EOS of `data.tokenizer`."""
+  if cfg.sample.eos_ids:
+    return tuple(int(i) for i in cfg.sample.eos_ids.split(","))
+  return (checked_tokenizer(cfg).eos_id,)
+
+
+def _until_eos(tokens: list[int], max_new_tokens: int, eos_ids: tuple[int, ...]) -> np.ndarray:
+  """The first max_new_tokens tokens, cut after the first EOS (any of `eos_ids`)."""
   tokens = tokens[:max_new_tokens]
-  if eos_id in tokens:
-    tokens = tokens[:tokens.index(eos_id) + 1]
-  return np.asarray(tokens, np.int32)
+  ends = [i for i, t in enumerate(tokens) if t in eos_ids]
+  return np.asarray(tokens[:ends[0] + 1] if ends else tokens, np.int32)
 
 
 class CanvasStep(NamedTuple):
@@ -401,7 +417,7 @@ def initial_canvas(cfg: Config, canvas_key) -> jax.Array:
 
 
 def _sample_canvas(params, cfg: Config, prompt_T, key, max_new_tokens: int,
-                   eos_id: int) -> np.ndarray:
+                   eos_ids: tuple[int, ...]) -> np.ndarray:
   """DiffusionGemma's canvas-by-canvas generation (module docstring)."""
   denoise = _canvas_denoiser(_model_json(cfg, "sample"))
   context = prompt_T[None]
@@ -410,10 +426,10 @@ def _sample_canvas(params, cfg: Config, prompt_T, key, max_new_tokens: int,
     canvas_key = jax.random.fold_in(key, i)
     tokens = np.asarray(denoise(params, context, initial_canvas(cfg, canvas_key), canvas_key))
     out.extend(tokens.tolist())
-    if eos_id in tokens:
+    if set(eos_ids) & set(out):
       break
     context = np.concatenate([context, tokens[None]], axis=1)
-  return _until_eos(out, max_new_tokens, eos_id)
+  return _until_eos(out, len(out), eos_ids)  # whole canvases, as transformers returns them
 
 
 def _model_json(cfg: Config, *sections: str) -> str:
@@ -441,7 +457,7 @@ def _ar_extend(cfg_json: str) -> Callable:
 
 
 def _sample_ar(params, cfg: Config, prompt_T, key, max_new_tokens: int, temperature: float,
-               use_cache: bool, eos_id: int) -> np.ndarray:
+               use_cache: bool, eos_ids: tuple[int, ...]) -> np.ndarray:
   """Plain autoregressive decoding; `use_cache=False` re-runs the whole causal forward for
   every token (the reference the cache is tested against)."""
   from bdlm_jax.loss import ar_logits  # loss imports the strategies; sampling rarely needs them
@@ -462,7 +478,7 @@ def _sample_ar(params, cfg: Config, prompt_T, key, max_new_tokens: int, temperat
       logits = ar_logits(params, cfg, np.asarray(tokens)[None])[0, -1]
     token = int(_pick(logits[None], jax.random.fold_in(key, i), temperature)[0])
     tokens.append(token)
-    if token == eos_id:
+    if token in eos_ids:
       break
     if use_cache and i + 1 < max_new_tokens:
       one = np.ones((1, 1), np.int32)
@@ -483,7 +499,7 @@ def sample_checkpoint(cfg: Config, workdir: str) -> tuple[int, str, str]:
   """mode=sample: (step, prompt, completion) from checkpoint `sample.checkpoint_step` (-1:
   latest) of `workdir`, prompted by `sample.prompt` or the text of `sample.prompt_file`."""
   from bdlm_jax.checkpoint import restore_state
-  from bdlm_jax.data.chat import prompt_text
+  from bdlm_jax.data.chat import make_template, prompt_text
   from bdlm_jax.data.sources import DataError
   from bdlm_jax.parallel.mesh import make_mesh, to_host
   o = cfg.sample
@@ -496,7 +512,7 @@ def sample_checkpoint(cfg: Config, workdir: str) -> tuple[int, str, str]:
   else:
     prompt = o.prompt
   tokenizer = checked_tokenizer(cfg)
-  shown = prompt_text(prompt, cfg.data.chat_template) if cfg.data.format == "chat" else prompt
+  shown = prompt_text(prompt, make_template(cfg.data)) if cfg.data.format == "chat" else prompt
   try:
     prompt_ids = tokenizer.encode(shown)
   except DataError as e:  # text the tokenizer cannot hold
@@ -505,5 +521,5 @@ def sample_checkpoint(cfg: Config, workdir: str) -> tuple[int, str, str]:
     raise ConfigError(f"{given}: {e}") from e
   step, state = restore_state(cfg, workdir, make_mesh(cfg), o.checkpoint_step)
   params = jax.tree.map(to_host, state.params)  # sampling runs on one device
-  tokens = sample(params, cfg, prompt_ids, jax.random.key(cfg.seed), eos_id=tokenizer.eos_id)
+  tokens = sample(params, cfg, prompt_ids, jax.random.key(cfg.seed))  # stops at stop_ids(cfg)
   return step, shown, tokenizer.decode(tokens)

@@ -11,7 +11,7 @@ self-conditioning on half the sequences, the encoder's next-token loss).
 `mode=plan` compiles the step (never runs it) with XLA:TPU ahead of time for 16 TPU v5p chips
 (`plan.target`; `pip install -r requirements-tpu.txt`, no TPU); `--set plan.target=cpu`
 compiles on simulated CPU devices (JAX_NUM_CPU_DEVICES=16; XLA:CPU has no ragged all-to-all,
-so add `--set parallel.moe_dispatch=all_gather` there). The README's "DiffusionGemma" section
+so add `--set parallel.moe_dispatch=all_gather` there). docs/train_diffusiongemma.md
 holds the plan table.
 
 Random weights and the embedded arithmetic conversations, so it compiles and runs from a fresh
@@ -50,8 +50,8 @@ def get_config() -> Config:
                         attention_chunk=512, logits_chunk=1024, moe_drop_tokens=True,
                         moe_capacity_factor=1.25),
       data=DataConfig(source="arithmetic", format="chat", seq_len=1 << 18),
-      objective=ObjectiveConfig(name="diffusiongemma", block_size=256, self_condition_p=0.5,
-                                encoder_loss_weight=1.0),
+      objective=ObjectiveConfig(name="diffusiongemma", block_size=256, loss_weight="unit",
+                                self_condition_p=0.5, encoder_loss_weight=1.0),
       parallel=ParallelConfig(strategy="csbp_ring", seq=16, expert_axes="seq"),
       train=TrainConfig(steps=1000, batch_size=1, lr=1e-5, warmup_steps=50, log_every=1,
                         ckpt_every=100),

@@ -3,7 +3,7 @@
   python run.py --config configs/quickstart.py
 
 It ends by printing its held-out NELBO, its arithmetic accuracy next to chance, and one sample.
-Choices measured on that budget (README, "Evaluate"): blocks of 4 learn faster than 16 or
+Choices measured on that budget (docs/evaluate.md): blocks of 4 learn faster than 16 or
 L; unit loss weights (every masked token alike) learn the answers faster than BD3-LM's 1/t
 (the eval still reports the 1/t NELBO); samples at temperature 0.7, as greedy decoding loops.
 """

@@ -10,7 +10,7 @@ batches (one token budget: steps x batch x L data tokens), then evaluates the he
 [eval.t_min, 1]; exact NLL for ar) and the arithmetic accuracy of greedy completions against
 measured chance. BD3-LM reports that the bound tightens as blocks shrink toward AR (B = 1
 is AR); the table says whether ours does at this budget, with the spread over seeds. Writes
-block_size_sweep.{csv,md,png} under --out and refreshes README_results.md there.
+block_size_sweep.{csv,md,png} under --out and refreshes the results pages (docs/results/).
 """
 
 import argparse
@@ -20,7 +20,7 @@ import os
 import statistics
 import tempfile
 
-from bdlm_jax.analysis.results import write_results_readme
+from bdlm_jax.analysis.results import write_results_pages
 from bdlm_jax.config import EvalConfig
 from bdlm_jax.configure import load_config
 from bdlm_jax.loop import train
@@ -163,7 +163,7 @@ def main(argv=None):
   with open(os.path.join(args.out, "block_size_sweep.md"), "w") as f:
     f.write(text)
   plot(rows, os.path.join(args.out, "block_size_sweep.png"))
-  write_results_readme(args.out)
+  write_results_pages(args.out)
   print(text)
 
 

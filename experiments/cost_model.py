@@ -7,8 +7,8 @@ settings, and DFlash drafter training: the model of `bdlm_jax.analysis.cost_mode
 
 Writes cost_model.{md,csv}, cost_model_offload.csv (remat full vs offload, on each host
 link) and cost_model_dflash.csv under --out, or with --scaling only the strong-scaling sweep
-(16-128 GPUs at fixed L) to cost_model_scaling.{md,csv,png}, and refreshes README_results.md
-there. Memory is the compiled one where a `--probe-csv` (scale_probe's output) has the
+(16-128 GPUs at fixed L) to cost_model_scaling.{md,csv,png}, and refreshes the results pages
+(docs/results/). Memory is the compiled one where a `--probe-csv` (scale_probe's output) has the
 setting: by default XLA:GPU's, else XLA:TPU's own peak, else XLA:CPU's every-buffer bound
 (scale_probe_{gpu,tpu,}.csv, those that exist), each verdict naming it.
 """
@@ -24,7 +24,7 @@ from bdlm_jax.analysis.cost_model.projection import (STRATEGIES, offload_on_both
 from bdlm_jax.analysis.cost_model.report import report, scaling_report
 from bdlm_jax.analysis.cost_model.setting import SCALING_GPUS, SCENARIOS, Hardware, calibrate, h100
 from bdlm_jax.analysis.plan_mode import mesh_hardware
-from bdlm_jax.analysis.results import write_results_readme
+from bdlm_jax.analysis.results import write_results_pages
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # scale_probe's compiled memory, the most realistic compiler first
@@ -67,7 +67,7 @@ def main(argv=None):
   with open(os.path.join(args.out, "cost_model.md"), "w") as f:
     f.write(text)
   write_csv(rows, os.path.join(args.out, "cost_model.csv"))
-  write_results_readme(args.out)
+  write_results_pages(args.out)
 
 
 def write_scaling(hw, calibration: str, out: str, gpus=SCALING_GPUS, **projection) -> None:
@@ -80,7 +80,7 @@ def write_scaling(hw, calibration: str, out: str, gpus=SCALING_GPUS, **projectio
     f.write(text)
   write_csv(rows, os.path.join(out, "cost_model_scaling.csv"))
   plot_scaling(rows, os.path.join(out, "cost_model_scaling.png"))
-  write_results_readme(out)
+  write_results_pages(out)
 
 
 def plot_scaling(rows: list[dict], path: str) -> None:

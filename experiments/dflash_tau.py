@@ -7,7 +7,8 @@ vs untrained, for the same frozen target.
       --set drafter.features=F --set train.eval_every=0
 
 For each held-out sequence, the anchors training would draw; at anchor a the drafter proposes
-slots 1..B-1 of its block `[x_a, MASK ...]` in one forward (greedy), and the target decodes
+slots 1..B-1 of its block `[x_a, MASK ...]` in one forward (greedy: the head's argmax,
+and with DFlash2's candidate selector also its left-to-right path), and the target decodes
 B-1 tokens greedily from the document's prefix x_{<=a}. tau = 1 + the leading proposals equal
 to the target's tokens (what speculative decoding with greedy verification accepts, plus the
 target's own token), averaged over anchors; its ceiling is B. The untrained drafter is the
@@ -20,12 +21,13 @@ import argparse
 import jax
 import numpy as np
 
-from bdlm_jax import ar_logits, draft_logits, init_params, load_config, make_mesh
+from bdlm_jax import ar_logits, init_params, load_config, make_mesh
 from bdlm_jax.objectives import reserved_mask_id
 from bdlm_jax.checkpoint import restore_state
 from bdlm_jax.checkpoint.target import load_target
 from bdlm_jax.configure import replace
 from bdlm_jax.data import make_dataset
+from bdlm_jax.drafting import draft_proposals
 from bdlm_jax.loop import default_workdir
 from bdlm_jax.models.drafter import FROZEN, TRAINED
 from bdlm_jax.parallel.mesh import to_host
@@ -52,18 +54,19 @@ def target_continuations(target, cfg, tokens_SL, seg_SL, anchors, steps: int) ->
   return out
 
 
-def acceptance(params, cfg, batches) -> tuple[float, int]:
-  """(mean tau, anchors scored) of `params` (a drafter and its target) over `batches`."""
+def acceptance(params, cfg, batches, selector: bool = False) -> tuple[float, int]:
+  """(mean tau, anchors scored) of `params` (a drafter and its target) over `batches`; the
+  drafter proposes through its candidate selector with `selector` (DFlash2)."""
   taus = []
   b = cfg.objective.block_size
   for raw in batches:
     tokens, seg = raw["tokens"], raw["segment_ids"]
-    logits, rows = draft_logits(params, cfg, tokens, seg, raw.get("protected"))
+    proposed, rows = draft_proposals(params, cfg, tokens, seg, raw.get("protected"), selector)
     a_count = cfg.objective.max_anchors
     block = np.asarray(rows.block)[:, :a_count * b].reshape(len(tokens), a_count, b)[..., 0]
     valid = np.asarray(rows.seg)[:, :a_count * b].reshape(len(tokens), a_count, b)[..., 0] > 0
     anchors = [(s, int(block[s, j])) for s, j in zip(*np.nonzero(valid))]
-    proposed = np.asarray(logits).argmax(-1)[valid][:, 1:]  # slots 1..B-1
+    proposed = np.asarray(proposed)[valid]  # slots 1..B-1
     wanted = target_continuations(params[FROZEN], cfg, tokens, seg, anchors, b - 1)
     leading = np.cumprod(proposed == wanted, axis=1).sum(axis=1)
     taus.extend(1 + leading)
@@ -94,10 +97,13 @@ def main(argv=None):
   batches = [next(data) for _ in range(args.batches)]
   print(f"target {cfg.drafter.target}; drafter {workdir} step {step}; B = "
         f"{cfg.objective.block_size} (tau <= {cfg.objective.block_size})")
-  print("| drafter | tau | anchors |\n|---|---|---|")
+  print("| drafter | proposals | tau | anchors |\n|---|---|---|---|")
+  modes = (False, True) if cfg.objective.selector_rank else (False,)
   for name, drafter in drafters.items():
-    tau, n = acceptance({TRAINED: jax.tree.map(to_host, drafter), FROZEN: target}, cfg, batches)
-    print(f"| {name} | {tau:.3f} | {n} |")
+    for selector in modes:
+      tau, n = acceptance({TRAINED: jax.tree.map(to_host, drafter), FROZEN: target}, cfg,
+                          batches, selector)
+      print(f"| {name} | {'selector' if selector else 'head argmax'} | {tau:.3f} | {n} |")
 
 
 if __name__ == "__main__":

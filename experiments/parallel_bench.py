@@ -13,13 +13,12 @@ bytes by kind read from the compiled HLO (`hlo_stats`), temp and argument memory
 at the same (P, L) in the same run. Without an accelerator it runs on 8 simulated CPU
 devices: bytes, memory and FLOPs are exact for that program, wall times are comparable only
 as ratios. Writes parallel_bench.{csv,md} and parallel_bench_*.png under --out and refreshes
-README_results.md there.
+the results pages (docs/results/).
 
 `--objective dflash` (docs/dflash.md) benches a drafter's step instead, at one (L, P)
 (`--tiny`: the CI smoke size): the frozen target's causal forward over the context, then the
 drafter's forward + backward over the draft blocks, for every strategy but cp_ring_balanced
-(whose drafter layout is cp_ring's). It writes parallel_bench_dflash.{csv,md} and no plots,
-and leaves README_results.md alone.
+(whose drafter layout is cp_ring's). It writes parallel_bench_dflash.{csv,md} and no plots.
 
 Traffic is split in two: the collectives issued inside the attention `shard_map` move K/V
 and their gradients; the rest (parameter all-gathers, gradient reductions) is weight traffic,
@@ -47,7 +46,7 @@ import numpy as np  # noqa: E402
 from bdlm_jax import init_state, make_batch, make_mesh, make_train_step  # noqa: E402
 from bdlm_jax.analysis import hlo_stats  # noqa: E402
 from bdlm_jax.analysis.cost_model.work import distinct_plans  # noqa: E402
-from bdlm_jax.analysis.results import write_results_readme  # noqa: E402
+from bdlm_jax.analysis.results import write_results_pages  # noqa: E402
 from bdlm_jax.analysis.step_report import (describe_objective,  # noqa: E402
                                            expected_attention_operand_bytes)
 from bdlm_jax.config import Config  # noqa: E402
@@ -186,7 +185,7 @@ def time_round_robin(runs: list[_Compiled], warmup: int, steps: int) -> None:
 
 def run(grid: Grid, out_dir: str, dtype: str, strategies=STRATEGIES, progress=print):
   """Measures every configuration of `grid`; writes CSV and markdown (`grid.stem`), and for
-  the BD3-LM grids the plots and README_results.md; returns rows."""
+  the BD3-LM grids the plots; refreshes the results pages; returns rows."""
   rows = []
   tokens_rng = np.random.default_rng(0)
   seqs = [s for s in grid.seqs if s <= jax.device_count()]
@@ -214,9 +213,9 @@ def run(grid: Grid, out_dir: str, dtype: str, strategies=STRATEGIES, progress=pr
   write_csv(rows, os.path.join(out_dir, f"{grid.stem}.csv"))
   with open(os.path.join(out_dir, f"{grid.stem}.md"), "w") as f:
     f.write(markdown(rows, grid, dtype))
-  if grid.stem == "parallel_bench":  # the results README shows this one's tables and plots
+  if grid.stem == "parallel_bench":  # the results pages show this one's plots
     plot(rows, out_dir)
-    write_results_readme(out_dir)
+  write_results_pages(out_dir)
   return rows
 
 

@@ -80,6 +80,7 @@ from bdlm_jax.analysis import buffers, isolated, step_report, targets
 from bdlm_jax.analysis.cost_model import setting
 from bdlm_jax.analysis.cost_model.memory import RAGGED_DISPATCH, peak_memory
 from bdlm_jax.analysis.cost_model.work import plan_work
+from bdlm_jax.analysis.results import write_results_pages
 from bdlm_jax.config import REMAT, Config, ModelConfig
 from bdlm_jax.configure import override, replace
 from bdlm_jax.errors import ConfigError
@@ -141,7 +142,9 @@ def probe_config(model: str, seq_len: int, strategy: str, devices: int, layers: 
   cfg = replace(Config(), model=m, data=dict(seq_len=seq_len),
                 objective=dict(name=objective, block_size=block_size,
                                mask_token_id=m.vocab_size - 1,
-                               **(dict(max_anchors=anchors) if drafter else {})),
+                               **(dict(max_anchors=anchors) if drafter else {}),
+                               **(dict(loss_weight="unit") if objective == "diffusiongemma"
+                                  else {})),
                 drafter=dict(n_layers=drafter_layers) if drafter else {},
                 parallel=dict(strategy=strategy, seq=devices), train=dict(batch_size=1))
   moe = (*EXPERT_PARALLEL, *(RAGGED if standins else ()))
@@ -652,6 +655,7 @@ def main(argv=None):
     f.write(text)
   if not args.ablate:
     plot(rows, args, device_bytes, f"{path}.png")
+  write_results_pages(args.out)
   return rows
 
 

@@ -10,7 +10,7 @@ GQA with 8 K/V heads of 128. A global layer moves what its transport moves (a ri
 all-gather of the travelling K/V); a local layer of window W moves what the windowed exchange
 (parallel/window.py) plans, wherever that is less. At fixed W and blocks per rank (B grows
 with L here), csbp's local layer moves the same bytes at every L. Writes
-window_traffic.{csv,md,png} under --out and refreshes README_results.md there.
+window_traffic.{csv,md,png} under --out and refreshes the results pages (docs/results/).
 """
 
 import argparse
@@ -21,7 +21,7 @@ if __name__ == "__main__":
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from bdlm_jax.analysis.probe import attention_layer_costs, layer_config  # noqa: E402
-from bdlm_jax.analysis.results import write_results_readme  # noqa: E402
+from bdlm_jax.analysis.results import write_results_pages  # noqa: E402
 from bdlm_jax.parallel.registry import get_strategy, plan_for, strategy_names  # noqa: E402
 from bdlm_jax.parallel.strategies import exchange_for, window_transport  # noqa: E402
 
@@ -128,7 +128,7 @@ def main(argv=None):
 
 
 def write(rows, out_dir):
-  """window_traffic.{csv,md,png} under `out_dir`, and its README_results.md refreshed."""
+  """window_traffic.{csv,md,png} under `out_dir`, and its results pages refreshed."""
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, "window_traffic.csv"), "w", newline="") as f:
     writer = csv.DictWriter(f, FIELDS)
@@ -138,7 +138,7 @@ def write(rows, out_dir):
   with open(os.path.join(out_dir, "window_traffic.md"), "w") as f:
     f.write(text)
   plot(rows, os.path.join(out_dir, "window_traffic.png"))
-  write_results_readme(out_dir)
+  write_results_pages(out_dir)
   print(text)
 
 

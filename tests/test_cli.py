@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -91,6 +92,7 @@ def test_resume_continues_from_the_last_checkpoint(trained, tmp_path):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:resuming .* with changed settings")
+@pytest.mark.filterwarnings("ignore:train.lr=.* cannot train")
 def test_non_finite_steps_are_skipped_and_stop_the_run_keeping_the_good_checkpoints(
     trained, tmp_path, capsys):
   """From step 5 on, train.lr=1e39 (inf in float32) makes every update non-finite. No step is
@@ -112,6 +114,7 @@ def test_non_finite_steps_are_skipped_and_stop_the_run_keeping_the_good_checkpoi
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:resuming .* with changed settings")
+@pytest.mark.filterwarnings("ignore:train.lr=.* cannot train")
 def test_a_skipped_last_step_still_writes_the_final_checkpoint(trained, tmp_path):
   """Steps 5 and 6 are skipped (fewer than max_bad_steps in a row): step 5 gets no save of
   its own, but the run's final checkpoint (the last good state) is written at step 6."""
@@ -121,6 +124,22 @@ def test_a_skipped_last_step_still_writes_the_final_checkpoint(trained, tmp_path
                        "train.max_bad_steps=3", workdir=workdir,
                        flags=["--resume", "--allow-changes"])) == 0
   assert checkpoint_steps(workdir)[-2:] == [4, 6]
+
+
+def test_a_learning_rate_that_cannot_train_is_warned_and_no_ruined_state_is_saved(tmp_path,
+                                                                                 capsys):
+  """The issue's run: lr=1e30 without warmup, ckpt_every=1. Step 1's loss is finite but its
+  update ~1e31 x the weights: before, it was applied, saved and named the last good
+  checkpoint (weights ~1e30). Now the config warns, no such step is applied or saved, and the
+  error says there is no good checkpoint."""
+  workdir = tmp_path / "run"
+  with pytest.warns(UserWarning, match=r"train.lr=1e\+30 cannot train"):
+    code = run.main(argv("train.steps=40", "train.lr=1e30", "train.warmup_steps=0",
+                         "train.ckpt_every=1", "train.max_bad_steps=3", workdir=workdir))
+  assert code == 2
+  line = error_line(capsys)
+  assert line.endswith("stopped at step 3. Last good checkpoint: none yet"), line
+  assert checkpoint_steps(workdir) == []
 
 
 def test_resume_of_a_finished_run_says_there_is_nothing_to_train(trained, capsys):
@@ -186,16 +205,40 @@ def error_line(capsys) -> str:
   return lines[0]
 
 
-def test_ctrl_c_keeps_the_checkpoints_and_says_how_to_resume(tmp_path, capsys, monkeypatch):
+class SignalAfter(StopAfter):
+  """A data iterator that sends this process the real signal `error` once it has given `n`
+  batches."""
+
+  def __next__(self):
+    if not self._left:
+      os.kill(os.getpid(), self._error)
+    self._left -= 1
+    return next(self._data)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_saves_the_step_reached_and_resume_continues_from_it(tmp_path, capsys,
+                                                                     monkeypatch, signum):
+  """A real SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption) while the 4th batch is
+  read, long before the first checkpoint is due: step 4 runs, is saved, the message names it
+  (before: "checkpoints are kept" of a workdir that had none), and --resume continues there."""
   make_dataset = feed.make_dataset
   monkeypatch.setattr(feed, "make_dataset",
-                      lambda *a, **kw: StopAfter(make_dataset(*a, **kw), 3, KeyboardInterrupt))
+                      lambda *a, **kw: SignalAfter(make_dataset(*a, **kw), 3, signum))
   workdir = tmp_path / "run"
-  code = run.main(argv(f"train.steps={STEPS}", "train.async_checkpoint=true", workdir=workdir))
-  assert code == 130
-  assert f"interrupted; checkpoints in {workdir} are kept, continue with --resume" in (
-      capsys.readouterr().err)
-  assert checkpoint_steps(workdir) == [2]
+  args = argv("train.steps=8", "train.ckpt_every=1000", "train.async_checkpoint=true",
+              workdir=workdir)
+  assert run.main(args) == 128 + signum
+  name = signal.Signals(signum).name
+  assert (f"interrupted: {name} at step 4; latest checkpoint {workdir}/4 (step 4): continue "
+          f"with --resume") in capsys.readouterr().err
+  assert checkpoint_steps(workdir) == [4]
+  if signum == signal.SIGINT:
+    return  # the same save: resume once
+  monkeypatch.undo()
+  assert run.main(args + ["--resume"]) == 0
+  assert [row["step"] for row in rows(workdir)] == [2, 4, 6, 8]
+  assert checkpoint_steps(workdir) == [4, 8]
 
 
 # Each case runs with --resume on the trained workdir: the error must come before anything
@@ -294,3 +337,18 @@ def test_a_broken_config_file_is_one_line_without_traceback(tmp_path, capsys, bo
   assert run.main(["--config", str(config), "--workdir", str(tmp_path / "run")]) == 2
   assert expected in error_line(capsys)
   assert not (tmp_path / "run").exists()
+
+
+def test_resume_refuses_other_data_naming_its_source_and_path(trained, tmp_path, capsys):
+  """Another data.source or data.path reads other documents: refused, naming both. (A folder
+  prepared from the very corpus, data.source=tokens, reads the same batches, but nothing at
+  resume proves it is that corpus's: refused too; --allow-changes insists.)"""
+  corpus = tmp_path / "sums.txt"
+  corpus.write_text("".join(f"{i}+{i}={2 * i}\n" for i in range(50)))
+  before = snapshot(trained)
+  assert run.main(argv(f"train.steps={STEPS}", "data.source=text", f"data.path={corpus}",
+                       workdir=trained, flags=["--resume"])) == 2
+  line = error_line(capsys)
+  assert "data.path='', current config has " + repr(str(corpus)) in line, line
+  assert "data.source='arithmetic', current config has 'text'" in line, line
+  assert snapshot(trained) == before

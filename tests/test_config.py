@@ -82,7 +82,7 @@ def test_an_unknown_strategy_lists_the_strategies():
 
 @pytest.mark.parametrize("pattern, expected", [
     ("local,global", "has local layers, whose model.sliding_window must be >= 1 position; got 0"),
-    ("local,sliding", "has the layer type 'sliding'; valid types: ['global', 'local'], "
+    ("local,sliding", "has the layer type 'sliding'; valid types: ['global', 'local', 'gdn'], "
                       "comma-separated"),
 ])
 def test_a_bad_layer_pattern_is_named(pattern, expected):

@@ -1,6 +1,7 @@
-"""The design pages under docs/ are the repository's own: nothing cites a document that is not
-in it, every docs page that is named exists, and every relative link of the docs and of the
-README resolves. Pure file reads."""
+"""The pages under docs/ are the repository's own: nothing cites a document that is not in it,
+every docs page that is named exists, every relative link of the docs and of the README
+resolves, the README reaches every page in one click, and its headline figures are on the
+pages it links. Pure file reads."""
 
 import os
 import re
@@ -45,10 +46,40 @@ def _where(text: str, needle: str) -> list[int]:
   return [i + 1 for i, line in enumerate(text.splitlines()) if needle in line]
 
 
-def test_docs_pages_exist():
-  assert os.path.isfile(os.path.join(REPO, "docs", "README.md"))
-  pages = [n for n in os.listdir(os.path.join(REPO, "docs")) if n.endswith(".md")]
-  assert len(pages) > 1
+def _docs_pages() -> set[str]:
+  """Repository-relative paths of every page under docs/ (docs/results/ included)."""
+  return {rel for rel in FILES if rel.startswith("docs" + os.sep) and rel.endswith(".md")}
+
+
+def _linked_pages(rel: str) -> set[str]:
+  """Repository-relative paths of the pages `rel` links to."""
+  return {os.path.normpath(os.path.join(os.path.dirname(rel), t))
+          for t in _link_targets(_read(rel))}
+
+
+def test_the_readme_reaches_every_docs_page_in_one_click():
+  missing = sorted(_docs_pages() - _linked_pages("README.md"))
+  assert not missing, f"docs pages the README does not link: {missing}"
+
+
+def _headline_rows() -> list[str]:
+  """The rows of the README's table under "## Headline results"."""
+  section = _read("README.md").split("## Headline results", 1)[1].split("\n## ", 1)[0]
+  return [line for line in section.splitlines() if line.startswith("|")][2:]
+
+
+def test_the_readmes_headline_figures_are_on_the_pages_it_links():
+  """Each decimal figure of a headline row appears on a page that row links: the front page
+  quotes its pages, and a page regenerated with other figures shows here."""
+  rows = _headline_rows()
+  assert len(rows) >= 4, rows
+  for row in rows:
+    targets = [os.path.normpath(t) for t in _link_targets(row)]
+    assert targets, row
+    text = "\n".join(_read(t) for t in targets)
+    figures = re.findall(r"(?<![\w.])\d+\.\d+(?![\d.]\d)", INLINE_CODE.sub("", row))
+    absent = [f for f in figures if not re.search(rf"(?<![\d.]){re.escape(f)}(?!\d)", text)]
+    assert not absent, f"{row.split('|')[1].strip()}: {absent} not in {targets}"
 
 
 @pytest.mark.parametrize("needle", FORBIDDEN)
@@ -76,8 +107,7 @@ def _link_targets(text: str) -> list[str]:
 
 
 def test_relative_links_of_docs_and_readme_resolve():
-  pages = ["README.md"] + [rel for rel in FILES if rel.startswith("docs" + os.sep)
-                           and rel.endswith(".md")]
+  pages = ["README.md", *sorted(_docs_pages())]
   broken = [f"{rel}: {target}" for rel in pages for target in _link_targets(_read(rel))
             if not os.path.exists(os.path.normpath(
                 os.path.join(REPO, os.path.dirname(rel), target)))]
@@ -85,8 +115,6 @@ def test_relative_links_of_docs_and_readme_resolve():
 
 
 def test_the_docs_index_lists_every_page():
-  index = _read(os.path.join("docs", "README.md"))
-  linked = {os.path.normpath(t) for t in _link_targets(index)}
-  pages = {n for n in os.listdir(os.path.join(REPO, "docs"))
-           if n.endswith(".md") and n != "README.md"}
-  assert pages <= linked, f"pages missing from docs/README.md: {sorted(pages - linked)}"
+  index = os.path.join("docs", "README.md")
+  missing = sorted(_docs_pages() - {index} - _linked_pages(index))
+  assert not missing, f"pages missing from docs/README.md: {missing}"

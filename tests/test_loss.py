@@ -103,8 +103,7 @@ def test_head_gradient_is_reduced_once_whatever_the_chunk_count():
 def test_tracing_the_loss_resolves_the_layout_plan_once(objective, monkeypatch):
   """The config is resolved at the edge (`bdlm_jax.spec`); attention, the objective's hidden
   states and the loss close over that one plan instead of looking it up again."""
-  from bdlm_jax import spec as spec_lib
-  from bdlm_jax.parallel import registry, strategies
+  from bdlm_jax.parallel import registry
   from tests.objectives.test_dflash import _cfg as dflash_cfg
   cfg = (dflash_cfg("csbp_ring", seq=2) if objective == "dflash"
          else _cfg(0, strategy="csbp_ring", seq=2))
@@ -112,8 +111,8 @@ def test_tracing_the_loss_resolves_the_layout_plan_once(objective, monkeypatch):
   tokens = np.random.default_rng(1).integers(0, 250, (cfg.train.batch_size, cfg.data.seq_len))
   batch, params = make_batch(cfg, tokens), init_params(cfg, jax.random.key(0), mesh)
   calls = []
-  counted = lambda c: calls.append(c) or registry.plan_for(c)
-  monkeypatch.setattr(spec_lib, "plan_for", counted)
-  monkeypatch.setattr(strategies, "plan_for", counted)
+  # Every `plan_for`, whoever imported it, looks the plan up here.
+  cached = registry._cached_plan
+  monkeypatch.setattr(registry, "_cached_plan", lambda *key: calls.append(key) or cached(*key))
   jax.make_jaxpr(lambda p, b: loss_fn(p, b, jax.random.key(0), cfg, mesh))(params, batch)
   assert len(calls) == 1

@@ -1,9 +1,10 @@
-"""Every command in the README's ```bash and ```python blocks runs, in README order, in one
-fresh folder holding only what a clone has beside the package (so `bdlm_jax` must come from
-`pip install -e .`), with `train.steps=2`; or where ELSEWHERE says. One folder for all, as in a
-reader's clone, so two commands that write the same workdir fail here. Where a command prints
-a figure that the README quotes or a claim that the README makes, the test checks it. (Commands
-quoted inline in the prose, such as the GPU install, are not read.)"""
+"""Every command in the ```bash and ```python blocks of the README and of the docs pages that
+hold commands (PAGES) runs, in reading order, in one fresh folder holding only what a clone has
+beside the package (so `bdlm_jax` must come from `pip install -e .`), with `train.steps=2`; or
+where ELSEWHERE says. One folder for all, as in a reader's clone, so two commands that write the
+same workdir fail here. Where a command prints a figure that a page quotes or a claim that it
+makes, the test checks it. (Commands quoted inline in the prose, such as the GPU install, are
+not read.)"""
 
 import json
 import os
@@ -16,7 +17,10 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = os.path.join(REPO, "README.md")
+# The pages whose commands run, in reading order: the README's set-up first, then the docs
+# pages in the order a reader follows them (a later command may use an earlier one's output).
+PAGES = ("README.md", "docs/usage.md", "docs/conversion_sft.md", "docs/evaluate.md",
+         "docs/train_dflash.md", "docs/scale.md", "docs/gpus_tpus.md", "docs/results/README.md")
 # `python run.py` commands train 2 steps; the quickstart 21, past its 20 warmup steps, so that
 # its first logged loss (step 10) is the full run's, which the README quotes
 # (optimizer.learning_rate shortens the warmup of a shorter run).
@@ -46,12 +50,15 @@ ELSEWHERE = {
 }
 
 
-def fenced(language: str) -> list[tuple[str, str]]:
-  """(section heading, body) of each ```language block."""
-  with open(README) as f:
-    sections = re.split(r"^## ", f.read(), flags=re.M)
-  return [(section.splitlines()[0], body) for section in sections
-          for body in re.findall(rf"^```{language}\n(.*?)^```", section, flags=re.M | re.S)]
+def _read(page: str) -> str:
+  with open(os.path.join(REPO, page)) as f:
+    return f.read()
+
+
+def fenced(language: str, pages=PAGES) -> list[tuple[str, str]]:
+  """(page, body) of each ```language block of `pages`, in order."""
+  return [(page, body) for page in pages
+          for body in re.findall(rf"^```{language}\n(.*?)^```", _read(page), flags=re.M | re.S)]
 
 
 def commands(block: str) -> list[str]:
@@ -67,11 +74,11 @@ def run_here(block: str) -> list[str]:
 
 
 def in_order() -> list[tuple[str, str]]:
-  """(command as the README writes it, as it runs here), in README order: each ```bash
+  """(command as its page writes it, as it runs here), in reading order: each ```bash
   block's (`python run.py` with fewer steps and held-out prompts: sampling 512 prompts takes
   ~25 s, and no figure checked here reads them), and each ```python block as `python -c`."""
-  with open(README) as f:
-    blocks = re.findall(r"^```(bash|python)\n(.*?)^```", f.read(), flags=re.M | re.S)
+  fence = re.compile(r"^```(bash|python)\n(.*?)^```", re.M | re.S)
+  blocks = [block for page in PAGES for block in fence.findall(_read(page))]
   out = []
   for language, body in blocks:
     if language == "python":
@@ -118,7 +125,7 @@ def clone(installed, tmp_path_factory):
 
 
 def printed(clone, readme_command: str) -> str:
-  """What `readme_command` (as the README writes it) printed."""
+  """What `readme_command` (as its page writes it) printed."""
   out = clone[1].get(readme_command)
   assert out is not None and out.returncode == 0, f"{readme_command!r} did not run here"
   return out.stdout
@@ -127,6 +134,17 @@ def printed(clone, readme_command: str) -> str:
 def last_row(folder, workdir: str) -> dict:
   with open(folder / workdir / "metrics.jsonl") as f:
     return json.loads(f.read().splitlines()[-1])
+
+
+def test_every_docs_page_with_commands_is_run():
+  """A new page's ```bash block is not silently skipped (```python ones in the design pages
+  sketch an API on a checkpoint one does not have)."""
+  docs = os.path.join(REPO, "docs")
+  with_commands = {os.path.relpath(os.path.join(folder, name), REPO)
+                   for folder, _, names in os.walk(docs) for name in names
+                   if name.endswith(".md") and fenced("bash", [os.path.relpath(
+                       os.path.join(folder, name), REPO)])}
+  assert with_commands <= set(PAGES), sorted(with_commands - set(PAGES))
 
 
 def test_readme_commands_run_in_order_in_one_fresh_folder(clone):
@@ -153,7 +171,7 @@ AR = ("python run.py --config configs/quickstart.py --workdir runs/quickstart_ar
 
 
 def test_ar_eval_under_cp_ring_prints_the_eval_of_its_training(clone):
-  """Evaluate: "every strategy gives the same number (tested to 1e-5)"."""
+  """docs/evaluate.md: "every strategy gives the same number (tested to 1e-5)"."""
   folder, _ = clone
   evaluated = json.loads(printed(clone, f"{AR} --set mode=eval --set parallel.strategy=cp_ring "
                                         "--set parallel.seq=4").splitlines()[-1])
@@ -162,16 +180,16 @@ def test_ar_eval_under_cp_ring_prints_the_eval_of_its_training(clone):
 
 
 def test_ar_scores_one_held_out_token_per_document_fewer_than_bd3lm(clone):
-  """Evaluate: bd3lm's NELBO includes each document's first token, "1 token in ~N here"."""
+  """docs/evaluate.md: bd3lm's NELBO includes each document's first token, "1 token in ~N
+  here"."""
   tokens = lambda text: int(re.search(r"(\d+) tokens\)", text).group(1))
   bd3lm, ar = tokens(printed(clone, QUICKSTART)), tokens(printed(clone, AR))
-  with open(README) as f:
-    quoted = int(re.search(r"1 token in ~(\d+) here", f.read()).group(1))
+  quoted = int(re.search(r"1 token in ~(\d+) here", _read("docs/evaluate.md")).group(1))
   assert bd3lm / (bd3lm - ar) == pytest.approx(quoted, rel=0.05)
 
 
 def test_dflash_under_csbp_ring_logs_the_one_device_losses(clone):
-  """DFlash: "Every layout ... gives the one-device loss (tested to 1e-5)"."""
+  """docs/train_dflash.md: "Every layout ... gives the one-device loss (tested to 1e-5)"."""
   folder, _ = clone
   one, csbp = (last_row(folder, w) for w in ("runs/dflash_tiny", "runs/dflash_tiny_csbp"))
   for key in ("loss", "eval_loss"):
@@ -179,8 +197,8 @@ def test_dflash_under_csbp_ring_logs_the_one_device_losses(clone):
 
 
 def test_plan_prints_csbp_at_half_cps_attention_bytes_and_141_gb_on_cpu(clone):
-  """Top: CSBP moves "half the attention traffic of CP, exactly" (to within the rounding of the
-  table's two significant figures, up to ~5%); Will it fit?: unset, `plan.device_memory_gb`
+  """README: CSBP moves "half the attention traffic of CP, exactly" (to within the rounding of the
+  table's two significant figures, up to ~5%); docs/scale.md: unset, `plan.device_memory_gb`
   is an H200's 141 GB on a CPU."""
   text = printed(clone, "python run.py --config configs/tiny_csbp.py --set mode=plan")
   rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ")]
@@ -193,7 +211,7 @@ def test_plan_prints_csbp_at_half_cps_attention_bytes_and_141_gb_on_cpu(clone):
 
 
 def test_plan_chooses_the_fastest_projection_that_fits_which_is_bp_on_the_tiny_config(clone):
-  """Will it fit?: mode=plan picks the least projected step time among the strategies that
+  """docs/scale.md: mode=plan picks the least projected step time among the strategies that
   fit and names the runner-up; on configs/tiny_csbp.py, latency-bound on H200s, that is bp."""
   lines = printed(clone, "python run.py --config configs/tiny_csbp.py --set mode=plan").splitlines()
   chosen = next(i for i, line in enumerate(lines) if line.startswith("chosen: "))
@@ -201,7 +219,7 @@ def test_plan_chooses_the_fastest_projection_that_fits_which_is_bp_on_the_tiny_c
   assert lines[chosen + 1].startswith("runner-up: ")
 
 
-def test_each_command_not_run_here_is_still_in_the_readme():
+def test_each_command_not_run_here_is_still_on_a_page():
   shown = [c for _, body in fenced("bash") for c in commands(body)]
   for prefix in ELSEWHERE:
     assert any(c.startswith(prefix) for c in shown), f"stale ELSEWHERE entry {prefix!r}"

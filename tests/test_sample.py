@@ -118,6 +118,15 @@ def test_a_prompt_id_outside_the_vocabulary_or_the_mask_is_refused(prompt, messa
     sample(init_params(cfg, jax.random.key(0)), cfg, prompt, jax.random.key(1), eos_id=-1)
 
 
+def test_a_prompt_longer_than_the_trained_context_is_warned_naming_both_lengths():
+  """A model trained at data.seq_len=32 given a 40-token prompt (before: not a word)."""
+  cfg = _tiny("bd3lm")
+  params = init_params(cfg, jax.random.key(0))
+  with pytest.warns(UserWarning, match=r"the prompt has 40 tokens, more than "
+                                       r"data.seq_len=32, the context the model was trained at"):
+    sample(params, cfg, PROMPT * 8, jax.random.key(1), max_new_tokens=4, eos_id=-1)
+
+
 def test_a_prompt_the_tokenizer_cannot_encode_is_refused_naming_it(tmp_path):
   """A vocabulary without [UNK] cannot hold the prompt's snowman: one error, before any
   checkpoint is read."""
@@ -139,13 +148,14 @@ def test_a_trained_ar_model_answers_held_out_arithmetic_far_above_chance(tmp_pat
   """Under a minute of CPU training (the quickstart's model at half its width, 400 steps),
   then the in-loop eval completes 100 held-out "... a+b=" prompts. Chance is measured: the
   same completions scored against the other prompts' answers. Measured: 20-21% vs 1.6% chance
-  (seeds 0 and 1; 12-15% at 300 steps; the full width takes 3x the time for 17-20% at 300). A BDLM needs 3x the steps for 5x chance (the quickstart; README, "Evaluate")."""
+  (seeds 0 and 1; 12-15% at 300 steps; the full width takes 3x the time for 17-20% at 300). A BDLM needs 3x the steps for 5x chance (the quickstart; docs/evaluate.md)."""
   from bdlm_jax.loop import train
   config = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.py")
-  cfg = load_config(config, ["objective.name=ar", "model.d_model=64", "model.head_dim=16",
-                             "model.d_ff=192", "data.seq_len=64", "train.batch_size=32",
-                             "train.steps=400", "train.eval_every=400", "train.log_every=400",
-                             "train.ckpt_every=400", "eval.prompts=100", "eval.batches=1"])
+  cfg = load_config(config, ["objective.name=ar", "model.n_layers=2", "model.d_model=64",
+                             "model.head_dim=16", "model.d_ff=192", "data.seq_len=64",
+                             "train.batch_size=32", "train.steps=400", "train.eval_every=400",
+                             "train.log_every=400", "train.ckpt_every=400", "eval.prompts=100",
+                             "eval.batches=1"])
   last = train(cfg, str(tmp_path), progress=False)[-1]
   print(f"accuracy {last['eval_accuracy']:.3f}, chance {last['eval_chance']:.4f}")
   assert last["eval_accuracy"] >= 5 * last["eval_chance"] and last["eval_accuracy"] >= 0.1
@@ -165,10 +175,10 @@ def test_trained_model_writes_well_formed_statements_far_above_chance(tmp_path):
   take longer: see the AR test above). Chance: the same sampler on the untrained init."""
   from bdlm_jax.loop import train
   config = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.py")
-  cfg = load_config(config, ["data.seq_len=32", "objective.block_size=4", "model.d_model=64",
-                             "model.head_dim=16", "model.d_ff=192", "train.steps=250",
-                             "train.batch_size=32", "train.lr=3e-3", "train.ckpt_every=250",
-                             "train.log_every=100", "train.eval_every=0",
+  cfg = load_config(config, ["data.seq_len=32", "objective.block_size=4", "model.n_layers=2",
+                             "model.d_model=64", "model.head_dim=16", "model.d_ff=192",
+                             "train.steps=250", "train.batch_size=32", "train.lr=3e-3",
+                             "train.ckpt_every=250", "train.log_every=100", "train.eval_every=0",
                              "sample.temperature=0"])
   train(cfg, str(tmp_path), progress=False)
   _, state = restore_state(cfg, str(tmp_path), make_mesh(cfg))

@@ -4,6 +4,7 @@ the acceptance and stopping rules on hand-made entropies, and `sample` end to en
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -150,6 +151,59 @@ def test_a_canvas_equals_transformers_generate_from_the_same_start(diffusion_gem
   np.testing.assert_array_equal(ours, theirs[0, prompt.size:].numpy())
 
 
+def test_two_canvases_with_renoising_equal_transformers_generate_on_the_same_draws(
+    diffusion_gemma, monkeypatch):
+  """Two canvases at the default temperatures (0.4..0.8: draws are random and the tokens a
+  step does not accept are re-noised) against `model.generate`, whose random draws replay
+  ours: the denoiser's multinomial draw is our categorical draw of the same processed
+  logits, each canvas starts from our `initial_canvas`, and re-noising uses our noise, all
+  from `fold_in(fold_in(key, canvas), step)` as `sample` draws them. The output, the
+  self-conditioning chain and the stopping rule must then agree token for token; and the
+  chain re-noised tokens on the way (it is not the greedy case)."""
+  import torch
+  from transformers.models.diffusion_gemma import generation_diffusion_gemma as hf
+  model, cfg, params = diffusion_gemma
+  cfg = replace(cfg, sample=dict(denoising_steps=6))
+  prompt = np.random.default_rng(2).integers(0, 64, 13).astype(np.int32)
+  key = jax.random.key(4)
+  ours = sample(params, cfg, prompt, key, max_new_tokens=2 * CANVAS, eos_id=-1)
+  # (transformers draws an initial canvas for the first one too, and drops it for ours)
+  state = dict(canvas=-1, step=cfg.sample.denoising_steps, renoised=0)
+  step_keys = lambda: jax.random.split(
+      jax.random.fold_in(jax.random.fold_in(key, state["canvas"]), state["step"]))
+
+  def multinomial(probs, num_samples):
+    draw = jax.random.categorical(step_keys()[0], jnp.log(jnp.asarray(probs.numpy())))
+    return torch.as_tensor(np.asarray(draw)[:, None], dtype=torch.long)
+
+  def renoise(self, accepted, cur_step):
+    noise = jax.random.randint(step_keys()[1], (CANVAS,), 0, cfg.model.vocab_size, jnp.int32)
+    state["renoised"] += int((~self.accepted_token_mask).sum())
+    state["step"] -= 1
+    return torch.where(~self.accepted_token_mask, torch.as_tensor(np.array(noise))[None],
+                       accepted)
+
+  def initialize(self, batch_size, device):
+    state.update(canvas=state["canvas"] + 1, step=cfg.sample.denoising_steps)
+    return torch.as_tensor(np.array(
+        initial_canvas(cfg, jax.random.fold_in(key, state["canvas"]))))[None].long()
+
+  monkeypatch.setattr(torch, "multinomial", multinomial)
+  monkeypatch.setattr(hf.EntropyBoundSampler, "renoise_canvas", renoise)
+  monkeypatch.setattr(hf.EntropyBoundSampler, "initialize_canvas", initialize)
+  start = np.array(initial_canvas(cfg, jax.random.fold_in(key, 0)))
+  o = cfg.sample
+  with torch.no_grad():
+    theirs = model.generate(
+        torch.as_tensor(prompt[None]), decoder_input_ids=torch.as_tensor(start[None]),
+        max_new_tokens=2 * CANVAS, max_denoising_steps=o.denoising_steps, eos_token_id=None,
+        sampler_config=hf.EntropyBoundSamplerConfig(entropy_bound=o.entropy_bound),
+        t_min=o.t_min, t_max=o.t_max, stability_threshold=o.stability_threshold,
+        confidence_threshold=o.confidence_threshold, return_dict_in_generate=False)
+  assert state["canvas"] == 1 and state["renoised"] > 0
+  np.testing.assert_array_equal(ours, theirs[0, prompt.size:].numpy())
+
+
 def test_entropy_bound_acceptance_on_hand_made_entropies():
   """The k lowest entropies are taken while their sum less the largest stays within the
   bound: 0 + 0.04 + 0.05 = 0.09 admits the 0.3 (it is the largest), not the 1.0."""
@@ -236,16 +290,17 @@ def test_bad_canvas_options_are_config_errors_naming_the_key(section, message):
 def test_sample_generates_canvases_deterministically_and_stops_after_eos():
   """A Gemma 4-shaped model of ours with self-conditioning (its global layers' K/V need no
   cache: canvases recompute the context, so sample.use_cache=true is no error); 6 tokens
-  are 2 canvases of 4, cut to 6. Stopping at a token it generates gives the same tokens up
-  to and including its first occurrence."""
+  are 2 whole canvases of 4, as transformers returns them. Stopping at a token it generates
+  gives the same tokens up to and including its first occurrence, and so does a list of EOS
+  ids (the IT checkpoint's kind) holding it and ids never generated, or sample.eos_ids."""
   cfg = replace(Config(), model={**dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
                                         d_ff=64), **GEMMA4, "self_conditioning": True},
-                data=dict(seq_len=32), objective=dict(name="diffusiongemma", block_size=4),
+                data=dict(seq_len=32), objective=dict(name="diffusiongemma", block_size=4, loss_weight="unit"),
                 sample=dict(denoising_steps=6))
   params = init_params(cfg, jax.random.key(0))
   prompt = list(b"12+7=")
   free = sample(params, cfg, prompt, jax.random.key(1), max_new_tokens=6, eos_id=-1)
-  assert free.shape == (6,) and free.dtype == np.int32
+  assert free.shape == (8,) and free.dtype == np.int32
   assert 0 <= free.min() and free.max() < cfg.model.vocab_size
   np.testing.assert_array_equal(sample(params, cfg, prompt, jax.random.key(1),
                                        max_new_tokens=6, eos_id=-1), free)
@@ -253,3 +308,10 @@ def test_sample_generates_canvases_deterministically_and_stops_after_eos():
   first = list(free).index(eos)
   stopped = sample(params, cfg, prompt, jax.random.key(1), max_new_tokens=6, eos_id=eos)
   np.testing.assert_array_equal(stopped, free[:first + 1])
+  never = [t for t in range(cfg.model.vocab_size) if t not in free][:2]
+  listed = sample(params, cfg, prompt, jax.random.key(1), max_new_tokens=6,
+                  eos_id=[never[0], eos, never[1]])
+  np.testing.assert_array_equal(listed, free[:first + 1])
+  configured = replace(cfg, sample=dict(eos_ids=f"{never[0]},{eos}"))
+  np.testing.assert_array_equal(sample(params, configured, prompt, jax.random.key(1),
+                                       max_new_tokens=6), free[:first + 1])

@@ -20,7 +20,7 @@ LAYERS = [
     ["bdlm_jax.objectives"],
     ["bdlm_jax.parallel"],
     ["bdlm_jax.configure", "bdlm_jax.spec", "bdlm_jax.batch", "bdlm_jax.params",
-     "bdlm_jax.optimizer", "bdlm_jax.loss", "bdlm_jax.train", "bdlm_jax.metrics",
+     "bdlm_jax.optimizer", "bdlm_jax.loss", "bdlm_jax.drafting", "bdlm_jax.train", "bdlm_jax.metrics",
      "bdlm_jax.data", "bdlm_jax.checkpoint", "bdlm_jax.sample", "bdlm_jax.evaluate",
      "bdlm_jax.feed", "bdlm_jax.loop"],
     ["bdlm_jax.analysis"],
@@ -118,16 +118,29 @@ def test_strategy_names_are_written_only_in_the_registry():
 
 
 def _objective_name_branches(path: pathlib.Path):
-  """Comparisons and match cases whose other side is an objective's name."""
+  """Comparisons, match cases and dict keys (`{"ar": ...}`, `dict(ar=...)`) whose other side
+  or key is an objective's name: written out, as a module constant bound to one, or as an
+  objective module's `NAME`."""
   names = set(OBJECTIVES)
+  tree = ast.parse(path.read_text())
+  constants = {t.id for node in tree.body if isinstance(node, ast.Assign)
+               and isinstance(node.value, ast.Constant) and node.value.value in names
+               for t in node.targets if isinstance(t, ast.Name)}
   is_name = lambda n: (isinstance(n, ast.Constant) and n.value in names) or (
+      isinstance(n, ast.Name) and n.id in constants) or (
+      isinstance(n, ast.Attribute) and n.attr == "NAME") or (
       isinstance(n, (ast.Tuple, ast.List, ast.Set)) and any(is_name(e) for e in n.elts))
-  for node in ast.walk(ast.parse(path.read_text())):
+  for node in ast.walk(tree):
     if isinstance(node, ast.Compare) and any(map(is_name, [node.left, *node.comparators])):
       yield node.lineno
     elif isinstance(node, ast.match_case) and any(
         isinstance(p, ast.MatchValue) and is_name(p.value) for p in ast.walk(node.pattern)):
       yield node.pattern.lineno
+    elif isinstance(node, ast.Dict) and any(k is not None and is_name(k) for k in node.keys):
+      yield node.lineno
+    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+          and node.func.id == "dict" and any(k.arg in names for k in node.keywords)):
+      yield node.lineno
 
 
 def test_no_code_outside_the_objectives_branches_on_an_objective_name():
@@ -141,7 +154,12 @@ def test_no_code_outside_the_objectives_branches_on_an_objective_name():
     ("if cfg.objective.name == 'dflash':\n  pass\n", True),
     ("if o.name in ('ar', 'bd3lm'):\n  pass\n", True),
     ("match name:\n  case 'fast_dllm_v2':\n    pass\n", True),
+    ("likelihood = {'bd3lm': 'NELBO', 'ar': 'NLL'}.get(objective)\n", True),
+    ("likelihood = dict(ar='NLL').get(objective)\n", True),
+    ("AR = 'ar'\nif objective == AR:\n  pass\n", True),
+    ("if cfg.objective.name != ar.NAME:\n  pass\n", True),
     ("if name == 'layers':\n  pass\n", False),
+    ("counts = {'layers': 2}\nAR = 'ar'\nx = AR\n", False),
 ])
 def test_the_name_branch_check_sees_every_spelling(tmp_path, source, caught):
   path = tmp_path / "m.py"

@@ -6,6 +6,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from bdlm_jax import feed, loop
@@ -18,6 +19,7 @@ from bdlm_jax.parallel.mesh import _say_devices_left_idle, make_mesh
 from bdlm_jax.params import init_params
 from bdlm_jax.spec import resolve
 from bdlm_jax.train import _accumulated_grads, abstract_state, init_state, make_train_step
+from tests.close import assert_trees_close
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 60
@@ -109,8 +111,7 @@ def test_resume_equals_uninterrupted_run(straight_run, tmp_path, monkeypatch):
     assert loss == pytest.approx(straight[step], rel=1e-6), step
   (step_a, state_a), (step_b, state_b) = final_state(cfg, straight_dir), final_state(cfg, workdir)
   assert step_a == step_b == STEPS == int(state_b.step)
-  for a, b in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+  assert_trees_close(state_b, state_a, rel=1e-6)
 
 
 @pytest.mark.parametrize("parallel", [dict(data=2), dict(data=2, strategy="csbp_ring", seq=4)],
@@ -147,11 +148,14 @@ def test_grad_accumulation_matches_single_batch(parallel):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
-@pytest.mark.parametrize("fault", [None, "inf_weights", "inf_lr"])
+@pytest.mark.filterwarnings("ignore:train.lr=.* cannot train")
+@pytest.mark.parametrize("fault", [None, "inf_weights", "inf_lr", "huge_lr"])
 def test_a_step_is_applied_only_if_loss_gradients_and_update_are_finite(fault):
   """Inf weights make the loss and gradients non-finite; lr=1e39 (inf in float32) makes the
-  update non-finite. Such a step gives back the state it was given, and says so."""
-  cfg = tiny_config(batch_size=4, lr=1e39 if fault == "inf_lr" else 1e-2)
+  update non-finite; lr=1e30 a finite update ~1e30 x the weights (over MAX_UPDATE_RATIO).
+  Such a step gives back the state it was given, and says so."""
+  lr = {"inf_lr": 1e39, "huge_lr": 1e30}.get(fault, 1e-2)
+  cfg = tiny_config(batch_size=4, lr=lr, warmup_steps=0)  # the first step at the full lr
   mesh = make_mesh(cfg)
   state = init_state(cfg, jax.random.key(0), mesh)
   if fault == "inf_weights":
@@ -190,11 +194,39 @@ def test_a_diverging_run_keeps_and_names_its_last_checkpoint_before_the_spike(tm
   with pytest.warns(UserWarning, match=r"step 13: loss .* is over 3x the median .* of the "
                                        r"recent steps; not checkpointed"):
     with pytest.raises(loop.BadStepsError, match=rf"Last good checkpoint: {workdir}/12 \(step "
-                                                 r"12; its loss was finite and no spike\)"):
+                                                 r"12; finite; its loss, update/weight ratio"):
       loop.train(cfg, workdir, progress=False)
   step, state = final_state(cfg, workdir)
   assert step == 12
   assert max(float(np.abs(w).max()) for w in jax.tree.leaves(state.params)) < 100
+
+
+def test_a_state_after_an_outsized_update_is_not_checkpointed(tmp_path, monkeypatch):
+  """Before step 13 only, Adam's second moments are cut 1e5x (a corrupted optimiser state):
+  that step's update is ~20x the recent ones, yet under MAX_UPDATE_RATIO, and its loss (of
+  the weights before it) is normal. The state it gives is ruined (its loss, at step 14, is
+  over 3x the others'), and is not checkpointed: before, the loss alone judged a step."""
+  real_step, calls = loop.make_train_step, iter(range(1, 10**6))
+
+  def corrupted(cfg, mesh):
+    step = real_step(cfg, mesh)
+
+    def run(state, batch, key):
+      if next(calls) == 13:
+        nu = optax.tree_utils.tree_get(state.opt_state, "nu")
+        state = state._replace(opt_state=optax.tree_utils.tree_set(
+            state.opt_state, nu=jax.tree.map(lambda v: v * 1e-5, nu)))
+      return step(state, batch, key)
+    return run
+
+  monkeypatch.setattr(loop, "make_train_step", corrupted)
+  cfg = tiny_config(steps=16, ckpt_every=1, max_to_keep=20)
+  with pytest.warns(UserWarning, match=r"step 13: update_ratio .* is over 3x the median"):
+    rows = loop.train(cfg, str(tmp_path / "run"), progress=False)
+  assert rows[12]["update_ratio"] > 10 * rows[11]["update_ratio"]
+  assert rows[13]["loss"] > 3 * rows[11]["loss"]
+  saved = [int(d) for d in os.listdir(tmp_path / "run") if d.isdigit()]
+  assert 12 in saved and 13 not in saved
 
 
 def test_token_ids_outside_the_vocabulary_are_refused():

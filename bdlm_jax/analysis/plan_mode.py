@@ -8,6 +8,11 @@ strategy's own plan, on H200s whatever the target, as many as the mesh has, unde
 default assumptions in the config's dtypes and remat. Least attention traffic is not the
 pick: `bp` sends nothing but repeats the clean prefix on every rank, and whether that costs
 more than the K/V hops it saves depends on the sizes.
+
+On one seq rank (`parallel.seq=1`) nothing splits a sequence: every strategy is the
+single-device `none`, compiled once. (`bp` would be projected, and compile, a little cheaper
+there: its plan leaves out the last block's clean rows, which no noisy block reads and no
+label sits on (`LayoutPlan.counted_rows`), while `none` lays out all 2L rows.)
 """
 
 import dataclasses
@@ -23,7 +28,7 @@ from bdlm_jax.config import Config
 from bdlm_jax.configure import override
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel.mesh import make_mesh
-from bdlm_jax.parallel.registry import get_strategy, plan_for, strategy_names
+from bdlm_jax.parallel.registry import SINGLE_DEVICE, plan_for, strategy_names
 
 # What a batch of S sequences divides by S: each FLOP and byte S times, each hop's latency once.
 RATES = ("matmul_tflops", "attention_tflops", "nvlink_gb_s", "ib_gb_s")
@@ -100,7 +105,8 @@ def verdict(rows: list[dict], device_bytes: float, where: str, compiler: str) ->
   fits = f"fits: {_memory(best, compiler)} of {limit}"
   if len(ranked) == 1:
     lines = [f"chosen: {best['strategy']} (projected {_ms(best['total_s'])}/step {where}; "
-             f"{fits}, the only strategy that does)", "runner-up: none"]
+             f"{fits}, the only strategy {'that does' if len(rows) > 1 else 'compiled'})",
+             "runner-up: none"]
   else:
     second = ranked[1]
     gap = lambda key: second[key] - best[key]  # what the runner-up spends beyond the pick
@@ -143,8 +149,7 @@ def plan_report(cfg: Config, progress=lambda _: None) -> str:
   target = targets.resolve(cfg.plan.target, p.data * p.fsdp * p.seq)
   mesh = make_mesh(cfg, target.devices)  # too few devices is the config's error
   device = step_report.device_memory_bytes(cfg.plan.device_memory_gb, target)
-  strategies = [s for s in strategy_names()
-                if get_strategy(s).splits_sequences or cfg.parallel.seq == 1]
+  strategies = (strategy_names(splits_sequences=True) if p.seq > 1 else (SINGLE_DEVICE,))
   hw, a = mesh_hardware(p.data * p.fsdp * p.seq), assumptions(cfg)
   rows = []
   for name, r in step_report.compare_strategies(cfg, strategies, mesh, progress):
@@ -165,6 +170,8 @@ def plan_report(cfg: Config, progress=lambda _: None) -> str:
       f"{target.compiler}'s figure against {device_memory_name(cfg, target)}; attention "
       "= K/V, dK/dV and row metadata each device sends per step (from the layout plan); "
       "check = compiled attention collectives / the plan's.", "",
+      *([f"One seq rank: every strategy is `{SINGLE_DEVICE}` (nothing splits a sequence), "
+         "compiled once.", ""] if p.seq == 1 else []),
       f"Projected = the cost model's step time (analysis/cost_model) on {describe(hw, a)}; "
       f"{sequences(cfg)} sequences per device as one batch. It models H200s only: the memory "
       f"is {target.compiler}'s, the time an H200's{time_caveat}.", "",

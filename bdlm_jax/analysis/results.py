@@ -1,69 +1,93 @@
-"""README_results.md: the sections the experiment scripts write, joined in a fixed order.
+"""The results pages (docs/results/): the sections the experiment scripts write, joined one
+page per topic, each page's sections in a fixed order.
 
-The repository's results folder (`<repo>/experiments/results`) also refreshes the block
-between the results markers of the project README; a scratch folder (tests, `--out`) never
-does.
+Each script writes its sections (parallel_bench.md, ...) into its results folder, then calls
+`write_results_pages`. The repository's results folder (`<repo>/experiments/results`) writes
+`<repo>/docs/results/`; a scratch folder (tests, `--out`) gets its pages beside its sections,
+so that a test or a trial run never rewrites the docs.
 """
 
+import dataclasses
 import os
 
-SECTIONS = ("parallel_bench.md", "scale_probe.md", "scale_probe_ablation.md",
-            "scale_probe_tpu.md", "cost_model.md", "cost_model_scaling.md",
-            "parallel_bench_dflash.md", "scale_probe_dflash.md", "window_traffic.md",
-            "block_size_sweep.md")
+KERNEL_CSV = "--kernel-csv experiments/results/kernel_bench.csv"
 SCALE = ("--models llama3-8b --lens 65536 262144 524288 1048576 --depth-check 0",
          "--models qwen3-8b gemma3-27b --lens 65536 262144 1048576 --strategies csbp_ring "
          "cp_ring --depth-check 0",
          "--models qwen3-30b-a3b --lens 262144 --strategies csbp_ring cp_ring --depth-check 0")
-HEADER = ("# Results\n\n"
-          "Generated; do not edit. Regenerate with "
-          "`python experiments/parallel_bench.py --quick && "
-          + " && ".join(f"python experiments/scale_probe.py {a}" for a in SCALE)
-          + " && python experiments/scale_probe.py --ablate --models llama3-8b --lens 262144 "
-          "--strategies csbp_ring csbp_allgather cp_ring && "
-          + " && ".join(f"python experiments/scale_probe.py --target tpu:v5p:2x2x4 {a}"
-                        + (" --dispatch real" if "30b" in a else "") for a in SCALE)
-          + " && python experiments/cost_model.py "
-          "--kernel-csv experiments/results/kernel_bench.csv "
-          "&& python experiments/cost_model.py --scaling "
-          "--kernel-csv experiments/results/kernel_bench.csv` "
-          "(XLA:TPU's after XLA:CPU's, which they are put beside; and "
-          "`python experiments/window_traffic.py`, `python experiments/block_size_sweep.py` "
-          "for the last sections).\n")
-RESULTS_START, RESULTS_END = "<!-- results:start -->", "<!-- results:end -->"
 
 
-def write_results_readme(results_dir: str) -> str:
-  """Writes `results_dir`/README_results.md and returns its path."""
-  parts = [HEADER]
-  for name in SECTIONS:
-    path = os.path.join(results_dir, name)
-    if os.path.exists(path):
-      with open(path) as f:
-        parts.append(f.read())
-  text = "\n".join(parts)
-  path = os.path.join(results_dir, "README_results.md")
-  with open(path, "w") as f:
-    f.write(text)
+@dataclasses.dataclass(frozen=True)
+class Page:
+  name: str  # file name under docs/results/ (none is also a section's name)
+  title: str
+  sections: tuple[str, ...]  # section files of the results folder, in page order
+  commands: tuple[str, ...]  # what regenerates them (each section names its exact run)
+  images: tuple[tuple[str, str], ...] = ()  # (alt text, file of the results folder)
+
+
+PAGES = (
+    Page("strategies_measured.md", "Parallel strategies, one full train step (measured)",
+         ("parallel_bench.md", "parallel_bench_dflash.md"),
+         ("python experiments/parallel_bench.py --quick",
+          "python experiments/parallel_bench.py --objective dflash"),
+         (("attention traffic per device", "parallel_bench_traffic.png"),
+          ("temporary memory per device", "parallel_bench_memory.png"),
+          ("step time relative to cp_ring", "parallel_bench_time.png"))),
+    Page("memory_at_scale.md", "Compiled memory at scale (per device, compile only)",
+         ("scale_probe.md", "scale_probe_ablation.md", "scale_probe_tpu.md",
+          "scale_probe_dflash.md"),
+         (*(f"python experiments/scale_probe.py {a}" for a in SCALE),
+          "python experiments/scale_probe.py --ablate --models llama3-8b --lens 262144 "
+          "--strategies csbp_ring csbp_allgather cp_ring",
+          *(f"python experiments/scale_probe.py --target tpu:v5p:2x2x4 {a}"
+            + (" --dispatch real" if "30b" in a else "") for a in SCALE))),
+    Page("projections.md", "Cost model: projected step time, memory and scaling",
+         ("cost_model.md", "cost_model_scaling.md"),
+         (f"python experiments/cost_model.py {KERNEL_CSV}",
+          f"python experiments/cost_model.py --scaling {KERNEL_CSV}")),
+    Page("local_layers.md", "Local vs global layers: attention traffic",
+         ("window_traffic.md",), ("python experiments/window_traffic.py",)),
+    Page("block_sizes.md", "Block size: what the models learn",
+         ("block_size_sweep.md",), ("python experiments/block_size_sweep.py",),
+         (("held-out loss per block size", "block_size_sweep.png"),)),
+)
+
+
+def pages_dir_for(results_dir: str) -> str:
+  """docs/results/ of the repository for its own results folder; else the folder itself."""
   results_dir = os.path.abspath(results_dir)
   experiments = os.path.dirname(results_dir)
   if (os.path.basename(results_dir), os.path.basename(experiments)) == ("results",
                                                                          "experiments"):
-    body = text.replace("# Results\n", "", 1)
-    _splice(os.path.join(os.path.dirname(experiments), "README.md"),
-            body.replace("\n### ", "\n#### ").replace("\n## ", "\n### "))
-  return path
+    return os.path.join(os.path.dirname(experiments), "docs", "results")
+  return results_dir
 
 
-def _splice(readme: str, text: str) -> None:
-  """Puts `text` between the results markers of `readme`, if it has them."""
-  if not os.path.exists(readme):
-    return
-  with open(readme) as f:
-    current = f.read()
-  if RESULTS_START not in current or RESULTS_END not in current:
-    return
-  head, rest = current.split(RESULTS_START, 1)
-  tail = rest.split(RESULTS_END, 1)[1]
-  with open(readme, "w") as f:
-    f.write(f"{head}{RESULTS_START}\n{text.strip()}\n{RESULTS_END}{tail}")
+def page_text(page: Page, results_dir: str, pages_dir: str) -> str:
+  """`page` from the sections present in `results_dir` (images linked from `pages_dir`)."""
+  commands = " && ".join(page.commands)
+  parts = [f"# {page.title}\n\nGenerated by `bdlm_jax/analysis/results.py` from the sections "
+           f"the experiment scripts write; do not edit. Regenerate with `{commands}`."]
+  parts += [f"![{alt}]({os.path.relpath(os.path.join(results_dir, image), pages_dir)})"
+            for alt, image in page.images if os.path.exists(os.path.join(results_dir, image))]
+  for name in page.sections:
+    path = os.path.join(results_dir, name)
+    if os.path.exists(path):
+      with open(path) as f:
+        parts.append(f.read().strip())
+  return "\n\n".join(parts) + "\n"
+
+
+def write_results_pages(results_dir: str) -> list[str]:
+  """Writes each page of PAGES that has a section in `results_dir`; returns their paths."""
+  pages_dir = pages_dir_for(results_dir)
+  os.makedirs(pages_dir, exist_ok=True)
+  written = []
+  for page in PAGES:
+    if any(os.path.exists(os.path.join(results_dir, s)) for s in page.sections):
+      path = os.path.join(pages_dir, page.name)
+      with open(path, "w") as f:
+        f.write(page_text(page, results_dir, pages_dir))
+      written.append(path)
+  return written

@@ -21,6 +21,11 @@ counts what ring.py / allgather.py issue per layer, for every sequence a device 
   exchange   a local layer's windowed exchange (window.py): its rows + metadata forward,
              their dK/dV back by the reverse permutes (in the compute dtype)
 
+Under remat `offload_input` the backward re-runs each layer's forward: a ring's and an
+exchange's sends run again, but the re-run's all-gather is the backward's own re-gather
+(XLA:CPU merges the two), so an all-gather layer moves what it moves under `full`
+(`rerun_sends`, which says where XLA:TPU differs).
+
 A drafter objective (dflash) adds its frozen target's layers (`context_traffic`): forward
 only, over every row of each rank's clean slot (the context), with the target's K/V widths;
 its drafter's layers are counted as above, with the drafter's.
@@ -66,20 +71,21 @@ META_ROW_BYTES = (len(RowMeta._fields) - 1) * 4
 def attention_traffic(plan: LayoutPlan, kv_row_bytes: float, grad_row_bytes: float,
                       meta_row_bytes: float, n_layers: int, window: int | None = None,
                       last_grad_row_bytes: float | None = None,
-                      first_passes: int = 0) -> dict[str, float]:
+                      first_passes: int = 0, reruns: int = 0) -> dict[str, float]:
   """Operand bytes per device and step (hlo_stats convention), by kind, that the plan's
   transport issues on `n_layers` global layers, or local ones of window W. `*_row_bytes`:
   K and V (their gradients, their metadata) of one travelling row, summed over the
   sequences a device holds; `last_grad_row_bytes`, the ring's last dK/dV hop where a
   compiler narrows it (default `grad_row_bytes`); `first_passes`, forward passes the step
   runs beyond the differentiated one and its backward (the objective's no-gradient
-  `first_passes`, the backward's re-run under remat `offload_input`)."""
+  `first_passes`); `reruns`, the backward's re-runs of each layer's forward (remat
+  `offload_input`), which send again only where `rerun_sends` says so."""
   out = dict.fromkeys(hlo_stats.COLLECTIVE_KINDS, 0.0)
   p = plan.num_ranks
-  transport = (get_strategy(plan.strategy).transport if window is None
-               else window_transport(plan, window))
+  transport = layer_transport(plan, window)
   if p == 1 or transport == "local":
     return out
+  first_passes += reruns * rerun_sends(transport)
   if transport == "exchange":
     # The received rows forward; their dK/dV back by the reverse permutes, in K/V's dtype.
     rows = exchange_for(plan, window).rows_sent()
@@ -96,6 +102,23 @@ def attention_traffic(plan: LayoutPlan, kv_row_bytes: float, grad_row_bytes: flo
     out["all-gather"] = n_layers * (2 + first_passes) * kv
     out["reduce-scatter"] = n_layers * p * grads
   return out
+
+
+def layer_transport(plan: LayoutPlan, window: int | None = None) -> str:
+  """How a global layer (`window` None), or a local one of window W, moves K/V under `plan`."""
+  return (get_strategy(plan.strategy).transport if window is None
+          else window_transport(plan, window))
+
+
+def rerun_sends(transport: str) -> bool:
+  """Whether the backward's re-run of a layer's forward (remat `offload_input`) sends its
+  K/V again: a ring's hops and a windowed exchange's permutes run again, but an all-gather's
+  gather is the very one the backward issues anyway (allgather.py re-gathers there), and
+  XLA:CPU merges the two identical collectives: its compiled step gathers twice a layer under
+  `offload_input` as under `full` (tests/analysis/test_step_report.py). XLA:TPU (libtpu
+  0.0.42.1) does not: it compiles one of the two as an all-reduce of the gathered shape, a
+  third gather a layer, which this count leaves out (its attention check reads 1.38 there)."""
+  return transport != "allgather"
 
 
 def _collective_itemsize(dtype, platform: str) -> int:
@@ -148,15 +171,15 @@ def config_attention_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype
     kv, _, meta = row_bytes(m)
     drafter = drafter_model(cfg)
     totals = [attention_traffic(plan, *row_bytes(drafter), drafter.n_layers,
-                                first_passes=reruns_attention(drafter.remat),
+                                reruns=reruns_attention(drafter.remat),
                                 **last_hop(drafter))]
     totals.append(context_traffic(plan, kv, meta, target_depth(cfg)))
   else:
     kinds = layer_types(m)
     by_kind = [("global", None), ("local", m.sliding_window)]
     totals = [attention_traffic(plan, *row_bytes(m, kind), kinds.count(kind), window,
-                                first_passes=objective.first_passes(cfg)
-                                + reruns_attention(m.remat), **last_hop(m, kind))
+                                first_passes=objective.first_passes(cfg),
+                                reruns=reruns_attention(m.remat), **last_hop(m, kind))
               for kind, window in by_kind if kinds.count(kind)]
   return {kind: sum(t[kind] for t in totals) for kind in hlo_stats.COLLECTIVE_KINDS}
 

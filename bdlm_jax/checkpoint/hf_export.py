@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 
 import jax
 import numpy as np
 import safetensors.numpy
 
-from bdlm_jax.checkpoint.hf_import import INDEX_FILE
+from bdlm_jax.checkpoint.hf_gemma4 import text_config
+from bdlm_jax.checkpoint.hf_import import INDEX_FILE, read_generation_config, read_hf_config
 from bdlm_jax.checkpoint.hf_names import get_path, hf_config, tensor_map
 from bdlm_jax.checkpoint.manager import restore_state
 from bdlm_jax.config import Config
@@ -35,11 +37,20 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
   """Writes config.json, generation_config.json and model.safetensors (or shards + index) in
   `cfg.export.dtype`, into a new or empty `out_dir` (`check_out_dir`).
 
-  A DiffusionGemma (`model.self_conditioning`) takes the vision tower of the HF folder
-  `vision_from` (its vision_config and tensors, as they are); without one, its config.json
-  names the smallest Gemma 4 vision tower, which transformers initialises at random.
+  The HF folder the model came from, `vision_from` or else `cfg.init_from`, gives what our
+  params do not hold: its generation_config.json (EOS list, sampler defaults) is carried
+  over, and a DiffusionGemma (`model.self_conditioning`) takes its vision tower (vision_config
+  and tensors, as they are) and its `use_bidirectional_attention`. A DiffusionGemma without
+  such a folder is refused unless `export.toy_vision` asks for the smallest Gemma 4 vision
+  tower, which transformers initialises at random.
   Sharded params are gathered to the host one tensor at a time; only process 0 writes.
   """
+  source = vision_from or cfg.init_from or None
+  if cfg.model.self_conditioning and not source and not cfg.export.toy_vision:
+    raise ConfigError(
+        "a DiffusionGemma export needs the vision tower of the Hugging Face folder it was "
+        "imported from: set init_from to that folder (or pass vision_from=...), or set "
+        "export.toy_vision=true to write a random one-layer tower (text use only)")
   check_out_dir(out_dir, cfg.export.overwrite)
   dtype = jax.numpy.dtype(cfg.export.dtype)
   host, parts = {}, {}
@@ -55,8 +66,8 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
   tensors = {name: np.ascontiguousarray(np.concatenate([p[i] for i in sorted(p)], axis=-2)
                                         if len(p) > 1 else p[0]) for name, p in parts.items()}
   vision = None
-  if vision_from and cfg.model.self_conditioning:
-    vision, tensors = _with_vision_tower(vision_from, tensors)
+  if source and cfg.model.self_conditioning:
+    vision, tensors = _with_vision_tower(source, tensors)
   if jax.process_index() != 0:
     return
   try:
@@ -79,9 +90,12 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
         "weight_map": {n: file for file, shard in zip(names, shards) for n in shard}})
   extra = {"bdlm_mask_token_id": cfg.objective.mask_token_id,
            "bdlm_block_size": cfg.objective.block_size, "bdlm_objective": cfg.objective.name}
-  _write_json(os.path.join(out_dir, "config.json"),
-              hf_config(cfg.model, cfg.export.dtype, cfg.data.seq_len, extra, vision))
-  _write_json(os.path.join(out_dir, "generation_config.json"), _generation_config(cfg))
+  config = hf_config(cfg.model, cfg.export.dtype, _max_positions(cfg, source), extra, vision)
+  if vision:  # the source's text attention rule (one text attends causally under: checked)
+    config["text_config"]["use_bidirectional_attention"] = text_config(
+        read_hf_config(source)).get("use_bidirectional_attention")
+  _write_json(os.path.join(out_dir, "config.json"), config)
+  _write_json(os.path.join(out_dir, "generation_config.json"), _generation_config(cfg, source))
 
 
 def check_out_dir(out_dir: str, overwrite: bool) -> None:
@@ -115,7 +129,7 @@ def export_checkpoint(cfg: Config, workdir: str) -> tuple[int, str]:
 def _with_vision_tower(folder: str, tensors: dict) -> tuple[dict, dict]:
   """(vision_config, tensors plus the vision tower's) of a DiffusionGemma folder."""
   from bdlm_jax.checkpoint.hf_gemma4 import VISION_PREFIXES
-  from bdlm_jax.checkpoint.hf_import import _TensorFiles, read_hf_config
+  from bdlm_jax.checkpoint.hf_import import _TensorFiles
   vision = read_hf_config(folder).get("vision_config")
   if not vision:
     raise ConfigError(f"vision_from={folder!r} has no vision_config in its config.json")
@@ -136,9 +150,14 @@ def _split(tensors: dict, max_bytes: int) -> list[dict]:
   return shards
 
 
-def _generation_config(cfg: Config) -> dict:
-  """BOS / EOS / PAD ids of `data.tokenizer`; none where this machine cannot read it."""
+def _generation_config(cfg: Config, source: str | None) -> dict:
+  """The source folder's generation_config.json as it is (its EOS list and sampler
+  defaults); without one, the BOS / EOS / PAD ids of `data.tokenizer` (none where this
+  machine cannot read it)."""
   from bdlm_jax.data.tokenizers import make_tokenizer  # late: the data package needs grain
+  carried = read_generation_config(source) if source else {}
+  if carried:
+    return carried
   try:
     tokenizer = make_tokenizer(cfg.data)
   except ConfigError:
@@ -146,6 +165,20 @@ def _generation_config(cfg: Config) -> dict:
   ids = dict(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
              pad_token_id=tokenizer.pad_id)
   return {k: v for k, v in ids.items() if v is not None}
+
+
+def _max_positions(cfg: Config, source: str | None) -> int:
+  """max_position_embeddings: the source model's, unless the run trained longer sequences
+  (data.seq_len): fine-tuning at a short L does not shrink what the model supports."""
+  if not source:
+    return cfg.data.seq_len
+  try:
+    imported = text_config(read_hf_config(source)).get("max_position_embeddings") or 0
+  except ConfigError as e:  # the folder is not on this machine
+    warnings.warn(f"max_position_embeddings is data.seq_len={cfg.data.seq_len}, as the "
+                  f"folder the model came from cannot be read: {e}")
+    return cfg.data.seq_len
+  return max(imported, cfg.data.seq_len)
 
 
 def _new_file_mode() -> int:

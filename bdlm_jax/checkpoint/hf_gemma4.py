@@ -31,6 +31,8 @@ ARCHITECTURES = {GEMMA4: "Gemma4ForCausalLM", DIFFUSION_GEMMA: "DiffusionGemmaFo
 PREFIX = {GEMMA4: "model.", DIFFUSION_GEMMA: "model.decoder."}
 # Tensors of a DiffusionGemma folder that are not its text model: left out, with a warning.
 VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+# use_bidirectional_attention values under which text attention stays causal.
+BIDIRECTIONAL_TEXT_CAUSAL = (None, "vision")
 # The ModelConfig fields that make a model Gemma 4 (any of them set).
 FEATURES = ("global_head_dim", "global_n_kv_heads", "attention_k_eq_v", "last_layer_global",
             "v_norm", "moe_beside_dense", "moe_router_norm", "layer_scalar", "self_conditioning")
@@ -144,7 +146,10 @@ def model_fields(hf: dict, where: str) -> dict:
       raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported ({what}); bdlm_jax "
                         f"needs {key} 0 or null")
   require(hf, where, "attention_bias", (False,), "attention projections have no bias")
-  require(hf, where, "use_bidirectional_attention", (None,), "attention is causal")
+  # "vision": bidirectional among image tokens only, so text attends causally as with None;
+  # "all" makes the encoder's text attention bidirectional (and halves its window).
+  require(hf, where, "use_bidirectional_attention", BIDIRECTIONAL_TEXT_CAUSAL,
+          "'all' makes text attention bidirectional; bdlm_jax's encoder stream is causal")
   require(hf, where, "hidden_activation", tuple(ACTIVATIONS), "the MLP is GeGLU or SwiGLU")
   n, n_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
   hf_types = hf.get("layer_types") or ["full_attention" if (i + 1) % 6 == 0 else

@@ -37,7 +37,8 @@ VOCAB_TENSORS = ("model.embed_tokens.weight", "model.decoder.embed_tokens.weight
 _BEHAVIOUR_KEYS = ("rope_theta", "rope_local_theta", "norm_eps", "layer_pattern",
                    "sliding_window", "scale_embeddings", "query_pre_attn_scalar",
                    "mlp_activation", "logit_softcap", "moe_top_k", "moe_norm_topk",
-                   "global_partial_rotary_factor", "last_layer_global", "v_norm")
+                   "global_partial_rotary_factor", "last_layer_global", "v_norm",
+                   "partial_rotary_factor")
 
 
 def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dict]:
@@ -70,7 +71,10 @@ def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dic
   mask = hf.get("bdlm_mask_token_id")
   if os.path.isfile(os.path.join(path, "tokenizer.json")):
     from bdlm_jax.data.tokenizers import HFTokenizer, pick_mask_id  # late: data needs grain
+    from bdlm_jax.data.chat import FOLDER, has_template
     data["tokenizer"] = path
+    if has_template(path):  # the format the model was trained with (data.format=chat)
+      data["chat_template"] = FOLDER
     if mask is None:
       mask = pick_mask_id(HFTokenizer(path), model["vocab_size"])
   if mask is None and diffusion:
@@ -79,9 +83,30 @@ def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dic
     mask, model["vocab_size"] = model["vocab_size"], model["vocab_size"] + 1
   objective = dict(mask_token_id=int(mask), block_size=block)
   if diffusion:
-    objective["name"] = diffusiongemma.NAME
-  cfg = replace(defaults, model=model, data=data, objective=objective)
+    objective.update(name=diffusiongemma.NAME, loss_weight="unit")
+  cfg = replace(defaults, model=model, data=data, objective=objective,
+                sample=sample_options(read_generation_config(path), diffusion))
   return cfg, _read_params(path, cfg, mesh)
+
+
+# DiffusionGemmaGenerationConfig's sampler keys -> sample.* (the entropy bound is nested).
+_CANVAS_SAMPLER = dict(max_new_tokens="max_new_tokens", max_denoising_steps="denoising_steps",
+                       t_min="t_min", t_max="t_max", stability_threshold="stability_threshold",
+                       confidence_threshold="confidence_threshold")
+
+
+def sample_options(generation: dict, diffusion: bool) -> dict:
+  """sample.* of a folder's generation config: its EOS list, and a DiffusionGemma's canvas
+  sampler settings (max_new_tokens 256 where it has none, transformers' default)."""
+  options = {"eos_ids": eos_ids(generation)} if generation.get("eos_token_id") is not None else {}
+  if diffusion:
+    options["max_new_tokens"] = 256
+    options.update({ours: generation[hf] for hf, ours in _CANVAS_SAMPLER.items()
+                    if generation.get(hf) is not None})
+    bound = (generation.get("sampler_config") or {}).get("entropy_bound")
+    if bound is not None:
+      options["entropy_bound"] = bound
+  return options
 
 
 def params_from_hf(cfg: Config, mesh=None, layers: bool = True) -> dict:
@@ -124,6 +149,39 @@ def read_hf_config(path: str) -> dict:
     return json.load(f)
 
 
+def read_generation_config(path: str) -> dict:
+  """The folder's generation_config.json ({} without one)."""
+  file = os.path.join(path, "generation_config.json")
+  if not os.path.isfile(file):
+    return {}
+  with open(file) as f:
+    return json.load(f)
+
+
+def eos_ids(generation: dict) -> str:
+  """A generation config's `eos_token_id` (an id or a list) as `sample.eos_ids` spells it."""
+  ids = generation.get("eos_token_id")
+  ids = [] if ids is None else [ids] if isinstance(ids, int) else ids
+  return ",".join(str(int(i)) for i in ids)
+
+
+def _check_copies(files, tensors: list[Tensor]) -> None:
+  """Warns where an HF tensor's copies (DiffusionGemma's decoder `layer_scalar`s) differ from
+  the tensor that is read: one value per layer is kept, and transformers' canvas pass reads
+  the copies."""
+  differ = []
+  for t in tensors:
+    read = np.asarray(files.get_slice(t.name)[:], np.float32)
+    for copy in t.copies:
+      gap = float(np.abs(np.asarray(files.get_slice(copy)[:], np.float32) - read).max())
+      if gap > 0:
+        differ.append(f"{copy} (|difference| {gap:.3g})")
+  if differ:
+    warnings.warn(f"{files.path}: {', '.join(differ)} differ from the tensors read in their "
+                  f"place ({tensors[0].name}, ...): bdlm_jax keeps one value per layer, so its "
+                  f"canvas logits will differ from transformers'")
+
+
 def _read_params(path: str, cfg: Config, mesh, layers: bool = True) -> dict:
   """The params of `cfg.model` from the folder, or without `layers` those of the same model
   with no layers (the rest of the folder's tensors are then expected, unread)."""
@@ -155,6 +213,7 @@ def _read_params(path: str, cfg: Config, mesh, layers: bool = True) -> dict:
                             f"{tuple(grid[t.index].get_shape())}, but config.json implies "
                             f"{hf_shape}")
       set_path(params, where, _place(grid, tensors[0], want, get_path(shardings, where)))
+    _check_copies(files, [t for t in names if t.copies])
     used = {name for t in tensor_map(cfg.model) for name in (t.name, *t.copies)}
     vision = sorted(n for n in files.names if n.startswith(VISION_PREFIXES))
     if vision:
@@ -213,8 +272,15 @@ class _MeanRowsAdded:
     return np.concatenate(parts + [np.repeat(self._mean[cols][None], added, axis=0)])
 
 
+# A multimodal Qwen3.5 folder keeps its text model under `model.language_model.` (read as
+# `model.`); its vision tower and multi-token-prediction head are not read.
+TEXT_PREFIX = ("model.language_model.", "model.")
+SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+
+
 class _TensorFiles:
-  """Tensor name -> lazily sliced tensor, over one or several safetensors files."""
+  """Tensor name -> lazily sliced tensor, over one or several safetensors files (text
+  weights under `model.language_model.` answer to their `model.` names)."""
 
   def __init__(self, path: str):
     self.path = path
@@ -227,6 +293,11 @@ class _TensorFiles:
       for file in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
         with safetensors.safe_open(os.path.join(path, file), framework="numpy") as f:
           self._file_of.update({name: file for name in f.keys()})
+    self._stored = {name: name for name in self._file_of}
+    if any(name.startswith(TEXT_PREFIX[0]) for name in self._file_of):
+      self._stored = {name.replace(*TEXT_PREFIX, 1): name for name in self._file_of
+                      if not name.startswith(SKIPPED_PREFIXES)}
+      self._file_of = {name: self._file_of[stored] for name, stored in self._stored.items()}
     if not self._file_of:
       raise ConfigError(f"{path} holds no *.safetensors weights (PyTorch .bin files are not "
                         f"read: re-save with model.save_pretrained(..., safe_serialization=True))")
@@ -242,7 +313,7 @@ class _TensorFiles:
     if file not in self._open:
       self._open[file] = self._stack.enter_context(
           safetensors.safe_open(os.path.join(self.path, file), framework="numpy"))
-    return self._open[file].get_slice(name)
+    return self._open[file].get_slice(self._stored[name])
 
   def __enter__(self):
     return self

@@ -16,7 +16,7 @@ weights are [out, in]; our flax kernels are [in, out].
 
 from __future__ import annotations
 
-from bdlm_jax.checkpoint import hf_gemma4
+from bdlm_jax.checkpoint import hf_gemma4, hf_qwen3_5
 from bdlm_jax.checkpoint.hf_tensor import (ACTIVATIONS, LAYER_TYPES, Tensor, require,
                                            shared_config, shortest_period)
 from bdlm_jax.config import ModelConfig
@@ -27,7 +27,7 @@ from bdlm_jax.models.transformer import layer_slots
 GEMMA3 = "gemma3_text"
 QWEN3_MOE = "qwen3_moe"
 GEMMA4_TYPES = ("gemma4_text", "diffusion_gemma")  # hf_gemma4.py
-MODEL_TYPES = ("llama", "qwen3", QWEN3_MOE, GEMMA3, *GEMMA4_TYPES)
+MODEL_TYPES = ("llama", "qwen3", QWEN3_MOE, GEMMA3, *GEMMA4_TYPES, *hf_qwen3_5.MODEL_TYPES)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  QWEN3_MOE: "Qwen3MoeForCausalLM", GEMMA3: "Gemma3ForCausalLM"}
 # Tensors an HF folder may hold that carry nothing we need (old Llama checkpoints keep the
@@ -85,7 +85,10 @@ _QWEN3_MOE_DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermedi
 def hf_model_type(m: ModelConfig) -> str:
   """The HF family that expresses `m`: Gemma 4 or DiffusionGemma when it has their features
   (`hf_gemma4.model_type`), Gemma 3 when it has Gemma's norms and embedding scale, else
-  Qwen3-MoE (experts), Qwen3 (q/k norms) or Llama; a ConfigError when no family fits."""
+  Qwen3-MoE (experts), Qwen3 (q/k norms) or Llama; Qwen3.5 (hf_qwen3_5.py) with Gated
+  DeltaNet layers or gated attention; a ConfigError when no family fits."""
+  if hf_qwen3_5.owns(m):
+    return hf_qwen3_5.model_type(m)
   if any(getattr(m, k) for k in hf_gemma4.FEATURES) or m.global_partial_rotary_factor != 1:
     return hf_gemma4.model_type(m)
   gemma = ("post_norms", "scale_embeddings", "qk_norm")
@@ -122,6 +125,8 @@ def tensor_map(m: ModelConfig) -> list[Tensor]:
   model_type = hf_model_type(m)
   if model_type in GEMMA4_TYPES:
     return hf_gemma4.tensor_map(m, model_type)
+  if model_type in hf_qwen3_5.MODEL_TYPES:
+    return hf_qwen3_5.tensor_map(m)
   offset = 1.0 if model_type == GEMMA3 else 0.0
   norms = {**_NORMS[model_type], **(_QK_NORMS if m.qk_norm else {})}
   per_layer = [(name, (*path, "scale"), False, offset) for name, path in norms.items()]
@@ -147,7 +152,10 @@ def shape_fields(m: ModelConfig) -> dict:
   out = {k: getattr(m, k) for k in (*SHAPE_KEYS, "qk_norm", "post_norms", "moe_experts",
                                     "global_head_dim", "global_n_kv_heads", "attention_k_eq_v",
                                     "moe_beside_dense", "moe_router_norm", "layer_scalar",
-                                    "self_conditioning")}
+                                    "self_conditioning", "attention_gate", "gdn_key_heads",
+                                    "gdn_value_heads", "gdn_key_dim", "gdn_value_dim",
+                                    "gdn_conv")}
+  out["gdn_layers"] = tuple(k == "gdn" for k in layer_types(m))  # their weights differ
   if m.moe_experts:
     out["moe_d_ff"] = m.moe_d_ff or m.d_ff
     out["mlp_types"] = mlp_types(m)
@@ -176,6 +184,8 @@ def model_config_from_hf(hf: dict, where: str) -> dict:
                       f"{list(MODEL_TYPES)}")
   if model_type in GEMMA4_TYPES:
     return hf_gemma4.model_fields(hf, where)
+  if model_type in hf_qwen3_5.MODEL_TYPES:
+    return hf_qwen3_5.model_fields(hf, where)
   require(hf, where, "attention_bias", (False,), "attention projections have no bias")
   n_heads = hf["num_attention_heads"]
   fields = dict(
@@ -287,6 +297,8 @@ def hf_config(m: ModelConfig, dtype: str, max_positions: int, extra: dict,
   model_type = hf_model_type(m)
   if model_type in GEMMA4_TYPES:
     return hf_gemma4.hf_config(m, model_type, dtype, max_positions, extra, vision)
+  if model_type in hf_qwen3_5.MODEL_TYPES:
+    return hf_qwen3_5.hf_config(m, dtype, max_positions, extra)
   out = {
       "architectures": [ARCHITECTURES[model_type]],
       "model_type": model_type,

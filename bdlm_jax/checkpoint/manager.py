@@ -5,7 +5,9 @@ Each step directory `<workdir>/<step>/` holds three items:
            host for the shards it owns and restored straight onto the mesh sharding;
   data/    the Grain iterator state, as JSON (bytes are base64-encoded);
   config/  the resolved Config and the tokenizer's fingerprint, checked against the current
-           ones on restore (a different vocabulary or [MASK] id would garble the params).
+           ones on restore (a different vocabulary or [MASK] id would garble the params),
+           and the fingerprint of a prepared data folder (`data.source=tokens`), which a
+           resumed run must find unchanged (`data_changes`).
 
 Atomicity comes from Orbax: a step is written to `<step>.orbax-checkpoint-tmp` and renamed
 when complete, so a run killed mid-save leaves no step directory. A step directory that is
@@ -16,6 +18,7 @@ restore, with a warning, in favour of the newest step that restores.
 from __future__ import annotations
 
 import base64
+import sys
 import time
 import uuid
 import warnings
@@ -47,6 +50,9 @@ FREE_ON_RESUME = ("mode", "init_from", "parallel", "sample", "eval", "export", "
 
 # Key of the config item that records `Tokenizer.fingerprint`: what the token ids meant.
 TOKENIZER_KEY = "tokenizer_fingerprint"
+# Key of the config item that records the prepared folder's records (`prepare.fingerprint`):
+# the same data.path re-prepared from another corpus is other data.
+DATA_KEY = "data_fingerprint"
 
 
 class CheckpointError(RuntimeError):
@@ -78,6 +84,7 @@ class Checkpointer:
     self.workdir = workdir_path(workdir)
     self.cfg = cfg
     self._tokenizer = _tokenizer_fingerprint(cfg)
+    self._data = None  # read on the first save or check: readers need no data folder
     _check_writable(self.workdir)
     policy = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
@@ -109,7 +116,8 @@ class Checkpointer:
     return self._mngr.save(step, force=force, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(_encode_data_state(data_state)),
-        config=ocp.args.JsonSave({**self.cfg.to_dict(), TOKENIZER_KEY: self._tokenizer}),
+        config=ocp.args.JsonSave({**self.cfg.to_dict(), TOKENIZER_KEY: self._tokenizer,
+                                  DATA_KEY: self._data_fingerprint()}),
     ))
 
   def latest_step(self) -> int | None:
@@ -122,9 +130,27 @@ class Checkpointer:
     return steps[0] if steps else None
 
   def saved_config(self, step: int) -> dict:
-    """The config (as a dict, without the tokenizer fingerprint) `step` was written with."""
-    saved = self._mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-    return {k: v for k, v in saved.config.items() if k != TOKENIZER_KEY}
+    """The config (as a dict, without the fingerprints) `step` was written with."""
+    return {k: v for k, v in self._saved(step).items() if k not in (TOKENIZER_KEY, DATA_KEY)}
+
+  def data_changes(self, step: int) -> list[str]:
+    """[what changed] if the prepared data folder differs from the one `step` trained on
+    (same data.path, re-prepared); checkpoints of other sources, or older ones, pass."""
+    was, now = self._saved(step).get(DATA_KEY), self._data_fingerprint()
+    if was and now and was != now:
+      return [f"data.path={self.cfg.data.path!r} re-prepared: its records differ (folder "
+              f"fingerprint {was[:12]} at the checkpoint, {now[:12]} now)"]
+    return []
+
+  def _saved(self, step: int) -> dict:
+    return self._mngr.restore(step, args=ocp.args.Composite(
+        config=ocp.args.JsonRestore())).config
+
+  def _data_fingerprint(self) -> str | None:
+    if self._data is None and self.cfg.data.source == "tokens":
+      from bdlm_jax.data.prepare import folder_fingerprint  # late: the data package needs grain
+      self._data = folder_fingerprint(self.cfg.data.path)
+    return self._data
 
   def restore(self, abstract_state: Any, step: int | None = None) -> tuple[int, Any, Any]:
     """Returns (step, state, data_state) restored onto the shardings in `abstract_state`.
@@ -136,6 +162,7 @@ class Checkpointer:
     """
     self.wait()
     self._mngr.reload()
+    _quiet_late_reads()  # before: a failed read's siblings may call back at once
     candidates = [step] if step is not None else self._committed_steps()
     if not candidates:
       raise FileNotFoundError(f"no committed checkpoint to restore in {self.workdir}")
@@ -148,8 +175,9 @@ class Checkpointer:
       except Exception as e:  # pylint: disable=broad-except
         if step is not None:
           raise CheckpointError(f"cannot restore checkpoint {self.step_dir(s)}: {e}") from e
-        warnings.warn(f"checkpoint {self.step_dir(s)} is unreadable ({_short(e)}); "
-                      f"trying an older one")
+        if s != candidates[-1]:  # the last one's failure is in the error below
+          warnings.warn(f"checkpoint {self.step_dir(s)} is unreadable ({_short(e)}); "
+                        f"trying an older one")
         failures.append((s, e))
         continue
       # An older step restored with the same arguments, so the newer ones are truly bad.
@@ -228,6 +256,24 @@ class Checkpointer:
     self._barriers += 1
     ocp.multihost.sync_global_processes(f"bdlm_jax_checkpoint_set_aside_{self._barriers}")
     self._mngr.reload()
+
+
+def _quiet_late_reads() -> None:
+  """After a failed restore, the reads still in flight finish in TensorStore's threads and
+  call back into the event loop Orbax has closed: dozens of "RuntimeError: Event loop is
+  closed" tracebacks (unraisable exceptions) around the one error that matters. Those, and
+  only those, are dropped from the first restore on (a process-wide hook, installed once)."""
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_late_reads", False):
+    return
+
+  def hook(unraisable):
+    e = unraisable.exc_value
+    if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+      previous(unraisable)
+
+  hook.drops_late_reads = True
+  sys.unraisablehook = hook
 
 
 def workdir_path(workdir: epath.PathLike) -> epath.Path:

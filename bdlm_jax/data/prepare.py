@@ -7,22 +7,35 @@ A prepared folder holds
   record each, int32 little-endian: a text document's ids and EOS; a conversation's prompt
   length (its prompt mask) followed by the prompt's ids, the response's and EOS;
 * `meta.json`: what was tokenized (source, path, format, tokenizer and its fingerprint), the
-  counts (documents, tokens) and the shards, written last: a folder without it is unfinished.
-While it runs, `progress.jsonl` logs each shard written (atomically: a temporary file, then a
-rename); a rerun of a killed prepare skips them. The ids are the tokenizer's own: the
-objective's [MASK] is dropped, and conversations are padded to whole blocks and cut to L, as
-they are read, so one folder serves every objective, block size and `data.seq_len`.
+  counts (documents, tokens) and the shards, each with the sha256 of its file and a digest of
+  its records, written last: a folder without it is unfinished. `fingerprint` (of the
+  records, whatever the sharding) is what a checkpoint records of the data it trained on.
+While it runs, `progress.jsonl` logs each shard as soon as it is written (atomically: a
+temporary file, then a rename); a rerun of a killed prepare keeps every logged shard whose
+sha256 matches and tokenizes the rest. A run that opens the folder checks every shard's
+sha256 (reading the folder once) and names a damaged or missing one; rerunning the same
+mode=prepare checks the shards too and rewrites only the damaged ones. The ids are the
+tokenizer's own: the objective's [MASK] is dropped, and conversations are padded to whole
+blocks and cut to L, as they are read, so one folder serves every objective, block size and
+`data.seq_len`.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import bisect
+import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import multiprocessing
 import os
+import pickle
 import re
+import signal
+import threading
+import time
+import warnings
 
 import grain
 import numpy as np
@@ -41,15 +54,17 @@ VERSION = 1
 _WRITER_OPTIONS = "group_size:1,zstd:1"
 _SHARD = re.compile(r"shard-(\d+)-(\d+)\.array_record")
 _UNITS_PER_PROCESS = 8  # pieces of work per process: finer progress and a fairer split
+_DIGEST_MOD = 1 << 128  # record digests add up modulo this: independent of the sharding
 
 
 def tokenize(tokenizer: Tokenizer, doc: str | dict[str, str]):
   """A document's ids as packing needs them: int32 [T] ending in EOS for text; for a
-  conversation {"prompt": ids, "response": ids ending in EOS}. mode=prepare stores these."""
+  conversation (chat.conversation) {"prompt": ids, "response": ids, ending in EOS where
+  "add_eos" (else the chat template ended the turn)}. mode=prepare stores these."""
   if isinstance(doc, dict):
+    end = [tokenizer.eos_id] if doc["add_eos"] else []
     return {"prompt": np.asarray(tokenizer.encode(doc["prompt"]), np.int32),
-            "response": np.asarray(tokenizer.encode(doc["response"]) + [tokenizer.eos_id],
-                                   np.int32)}
+            "response": np.asarray(tokenizer.encode(doc["response"]) + end, np.int32)}
   return np.asarray(tokenizer.encode(doc) + [tokenizer.eos_id], np.int32)
 
 
@@ -98,7 +113,7 @@ def _prepare_split(cfg: Config, path: str, out_dir: str, progress: bool) -> dict
   if tokenizer.eos_id is None:
     raise ConfigError(f"data.tokenizer={data_cfg.tokenizer!r} has no end-of-document token; "
                       f"packing needs one to end each document")
-  source = (chat.ChatSource(path, data_cfg.chat_template) if data_cfg.format == "chat"
+  source = (chat.ChatSource(path, chat.make_template(data_cfg)) if data_cfg.format == "chat"
             else make_source(data_cfg, cfg.seed))
   identity = _identity(data_cfg, tokenizer, len(source))
   done = _start(out_dir, identity)
@@ -109,12 +124,8 @@ def _prepare_split(cfg: Config, path: str, out_dir: str, progress: bool) -> dict
   units = _units(todo, n_processes * _UNITS_PER_PROCESS)
   bar = tqdm(total=len(source), initial=sum(s["end"] - s["first"] for s in done), unit="doc",
              desc=f"tokenizing into {out_dir}", disable=not progress)
-  with bar, open(os.path.join(out_dir, PROGRESS), "a") as log:
-    def finished(shards: list[dict]) -> None:
-      for s in shards:
-        log.write(json.dumps(s) + "\n")
-      log.flush()
-      os.fsync(log.fileno())
+  with bar:
+    def finished(shards: list[dict]) -> None:  # _write_range logged them
       done.extend(shards)
       bar.update(sum(s["end"] - s["first"] for s in shards))
       bar.set_postfix(tokens=f"{sum(s['tokens'] for s in done):,}")
@@ -124,27 +135,63 @@ def _prepare_split(cfg: Config, path: str, out_dir: str, progress: bool) -> dict
       _start_worker(source, tokenizer)
       for first, end in units:
         finished(_write_range(first, end, *args))
-    else:  # spawn: JAX's threads make fork unsafe
-      with concurrent.futures.ProcessPoolExecutor(
-          min(n_processes, len(units)), multiprocessing.get_context("spawn"),
-          initializer=_start_worker, initargs=(source, tokenizer)) as pool:
-        try:
-          for shards in concurrent.futures.as_completed(
-              [pool.submit(_write_range, first, end, *args) for first, end in units]):
-            finished(shards.result())
-        except BaseException:  # a bad document or Ctrl-C: stop now, keep what is logged
-          pool.shutdown(wait=False, cancel_futures=True)
-          raise
+    else:
+      with _worker_pool(min(n_processes, len(units)), source, tokenizer, out_dir) as pool:
+        for shards in pool.imap_unordered(_write_unit, [(*unit, *args) for unit in units]):
+          finished(shards)
   return _finish(out_dir, identity, done)
 
 
+@contextlib.contextmanager
+def _worker_pool(n: int, source, tokenizer, out_dir: str):
+  """`n` spawned tokenizing processes (JAX's threads make fork unsafe), terminated on the way
+  out, a bad document or Ctrl-C included: what they finished is logged. They ignore SIGINT
+  (a Ctrl-C reaches the whole process group; the parent stops them, and one still starting
+  up would print a traceback): the parent ignores it while it starts them, a setting they
+  keep through exec. That takes milliseconds, as the source and tokenizer go through a file
+  (the arguments of a spawned process are written to a pipe the parent waits on, until the
+  child has started and read them). They exit if the parent dies (else a kill -9 leaves
+  them blocked on their queue, with the resource tracker)."""
+  state = os.path.join(out_dir, "workers.pickle.tmp")  # removed by a rerun, as other .tmp
+  with open(state, "wb") as f:
+    pickle.dump((source, tokenizer), f)
+  main = threading.current_thread() is threading.main_thread()
+  handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+  try:
+    pool = multiprocessing.get_context("spawn").Pool(
+        n, initializer=_start_pool_worker, initargs=(state, os.getpid()))
+  finally:
+    if main:
+      signal.signal(signal.SIGINT, handler)
+  try:
+    yield pool
+  finally:
+    pool.terminate()
+    pool.join()
+    os.remove(state)
+
+
 def _start(out_dir: str, identity: dict) -> list[dict] | None:
-  """The shards a previous run of this preparation finished (None: all of them)."""
+  """The shards a previous run of this preparation finished (None: all of them, checked)."""
   where = f"prepare.out_dir={out_dir!r}"
   meta_file, log_file = os.path.join(out_dir, META), os.path.join(out_dir, PROGRESS)
   if os.path.exists(meta_file):
-    _check_same(_read_meta(out_dir), identity, where)
-    return None
+    meta = _read_meta(out_dir)
+    _check_same(meta, identity, where)
+    damaged = _damaged(out_dir, meta["shards"])
+    if not damaged:
+      return None
+    warnings.warn(f"{where}: rewriting {_describe(damaged)}")
+    good = [s for s in meta["shards"] if s["file"] not in damaged]
+    tmp = log_file + ".tmp"  # unfinished again: the log of the good shards, then no meta.json
+    with open(tmp, "w") as f:
+      f.write("".join(json.dumps(s) + "\n" for s in [identity, *good]))
+    os.replace(tmp, log_file)
+    os.remove(meta_file)
+    for name in damaged:
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(out_dir, name))
+    return good
   os.makedirs(out_dir, exist_ok=True)
   if not os.path.exists(log_file):
     if os.listdir(out_dir):
@@ -167,6 +214,8 @@ def _start(out_dir: str, identity: dict) -> list[dict] | None:
       continue  # a line cut short by the kill: that shard is written again
     if os.path.exists(os.path.join(out_dir, shard["file"])):
       done.append(shard)
+  damaged = _damaged(out_dir, done)  # renamed, but not on disk whole when the host died
+  done = [s for s in done if s["file"] not in damaged]
   for name in os.listdir(out_dir):
     if name.endswith(".tmp"):
       os.remove(os.path.join(out_dir, name))  # a shard the kill cut short
@@ -204,10 +253,28 @@ def _start_worker(source, tokenizer) -> None:
   _WORKER.update(source=source, tokenizer=tokenizer)
 
 
+def _start_pool_worker(state: str, parent: int) -> None:
+  threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+  with open(state, "rb") as f:
+    _start_worker(*pickle.load(f))
+
+
+def _exit_with(parent: int) -> None:
+  """Ends this worker once `parent` is gone (it is then adopted by another process)."""
+  while os.getppid() == parent:
+    time.sleep(0.5)
+  os._exit(1)
+
+
+def _write_unit(args: tuple) -> list[dict]:
+  return _write_range(*args)
+
+
 def _write_range(first: int, end: int, out_dir: str, shard_tokens: int) -> list[dict]:
-  """Tokenizes documents [first, end) into shards that close past `shard_tokens` tokens."""
+  """Tokenizes documents [first, end) into shards that close past `shard_tokens` tokens,
+  logging each to progress.jsonl as it is written."""
   source, tokenizer = _WORKER["source"], _WORKER["tokenizer"]
-  shards, start, tokens, writer, tmp = [], first, 0, None, None
+  shards, start, tokens, digest, writer, tmp = [], first, 0, 0, None, None
   for i in range(first, end):
     if writer is None:
       tmp = os.path.join(out_dir, f"shard-{i:012d}.array_record.tmp")
@@ -217,20 +284,71 @@ def _write_range(first: int, end: int, out_dir: str, shard_tokens: int) -> list[
       ids = tokenize(tokenizer, doc)
     except DataError as e:  # text the tokenizer cannot encode: say which document
       raise DataError(f"{source.where(i)}: {e}") from e
-    writer.write(_record(ids))
+    record = _record(ids)
+    writer.write(record)
+    digest = (digest + _record_digest(i, record)) % _DIGEST_MOD
     tokens += sum(map(len, ids.values())) if isinstance(ids, dict) else len(ids)
     if tokens >= shard_tokens or i + 1 == end:
       writer.close()
       name = f"shard-{start:012d}-{i + 1:012d}.array_record"
+      shard = dict(file=name, first=start, end=i + 1, tokens=tokens, sha256=_sha256(tmp),
+                   records=f"{digest:032x}")
       os.replace(tmp, os.path.join(out_dir, name))
-      shards.append(dict(file=name, first=start, end=i + 1, tokens=tokens))
-      start, tokens, writer = i + 1, 0, None
+      with open(os.path.join(out_dir, PROGRESS), "a") as log:  # one short append per shard
+        log.write(json.dumps(shard) + "\n")
+        log.flush()
+        os.fsync(log.fileno())
+      shards.append(shard)
+      start, tokens, digest, writer = i + 1, 0, 0, None
   return shards
+
+
+def _record_digest(index: int, record: bytes) -> int:
+  """Document `index`'s record as a number; the sum over documents is the folder's content,
+  in order, however it is cut into shards."""
+  h = hashlib.blake2b(record, digest_size=16, key=index.to_bytes(8, "little"))
+  return int.from_bytes(h.digest(), "little")
+
+
+def _sha256(path: str) -> str:
+  with open(path, "rb") as f:
+    return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _damaged(folder: str, shards: list[dict]) -> dict[str, str]:
+  """{file: what is wrong} for each shard that is missing or whose sha256 differs from the
+  one it was written with (shards of older folders have none, and are not checked)."""
+  damaged = {}
+  for s in shards:
+    path = os.path.join(folder, s["file"])
+    if not os.path.exists(path):
+      damaged[s["file"]] = "missing"
+    elif "sha256" in s and _sha256(path) != s["sha256"]:
+      damaged[s["file"]] = "damaged: its sha256 differs from the one it was written with"
+  return damaged
+
+
+def _describe(damaged: dict[str, str]) -> str:
+  return "; ".join(f"shard {name} ({why})" for name, why in damaged.items())
+
+
+def fingerprint(meta: dict) -> str | None:
+  """The records of a prepared folder (`meta`), in order, whatever the sharding: equal
+  fingerprints, equal data. None for a folder prepared before shards had digests."""
+  if not all("records" in s for s in meta["shards"]):
+    return None
+  return f"{sum(int(s['records'], 16) for s in meta['shards']) % _DIGEST_MOD:032x}"
+
+
+def folder_fingerprint(folder: str) -> str | None:
+  """`fingerprint` of the prepared folder's meta.json (read, not verified)."""
+  return fingerprint(_read_meta(os.path.expanduser(folder)))
 
 
 def _finish(out_dir: str, identity: dict, done: list[dict]) -> dict:
   shards = sorted(done, key=lambda s: s["first"])
   meta = dict(identity, tokens=sum(s["tokens"] for s in shards), shards=shards)
+  meta["fingerprint"] = fingerprint(meta)
   tmp = os.path.join(out_dir, META + ".tmp")
   with open(tmp, "w") as f:
     json.dump(meta, f, indent=1)
@@ -293,6 +411,14 @@ class TokenSource:
           f"{'; '.join(wrong)}; set these as the folder has them (it was tokenized with "
           f"data.tokenizer={meta.get('tokenizer')!r}), or prepare it again with this config")
     self._chat = meta["format"] == "chat"
+    self._folder, self._firsts = folder, [s["first"] for s in meta["shards"]]
+    damaged = _damaged(folder, meta["shards"])
+    if damaged:
+      raise DataError(f"data.path={folder!r} (data.source=tokens): {_describe(damaged)}. "
+                      f"{self._rebuild()}")
+    if not all("sha256" in s for s in meta["shards"]):
+      warnings.warn(f"data.path={folder!r} was prepared before shards had checksums: its "
+                    f"records are not checked; prepare it again to have them checked")
     files = [os.path.join(folder, s["file"]) for s in meta["shards"]]
     try:
       self._records = grain.sources.ArrayRecordDataSource(files)
@@ -306,8 +432,20 @@ class TokenSource:
   def __len__(self) -> int:
     return self.meta["documents"]
 
+  def _rebuild(self) -> str:
+    m = self.meta
+    return (f"Rebuild it: rerun the mode=prepare that wrote it (data.path={m['path']!r}, "
+            f"data.tokenizer={m['tokenizer']!r}, prepare.out_dir={self._folder!r}); it checks "
+            f"every shard and rewrites only the damaged ones")
+
   def __getitem__(self, index: int):
-    ids = np.frombuffer(self._records[index], "<i4").astype(np.int32, copy=False)
+    try:
+      record = self._records[index]
+    except RuntimeError as e:  # array_record's "Corrupted Riegeli/records file" and the like
+      shard = self.meta["shards"][bisect.bisect_right(self._firsts, index) - 1]["file"]
+      raise DataError(f"data.path={self._folder!r}: document {index} in shard {shard} cannot "
+                      f"be read ({e}). {self._rebuild()}") from e
+    ids = np.frombuffer(record, "<i4").astype(np.int32, copy=False)
     if self._chat:
       n = int(ids[0])
       return {"prompt": ids[1:1 + n], "response": ids[1 + n:]}

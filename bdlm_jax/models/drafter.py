@@ -10,13 +10,17 @@ Attention is the caller's, `attend(q, k, v, q_meta, k_meta, k_ctx, v_ctx, ctx_me
 draft rows' queries against their own keys and the context's, given apart.
 """
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from bdlm_jax.config import Config, ModelConfig
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.kernels.mask import RowMeta
+from bdlm_jax.models.selector import CandidateSelector
 from bdlm_jax.models.transformer import (AttendFn, LayerStack, RMSNorm, RowsFn, Transformer,
                                          _linear, in_parts)
 
@@ -59,35 +63,120 @@ def drafter_model(cfg: Config) -> ModelConfig:
       head_dim=d.head_dim or m.head_dim, d_ff=d.d_ff or m.d_ff, rope_theta=m.rope_theta,
       qk_norm=True, norm_eps=m.norm_eps, param_dtype=m.param_dtype,
       compute_dtype=m.compute_dtype, remat=m.remat, attention_impl=m.attention_impl,
-      attention_chunk=m.attention_chunk, logits_chunk=m.logits_chunk, row_chunks=m.row_chunks)
+      attention_chunk=m.attention_chunk, logits_chunk=m.logits_chunk, row_chunks=m.row_chunks,
+      layer_pattern="local" if d.window else "global", sliding_window=d.window)
+
+
+def drafter_args(cfg: Config) -> dict:
+  """JSON-able arguments of `DFlash`'s drafter: its layers' config and DFlash2's parts
+  (the block convolution's taps and groups, the candidate selector's rank)."""
+  d = cfg.drafter
+  return dict(model=dataclasses.asdict(drafter_model(cfg)), block_size=cfg.objective.block_size,
+              conv_taps=d.conv_taps, conv_group_size=d.conv_group_size,
+              selector_rank=cfg.objective.selector_rank)
+
+
+def windowed_drafts(meta: RowMeta, window: int) -> RowMeta:
+  """Draft rows' metadata on a sliding-window drafter layer of window W: slot j of anchor a
+  (position a + j) sees context positions >= a + j - W + 1 (the seed's `dflash_fa4.py`
+  ~343-347, ~516-527); its own block stays whole for W >= B."""
+  return meta._replace(lo=meta.pos - (window - 1))
+
+
+class GroupedConv(nnx.Module):
+  """DFlash2's block-local dynamic depthwise convolution (the seed's `DFlashGroupedConv`,
+  dflash2.py ~40-53, ~257-328): y_t = sum_{k < taps} (base[side, k, ch] + dyn_t[k, group(ch)])
+  x_{t-k}, zero before the block's first row, so causal inside a draft block and never across
+  one. The base kernel [2 sides, taps, D] starts as the identity (tap 0 = 1) and the
+  projection to per-token coefficients [2, taps, G] (G = D / group size) at zero. `prepare`
+  convolves its input with side 0 and keeps side 1's coefficients for `finish`. Rows are
+  whole draft blocks of `block_size` rows in slot order ([S, A*B, D])."""
+
+  def __init__(self, d_model: int, block_size: int, taps: int, group_size: int, param_dtype,
+               rngs: nnx.Rngs):
+    self.block_size, self.taps, self.groups = block_size, taps, d_model // group_size
+    self.base_kernel = nnx.Param(jnp.zeros((2, taps, d_model), param_dtype).at[:, 0].set(1.0))
+    self.kernel_projection = nnx.Linear(d_model, 2 * taps * self.groups, use_bias=False,
+                                        kernel_init=nnx.initializers.zeros,
+                                        param_dtype=param_dtype, rngs=rngs)
+
+  def _convolve(self, x_SND, dyn_SNKG, side: int):
+    s, n, d = x_SND.shape
+    b, taps, g = self.block_size, self.taps, self.groups
+    x = x_SND.reshape(s, n // b, b, g, d // g)
+    coef = (self.base_kernel[...][side].astype(x.dtype).reshape(taps, g, d // g)
+            + dyn_SNKG.reshape(s, n // b, b, taps, g, 1).astype(x.dtype))
+    shift = lambda k: jnp.pad(x, [(0, 0), (0, 0), (k, 0), (0, 0), (0, 0)])[:, :, :b]
+    y = sum(coef[:, :, :, k] * shift(k) for k in range(taps))
+    return y.reshape(s, n, d)
+
+  def prepare(self, x_SND):
+    coef = self.kernel_projection(x_SND).reshape(*x_SND.shape[:2], 2, self.taps, self.groups)
+    return self._convolve(x_SND, coef[:, :, 0], 0), coef[:, :, 1]
+
+  def finish(self, x_SND, coef_SNKG):
+    return self._convolve(x_SND, coef_SNKG, 1)
 
 
 class Drafter(LayerStack):
-  def __init__(self, cfg: ModelConfig, n_features: int, rngs: nnx.Rngs):
+  """The drafter's layers; with DFlash2's parts (`drafter_args`) a block convolution before
+  each layer's attention and one around its MLP (`GroupedConv`, one pair per layer, stacked
+  like the layers), and the candidate selector (`selector`)."""
+
+  def __init__(self, cfg: ModelConfig, n_features: int, rngs: nnx.Rngs, block_size: int = 0,
+               conv_taps: int = 0, conv_group_size: int = 1, selector_rank: int = 0):
     self.cfg = cfg
+    param_dtype = jax.numpy.dtype(cfg.param_dtype)
     self.fc = _linear(n_features * cfg.d_model, cfg.d_model, cfg, rngs)
-    self.hidden_norm = RMSNorm(cfg.d_model, cfg.norm_eps, jax.numpy.dtype(cfg.param_dtype))
+    self.hidden_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype)
     self.build_layers(cfg, rngs)
-    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, jax.numpy.dtype(cfg.param_dtype))
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype)
+    if conv_taps:
+      @nnx.split_rngs(splits=cfg.n_layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        conv = lambda: GroupedConv(cfg.d_model, block_size, conv_taps, conv_group_size,
+                                   param_dtype, rngs)
+        return nnx.Dict(attn=conv(), mlp=conv())
+      self.convs = make(rngs)
+    if selector_rank:
+      self.selector = CandidateSelector(cfg.d_model, cfg.vocab_size, selector_rank,
+                                        param_dtype, rngs)
 
   def __call__(self, x_BQD, pos_BQ, meta: RowMeta, feats_BCKD, ctx_pos_BC, ctx_meta: RowMeta,
                attend: AttendFn, layer_weights=None, rows: RowsFn = in_parts) -> jax.Array:
     """Final hidden states [B, Q, D] of the draft rows, from their embedded inputs `x_BQD`
-    and the target's features [B, C, K, D] at the context rows."""
+    and the target's features [B, C, K, D] at the context rows (on sliding-window layers,
+    `windowed_drafts`)."""
     b, c = feats_BCKD.shape[:2]
     ctx_BCD = self.hidden_norm(self.fc(feats_BCKD.reshape(b, c, -1)))
+    if self.cfg.sliding_window:
+      meta = windowed_drafts(meta, self.cfg.sliding_window)
+    convs = nnx.split(self.convs) if hasattr(self, "convs") else None
 
-    def layer(block, carry, kind):
+    def layer(block, carry, *conv_state_and_kind):
       # The context and the metadata ride in the carry, unchanged (see Transformer.forward).
+      *conv_state, kind = conv_state_and_kind
       x_BQD, ctx_BCD, pos_BQ, ctx_pos_BC, meta, ctx_meta = carry
-      q, k, v = block.project(x_BQD, pos_BQ, kind, rows)
       k_ctx, v_ctx = block.attn.kv(ctx_BCD, ctx_pos_BC, kind)
-      out_BQHD, _ = attend(q, k, v, meta, meta, k_ctx, v_ctx, ctx_meta)
-      x_BQD, _ = block.finish(x_BQD, out_BQHD, rows=rows)
+      if not conv_state:
+        q, k, v = block.project(x_BQD, pos_BQ, kind, rows)
+        out_BQHD, _ = attend(q, k, v, meta, meta, k_ctx, v_ctx, ctx_meta)
+        x_BQD, _ = block.finish(x_BQD, out_BQHD, rows=rows)
+      else:  # DFlash2 (the seed's `DFlash2DecoderLayer.forward`, dflash2.py ~363-386)
+        conv = nnx.merge(convs[0], conv_state[0])
+        h_BQD, coef = conv["attn"].prepare(block.attn_norm(x_BQD))
+        q, k, v = block.attn.qkv(h_BQD, pos_BQ, kind)
+        out_BQHD, _ = attend(q, k, v, meta, meta, k_ctx, v_ctx, ctx_meta)
+        out_BQD = block.attn.o_proj(out_BQHD.reshape(*out_BQHD.shape[:2], -1))
+        x_BQD = x_BQD + conv["attn"].finish(out_BQD, coef)
+        h_BQD, coef = conv["mlp"].prepare(block.mlp_norm(x_BQD))
+        x_BQD = x_BQD + conv["mlp"].finish(block.mlp(h_BQD), coef)
       return (x_BQD, ctx_BCD, pos_BQ, ctx_pos_BC, meta, ctx_meta), None
 
     carry = (x_BQD, ctx_BCD, pos_BQ, ctx_pos_BC, meta, ctx_meta)
-    (x_BQD, *_), _ = self.scan_layers(layer, carry, remat=self.cfg.remat,
+    xs = () if convs is None else (convs[1],)
+    (x_BQD, *_), _ = self.scan_layers(layer, carry, *xs, remat=self.cfg.remat,
                                       layer_weights=layer_weights)
     return self.final_norm(x_BQD)
 
@@ -95,10 +184,11 @@ class Drafter(LayerStack):
 class DFlash(nnx.Module):
   """The frozen target (a `Transformer`, params `target`) and its drafter (`drafter`)."""
 
-  def __init__(self, target: ModelConfig, drafter: ModelConfig, n_features: int,
-               rngs: nnx.Rngs):
+  def __init__(self, target: ModelConfig, drafter: dict, n_features: int, rngs: nnx.Rngs):
+    """`drafter`: `drafter_args`' dict."""
     self.target = Transformer(target, rngs)  # params[FROZEN]
-    self.drafter = Drafter(drafter, n_features, rngs)  # params[TRAINED]
+    args = dict(drafter, model=ModelConfig(**drafter["model"]))
+    self.drafter = Drafter(args.pop("model"), n_features, rngs, **args)  # params[TRAINED]
 
   @property
   def head(self) -> nnx.Module:

@@ -46,7 +46,14 @@ def attention_shape(m: ModelConfig, kind: str) -> AttentionShape:
                         m.attention_k_eq_v)
 
 
+def gdn_shape(m: ModelConfig) -> tuple[int, int, int, int]:
+  """(key heads, value heads, key dim, value dim) of Gated DeltaNet layers (0: n_heads,
+  head_dim)."""
+  return (m.gdn_key_heads or m.n_heads, m.gdn_value_heads or m.n_heads,
+          m.gdn_key_dim or m.head_dim, m.gdn_value_dim or m.head_dim)
+
+
 def split_attention(m: ModelConfig) -> bool:
   """Whether local and global layers have weights of different shapes (so separate stacks)."""
-  kinds = set(layer_types(m))
+  kinds = set(layer_types(m)) - {"gdn"}  # Gated DeltaNet layers always have their own
   return len(kinds) == 2 and attention_shape(m, "local") != attention_shape(m, "global")

@@ -20,6 +20,7 @@ from flax import nnx
 
 from bdlm_jax.config import ModelConfig
 from bdlm_jax.kernels.chunking import over_row_chunks
+from bdlm_jax.models.gdn import GatedDeltaNet
 from bdlm_jax.models.norm import rms_norm
 from bdlm_jax.models.pattern import (attention_shape, layer_types, mlp_types, periodic_layers,
                                      split_attention)
@@ -76,7 +77,9 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, shape_kind: str = "global"):
     self.cfg = cfg
     self.n_kv_heads, self.head_dim, self.k_eq_v = attention_shape(cfg, shape_kind)
-    self.q_proj = _linear(cfg.d_model, cfg.n_heads * self.head_dim, cfg, rngs)
+    # With model.attention_gate, q_proj gives [q | gate] per head (Qwen3.5's layout).
+    self.q_proj = _linear(cfg.d_model, cfg.n_heads * self.head_dim * (1 + cfg.attention_gate),
+                          cfg, rngs)
     self.k_proj = _linear(cfg.d_model, self.n_kv_heads * self.head_dim, cfg, rngs)
     if not self.k_eq_v:
       self.v_proj = _linear(cfg.d_model, self.n_kv_heads * self.head_dim, cfg, rngs)
@@ -86,23 +89,31 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, _dtype(cfg.param_dtype))
 
   def _rope(self, x_BRHD, pos_BR, kind: str):
-    """RoPE of a layer of this kind: local layers' own base, global layers' rotary fraction."""
+    """RoPE of a layer of this kind: local layers' own base, global layers' rotary fraction;
+    with model.partial_rotary_factor < 1 only the first part of the head dim rotates, at
+    frequencies over that part (Qwen3.5, Qwen3-Next), the rest passes unchanged."""
     cfg = self.cfg
+    if cfg.partial_rotary_factor < 1:
+      rot = int(x_BRHD.shape[-1] * cfg.partial_rotary_factor)
+      theta = (cfg.rope_local_theta or cfg.rope_theta) if kind == "local" else cfg.rope_theta
+      return jnp.concatenate([rope(x_BRHD[..., :rot], pos_BR, theta), x_BRHD[..., rot:]], -1)
     if kind == "local":
       return rope(x_BRHD, pos_BR, cfg.rope_local_theta or cfg.rope_theta)
     return rope(x_BRHD, pos_BR, cfg.rope_theta, cfg.global_partial_rotary_factor)
 
   def qkv(self, x_BRD, pos_BR, kind: str = "global"):
+    """(q, k, v), and with model.attention_gate the output gate's logits [B, R, H, D] last."""
     cfg = self.cfg
     b, r, _ = x_BRD.shape
-    q = self.q_proj(x_BRD).reshape(b, r, cfg.n_heads, self.head_dim)
+    q = self.q_proj(x_BRD).reshape(b, r, cfg.n_heads, -1)
+    q, *gate = jnp.split(q, 2, axis=-1) if cfg.attention_gate else (q,)
     if cfg.qk_norm:
       q = self.q_norm(q)
     q = self._rope(q, pos_BR, kind)
     if cfg.query_pre_attn_scalar:
       # The kernels scale logits by q's head_dim ** -0.5; Gemma wants query_pre_attn_scalar's.
       q = q * jnp.asarray(math.sqrt(self.head_dim / cfg.query_pre_attn_scalar), q.dtype)
-    return (q, *self.kv(x_BRD, pos_BR, kind))
+    return (q, *self.kv(x_BRD, pos_BR, kind), *gate)
 
   def kv(self, x_BRD, pos_BR, kind: str = "global"):
     """Keys (normed, rotated) and values of `x`: `qkv`'s, and alone for rows that serve only
@@ -136,11 +147,12 @@ def in_parts(fn, parts: int, module: nnx.Module, *xs_BR):
 class MLP(nnx.Module):
   """Gated: SwiGLU or GeGLU, by `model.mlp_activation`."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int = 0):
+    d_ff = d_ff or cfg.d_ff
     self.activation = ACTIVATIONS[cfg.mlp_activation]
-    self.gate_proj = _linear(cfg.d_model, cfg.d_ff, cfg, rngs)
-    self.up_proj = _linear(cfg.d_model, cfg.d_ff, cfg, rngs)
-    self.down_proj = _linear(cfg.d_ff, cfg.d_model, cfg, rngs)
+    self.gate_proj = _linear(cfg.d_model, d_ff, cfg, rngs)
+    self.up_proj = _linear(cfg.d_model, d_ff, cfg, rngs)
+    self.down_proj = _linear(d_ff, cfg.d_model, cfg, rngs)
 
   def __call__(self, x):
     return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
@@ -159,7 +171,10 @@ class Block(nnx.Module):
     self.cfg = cfg
     param_dtype = _dtype(cfg.param_dtype)
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype)
-    self.attn = Attention(cfg, rngs, shape_kind)
+    if shape_kind == "gdn":
+      self.linear_attn = GatedDeltaNet(cfg, rngs, _linear)
+    else:
+      self.attn = Attention(cfg, rngs, shape_kind)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype)
     self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
     if cfg.post_norms:
@@ -171,9 +186,13 @@ class Block(nnx.Module):
       self.post_experts_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype)
     if cfg.layer_scalar:
       self.layer_scalar = nnx.Param(jnp.ones((1,), param_dtype))
+    if moe and cfg.moe_shared_d_ff:
+      self.shared_expert = MLP(cfg, rngs, cfg.moe_shared_d_ff)
+      self.shared_expert_gate = _linear(cfg.d_model, 1, cfg, rngs)
 
   def project(self, x_BRD, pos_BR, kind: str = "global", rows: RowsFn = in_parts):
-    """(q, k, v) of the rows, in `model.row_chunks` parts run by `rows`."""
+    """(q, k, v) of the rows (and the output gate's logits, model.attention_gate), in
+    `model.row_chunks` parts run by `rows`."""
     def qkv(block, x_BRD, pos_BR):
       return block.attn.qkv(block.attn_norm(x_BRD), pos_BR, kind), ()
     return rows(qkv, self.cfg.row_chunks, self, x_BRD, pos_BR)[0]
@@ -187,7 +206,8 @@ class Block(nnx.Module):
     """(x, router stats: see `MoE`, counted over `row_weight_BR` and run by `dispatch`; for
     a dense MLP {} in a dense model, zeros in a model with experts elsewhere), computed in
     `model.row_chunks` parts run by `rows`; over all rows at once where a `dispatch` runs
-    the experts (on a mesh: a `shard_map` of its own, which cannot run inside `rows`')."""
+    the experts (on a mesh: a `shard_map` of its own, which cannot run inside `rows`'; it
+    chunks the experts' rows itself, see `parallel/experts.py`)."""
     if dispatch is not None:
       return self._finish(x_BRD, attn_BRHD, row_weight_BR, dispatch)
     return rows(functools.partial(Block._finish, dispatch=None), self.cfg.row_chunks, self,
@@ -195,7 +215,8 @@ class Block(nnx.Module):
 
   def _finish(self, x_BRD, attn_BRHD, row_weight_BR, dispatch):
     b, r = attn_BRHD.shape[:2]
-    out_BRD = self.attn.o_proj(attn_BRHD.reshape(b, r, -1))
+    o_proj = self.linear_attn.out_proj if hasattr(self, "linear_attn") else self.attn.o_proj
+    out_BRD = o_proj(attn_BRHD.reshape(b, r, -1))
     if self.cfg.post_norms:
       out_BRD = self.post_attn_norm(out_BRD)
     x_BRD = x_BRD + out_BRD
@@ -210,7 +231,8 @@ class Block(nnx.Module):
   def _feed_forward(self, x_BRD, row_weight_BR, dispatch):
     """(MLP output, router stats) of the residual `x`. Gemma 4's experts
     (`model.moe_router_norm`) read the residual itself: their router and their input norm
-    are their own; with `model.moe_beside_dense` a dense MLP runs beside them."""
+    are their own; with `model.moe_beside_dense` a dense MLP runs beside them; with
+    `model.moe_shared_d_ff` a shared expert, gated per row, adds to them (Qwen3.5-MoE)."""
     h_BRD = self.mlp_norm(x_BRD)
     if not isinstance(self.mlp, MoE):
       return self.mlp(h_BRD), no_stats(self.cfg.moe_experts)
@@ -218,17 +240,40 @@ class Block(nnx.Module):
                               dispatch)
     if self.cfg.moe_beside_dense:
       out_BRD = self.post_dense_norm(self.dense_mlp(h_BRD)) + self.post_experts_norm(out_BRD)
+    if self.cfg.moe_shared_d_ff:
+      gate_BR1 = jax.nn.sigmoid(self.shared_expert_gate(h_BRD))
+      out_BRD = out_BRD + gate_BR1 * self.shared_expert(h_BRD)
     return out_BRD, stats
 
   def __call__(self, x_BRD, pos_BR, meta: RowMeta, attend: AttendFn, kind: str = "global",
                row_weight_BR=None, dispatch=None, rows: RowsFn = in_parts):
-    q, k, v = self.project(x_BRD, pos_BR, kind, rows)
+    if kind == "gdn":
+      return self.finish(x_BRD, self.linear_mix(x_BRD, meta, attend, rows), row_weight_BR,
+                         dispatch, rows)
+    q, k, v, *gate = self.project(x_BRD, pos_BR, kind, rows)
     attn_BRHD, _ = attend(q, k, v, meta, meta, window=self.window(kind))
+    if gate:
+      attn_BRHD = attn_BRHD * jax.nn.sigmoid(gate[0])
     return self.finish(x_BRD, attn_BRHD, row_weight_BR, dispatch, rows)
+
+  def linear_mix(self, x_BRD, meta: RowMeta, attend: AttendFn, rows: RowsFn = in_parts):
+    """A Gated DeltaNet layer's mixed rows [B, R, Hv, V], before `out_proj` (models/gdn.py):
+    its row-wise projections in `model.row_chunks` parts, the recurrence over the layout's
+    streams by `attend.recur`, the caller's (as `attend` itself is)."""
+    recur = getattr(attend, "recur", None)
+    if recur is None:
+      raise ValueError("this attention function has no `recur` to run Gated DeltaNet layers "
+                       "with (parallel.recurrence.make_recur attaches one)")
+    def project(block, x_BRD):
+      return block.linear_attn.project(block.attn_norm(x_BRD)), ()
+    pre_BRC, z_BRHV, g_BRH, beta_BRH = rows(project, self.cfg.row_chunks, self, x_BRD)[0]
+    o_BRHV = recur(self.linear_attn.cell(), pre_BRC, g_BRH, beta_BRH, meta)
+    return self.linear_attn.gated_norm(o_BRHV, z_BRHV)
 
 
 # The params holding stacked layer weights.
-STACKS = ("layers", "dense_layers", "global_layers", "global_dense_layers")
+STACKS = ("layers", "dense_layers", "global_layers", "global_dense_layers", "gdn_layers",
+          "gdn_dense_layers")
 
 
 def layer_slots(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
@@ -236,14 +281,15 @@ def layer_slots(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
   `layers`, unless `model.mlp_pattern` mixes dense and MoE MLPs: then the MoE layers are in
   `layers` and the dense ones in `dense_layers`; and when global layers' attention weights
   have other shapes than local ones' (`pattern.split_attention`: Gemma 4's global head dim,
-  K/V heads, K = V), the global layers are in `global_` stacks of their own. Each stack is
-  in layer order."""
+  K/V heads, K = V), the global layers are in `global_` stacks of their own; Gated DeltaNet
+  layers are always in `gdn_` stacks of their own. Each stack is in layer order."""
   mixed = len(set(mlp_types(cfg))) > 1
   split = split_attention(cfg)
   seen = {name: 0 for name in STACKS}
   slots = []
   for mlp, attention in zip(mlp_types(cfg), layer_types(cfg)):
-    name = (("global_" if split and attention == "global" else "")
+    name = (("global_" if split and attention == "global" else
+             "gdn_" if attention == "gdn" else "")
             + ("dense_layers" if mixed and mlp == "dense" else "layers"))
     slots.append((name, seen[name]))
     seen[name] += 1
@@ -274,6 +320,8 @@ def stack_kinds(cfg: ModelConfig, name: str) -> tuple[bool, str]:
   """(whether its layers have experts, the layer kind whose attention shapes they have) of
   the layers of stack `name`."""
   moe = "moe" in mlp_types(cfg) and not name.endswith("dense_layers")
+  if name.startswith("gdn_"):
+    return moe, "gdn"
   local = not name.startswith("global_") and "local" in layer_types(cfg)
   return moe, "local" if local else "global"
 

@@ -5,7 +5,7 @@ import numpy as np
 
 from bdlm_jax.config import Config, ObjectiveConfig
 from bdlm_jax.objectives.bd3lm import token_nll
-from bdlm_jax.objectives.base import count_labels, model_hidden, no_first_pass
+from bdlm_jax.objectives.base import count_labels, model_hidden, no_first_pass, no_step_counts
 from bdlm_jax.objectives.streams import logical_stream
 
 NAME = "ar"
@@ -18,10 +18,13 @@ BLOCK_IDS = "index"  # (blocks of one token)
 TOKEN_SHIFT = False  # (the sampler decodes an ar model token by token)
 MASK_TOKEN = False
 FROZEN = ()
+HELD_OUT = ("NLL", "perplexity")  # the exact next-token NLL, and its exp
+FREEZE = ""
 ATTEND_ROWS = ("all",)
 hidden = model_hidden
 normalizer = count_labels
 first_passes = no_first_pass
+step_counts = no_step_counts
 
 
 def check_config(cfg: Config) -> None:
@@ -49,8 +52,9 @@ def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
   return rows
 
 
-def corrupt(key, batch, cfg: Config):
+def corrupt(key, batch, cfg: Config, counts=None):
   """Nothing is corrupted: every clean row with a label is scored, with weight 1."""
+  del counts  # the loss is divided by `normalizer`
   del key, cfg
   scored = batch.labels >= 0
   return batch, batch.tokens, scored, jnp.ones(scored.shape)

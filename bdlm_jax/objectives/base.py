@@ -28,6 +28,10 @@ class Objective(Protocol):
   # clean stream the target's context, and params are {FROZEN: target, ...: drafter}
   DRAFTER: bool
   FROZEN: tuple[str, ...]  # top-level parameter subtrees that get no gradient
+  # What held-out eval's loss is called, and its exp() where that means something
+  # (perplexity, or a bound on it), else ""
+  HELD_OUT: tuple[str, str]
+  FREEZE: str  # what train.freeze=auto freezes (params.frozen_groups): "" or "routers"
   # What a row's `block` holds: "index" (block b's rows hold b; clean rows attend within
   # their block too) or "position" (a noisy row holds its block's first position, a clean
   # row its own: the clean stream is causal, token by token)
@@ -46,14 +50,21 @@ class Objective(Protocol):
   def logical_rows(self, tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
     """Host side: the logical rows (labels, maskable, ...) that `make_batch` lays out."""
 
-  def corrupt(self, key, batch, cfg: Config) -> tuple:
+  def corrupt(self, key, batch, cfg: Config, counts=None) -> tuple:
     """In the step: (batch, inputs, scored, weight); an objective may add copies. `inputs`
-    is whatever its `hidden` reads (the rows' input tokens, for most)."""
+    is whatever its `hidden` reads (the rows' input tokens, for most). `counts`: the step's
+    `step_counts` (None: this batch's)."""
 
   def normalizer(self, batch) -> jax.Array:
     """What the step's summed score is divided by, read from the batch before `corrupt`:
     its labelled rows for a per-token mean (`count_labels`), 1 where the weights `corrupt`
     gives already normalise the loss."""
+
+  def step_counts(self, batch) -> dict:
+    """The counts `corrupt`'s weights divide by, read from the batch before `corrupt` ({}:
+    none, the loss is divided by `normalizer`). An accumulated step reads them from its
+    whole batch and passes them to each micro-batch, whose losses then add up to the one
+    big batch's (train.py)."""
 
   def first_passes(self, cfg: Config) -> int:
     """Forward passes over every row that a step runs without gradient before the one it
@@ -76,6 +87,12 @@ def no_first_pass(cfg: Config) -> int:
   """`first_passes` of an objective that runs the model once."""
   del cfg
   return 0
+
+
+def no_step_counts(batch) -> dict:
+  """`step_counts` of an objective whose loss is divided by its `normalizer`."""
+  del batch
+  return {}
 
 
 def count_labels(batch) -> jax.Array:

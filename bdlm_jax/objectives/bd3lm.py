@@ -6,7 +6,8 @@ import numpy as np
 
 from bdlm_jax.config import Config, ObjectiveConfig
 from bdlm_jax.kernels.mask import NOISY
-from bdlm_jax.objectives.base import check_block_size, count_labels, model_hidden, no_first_pass
+from bdlm_jax.objectives.base import (check_block_size, count_labels, model_hidden,
+                                     no_first_pass, no_step_counts)
 from bdlm_jax.objectives.streams import logical_stream
 
 NAME = "bd3lm"
@@ -19,10 +20,13 @@ BLOCK_IDS = "index"
 TOKEN_SHIFT = False
 MASK_TOKEN = True
 FROZEN = ()
+HELD_OUT = ("NELBO", "perplexity bound")  # eval scores the NELBO (`evaluated`)
+FREEZE = ""
 ATTEND_ROWS = ("all",)
 hidden = model_hidden
 normalizer = count_labels
 first_passes = no_first_pass
+step_counts = no_step_counts
 
 
 def check_config(cfg: Config) -> None:
@@ -60,13 +64,14 @@ def draw_noise(key, num_seqs: int, seq_len: int, cfg: ObjectiveConfig):
   return t_SN, jax.random.uniform(k_u, (num_seqs, seq_len))
 
 
-def corrupt(key, batch, cfg: Config):
+def corrupt(key, batch, cfg: Config, counts=None):
   """Masks rows in *logical* coordinates, so every layout sees the same corruption.
 
   t is drawn per (sequence, block) and a uniform per (sequence, position); each row reads
   its own values through its position and block. Returns (batch, inputs, masked, weight)
   per row; a masked row is scored with weight w(t).
   """
+  del counts  # the loss is divided by `normalizer`
   o = cfg.objective
   t_SN, u_SL = draw_noise(key, batch.tokens.shape[0], cfg.data.seq_len, o)
   t_row = jnp.take_along_axis(t_SN, batch.block, axis=1)

@@ -19,6 +19,7 @@ j, which is what the layouts balance (dual-end pairs, as BD3-LM's blocks).
 """
 
 import functools
+import math
 import zlib
 
 import jax
@@ -31,8 +32,10 @@ from bdlm_jax.kernels.mask import CLEAN, NOISY
 from bdlm_jax.models import drafter as drafter_lib
 from bdlm_jax.models.drafter import drafter_model, target_depth, target_layer_ids
 from bdlm_jax.models.pattern import layer_types
-from bdlm_jax.objectives.base import count_labels, no_first_pass
+from bdlm_jax.objectives.base import count_labels, no_first_pass, no_step_counts
+from bdlm_jax.objectives import dflash2
 from bdlm_jax.objectives.bd3lm import token_nll
+from bdlm_jax.objectives.dflash2 import dpace_weights  # noqa: F401 (public API)
 
 NAME = "dflash"
 LOSS_SLOT = "noisy"  # the draft rows
@@ -44,9 +47,12 @@ SAMPLER = ""
 BLOCK_IDS = "position"  # a draft block holds its anchor
 MASK_TOKEN = True
 FROZEN = (drafter_lib.FROZEN,)  # the target
+HELD_OUT = (f"{NAME} loss", "")  # its training loss: no likelihood bound
+FREEZE = ""
 ATTEND_ROWS = ("clean", "draft")  # the target over the context; the drafter's draft rows
 normalizer = count_labels
 first_passes = no_first_pass
+step_counts = no_step_counts
 
 
 def check_config(cfg: Config) -> None:
@@ -75,6 +81,28 @@ def check_config(cfg: Config) -> None:
   if d.features and cfg.train.eval_every:
     raise ConfigError(f"drafter.features={d.features!r} holds training sequences only: "
                       f"held-out evaluation needs the target, so set train.eval_every=0")
+  if (o.lk_loss or o.selector_rank) and not o.dflash_loss:
+    raise ConfigError(f"objective.lk_loss={o.lk_loss!r} and objective.selector_rank="
+                      f"{o.selector_rank} are DFlash2's: set objective.dflash_loss (dflash, "
+                      f"dpace, ...), whose weights and denominator they share")
+  if o.dflash_loss and o.draft_loss != "ce":
+    raise ConfigError(f"objective.dflash_loss={o.dflash_loss!r} scores hard-label CE on the "
+                      f"data's tokens (its p = exp(-CE)); draft_loss={o.draft_loss!r} is not "
+                      f"that: use draft_loss='ce'")
+  if o.dflash_loss and cfg.train.grad_accum > 1:
+    raise ConfigError(f"objective.dflash_loss={o.dflash_loss!r} divides by the sum of the whole "
+                      f"batch's weights (D-PACE's read its predictions), which micro-batches "
+                      f"cannot share: set train.grad_accum=1 (got {cfg.train.grad_accum})")
+  if o.selector_rank and not 1 <= o.selector_top_k <= m.vocab_size:
+    raise ConfigError(f"objective.selector_top_k={o.selector_top_k} must lie in [1, "
+                      f"model.vocab_size={m.vocab_size}]")
+  if d.window and d.window < o.block_size:
+    raise ConfigError(f"drafter.window={d.window} must be >= objective.block_size="
+                      f"{o.block_size}: a draft slot sees its whole block")
+  if d.conv_taps and (d.conv_taps > o.block_size or m.d_model % d.conv_group_size):
+    raise ConfigError(f"drafter.conv_taps={d.conv_taps} must be <= objective.block_size="
+                      f"{o.block_size} and drafter.conv_group_size={d.conv_group_size} must "
+                      f"divide model.d_model={m.d_model}")
   dm = drafter_model(cfg)
   if dm.n_heads % dm.n_kv_heads or dm.head_dim % 2:
     raise ConfigError(f"the drafter's heads ({dm.n_heads} query, {dm.n_kv_heads} key/value, "
@@ -105,6 +133,8 @@ def hidden(spec, model, batch, inputs, layer_weights):
     feats, final = target.features(ctx(inputs), ctx(batch.pos), ctx_meta, spec.attend["clean"],
                                    target_layer_ids(cfg), target_depth(cfg), layer_weights,
                                    spec.rows)
+  if cfg.drafter.conv_taps:
+    _check_whole_blocks(plan)
   out = model.drafter(target.embed_tokens(draft(inputs)), draft(batch.pos), draft_meta,
                       feats, ctx(batch.pos), ctx_meta, spec.attend["draft"], layer_weights,
                       spec.rows)
@@ -113,6 +143,27 @@ def hidden(spec, model, batch, inputs, layer_weights):
   source = jnp.asarray(plan.context_rows)[jnp.clip(draft(batch.pos) - 1, 0, plan.seq_len - 1)]
   teacher = jnp.take_along_axis(final, source[..., None], axis=1)
   return out, (spec.rows_sharded(teacher),), {}
+
+
+def _check_whole_blocks(plan) -> None:
+  """The block convolution reads each rank's draft rows as whole blocks in slot order."""
+  rows = dflash2.draft_index(plan).reshape(-1, plan.block_size)
+  padding = (rows == plan.draft_blocks * plan.block_size).all(axis=1)
+  whole = (rows % plan.block_size == np.arange(plan.block_size)).all(axis=1) & (
+      rows // plan.block_size == rows[:, :1] // plan.block_size).all(axis=1)
+  if not (whole | padding).all():
+    raise ConfigError(f"drafter.conv_taps needs whole draft blocks on each rank; strategy "
+                      f"{plan.strategy!r} splits them (its {plan.draft_blocks} draft blocks "
+                      f"of {plan.block_size} rows in 2 x {plan.num_ranks} chunks): choose "
+                      f"objective.max_anchors a multiple of 2 x parallel.seq")
+
+
+def rows_loss(spec, model, batch, hidden_SND, scored_SR, weight_SR):
+  """DFlash2's losses (`objective.dflash_loss` set) weigh each slot by its block's others, so
+  they score the draft rows as a whole (`dflash2.rows_loss`); None: the per-chunk `score`."""
+  if not spec.cfg.objective.dflash_loss:
+    return None
+  return dflash2.rows_loss(spec, model, batch, hidden_SND, scored_SR, weight_SR)
 
 
 def evaluated(cfg: ObjectiveConfig, t_min: float) -> dict:
@@ -128,9 +179,13 @@ def anchor_candidates(seg_SL, protected_SL) -> np.ndarray:
   return ok
 
 
-def pick_anchors(ok_SL, max_anchors: int, sampling: str, seed: int) -> list[np.ndarray]:
+def pick_anchors(ok_SL, max_anchors: int, sampling: str, seed: int,
+                 block_size: int = 1) -> list[np.ndarray]:
   """Sorted anchor positions per sequence: up to `max_anchors` of the candidates, drawn
-  uniformly without replacement or strided (evenly spread over the candidates)."""
+  uniformly without replacement, strided (evenly spread over the candidates), or by the
+  seed's `locality` (`_sample_locality_anchors`, objectives/dflash.py ~450-510): a stride of
+  B candidates, bumped until coprime with their count n, from a uniform start, (start + i
+  stride) mod n: a run of nearby anchors (wrapping), each slot uniform over the candidates."""
   rng = np.random.default_rng(seed)
   out = []
   for ok in ok_SL:
@@ -138,6 +193,12 @@ def pick_anchors(ok_SL, max_anchors: int, sampling: str, seed: int) -> list[np.n
     n = min(max_anchors, len(cand))
     if sampling == "uniform":
       idx = np.sort(rng.choice(len(cand), n, replace=False))
+    elif sampling == "locality":
+      stride = max(1, block_size)
+      while len(cand) and math.gcd(stride, len(cand)) != 1:
+        stride += 1
+      start = rng.integers(len(cand)) if len(cand) else 0
+      idx = np.sort((start + np.arange(n) * stride) % max(len(cand), 1))
     else:
       idx = ((np.arange(n) + 0.5) * len(cand) / max(n, 1)).astype(np.int64)
     out.append(cand[idx])
@@ -149,7 +210,7 @@ def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
   a_count, b = cfg.max_anchors, cfg.block_size
   seed = zlib.crc32(np.ascontiguousarray(tokens_SL, np.int32).tobytes()
                     + np.ascontiguousarray(seg_SL, np.int32).tobytes())
-  anchors = pick_anchors(anchor_candidates(seg_SL, protected_SL), a_count, cfg.anchors, seed)
+  anchors = pick_anchors(anchor_candidates(seg_SL, protected_SL), a_count, cfg.anchors, seed, b)
   valid_SA = np.zeros((s, a_count), bool)
   anchor_SA = np.zeros((s, a_count), np.int64)
   for i, a in enumerate(anchors):
@@ -176,9 +237,10 @@ def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
       dtypes.get(name, np.int32)) for name in draft}
 
 
-def corrupt(key, batch, cfg: Config):
+def corrupt(key, batch, cfg: Config, counts=None):
   """Nothing random: every draft slot but the anchor is [MASK]; slot k = pos - block of a
   scored row has weight exp(-(k-1)/gamma)."""
+  del counts  # the loss is divided by `normalizer`
   del key
   o = cfg.objective
   inputs = jnp.where(batch.maskable, o.mask_token_id, batch.tokens)

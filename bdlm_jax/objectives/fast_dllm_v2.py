@@ -33,7 +33,8 @@ import numpy as np
 import bdlm_jax.objectives.bd3lm as bd3lm
 from bdlm_jax.config import Config, ObjectiveConfig
 from bdlm_jax.objectives.bd3lm import draw_noise
-from bdlm_jax.objectives.base import check_block_size, count_labels, model_hidden, no_first_pass
+from bdlm_jax.objectives.base import (check_block_size, count_labels, model_hidden,
+                                     no_first_pass, no_step_counts)
 from bdlm_jax.objectives.streams import logical_stream
 
 NAME = "fast_dllm_v2"
@@ -46,10 +47,13 @@ BLOCK_IDS = "index"
 TOKEN_SHIFT = True
 MASK_TOKEN = True
 FROZEN = ()
+HELD_OUT = (f"{NAME} loss", "")  # its training loss: no likelihood bound
+FREEZE = ""
 ATTEND_ROWS = ("all",)
 hidden = model_hidden
 normalizer = count_labels
 first_passes = no_first_pass
+step_counts = no_step_counts
 
 
 def check_config(cfg: Config) -> None:
@@ -93,7 +97,7 @@ def _interleave(a_SR, b_SR):
   return jnp.stack([a_SR, b_SR], axis=1).reshape(-1, *a_SR.shape[1:])
 
 
-def corrupt(key, batch, cfg: Config):
+def corrupt(key, batch, cfg: Config, counts=None):
   """Both complementary copies: (batch2, inputs, scored, weight), each with 2S sequences;
   every weight is 1.
 
@@ -102,6 +106,7 @@ def corrupt(key, batch, cfg: Config):
   (copy 2); its logit is scored when position pos+1 does, for rows that have a label
   (a clean row's logit is the same in both copies: it is scored in one).
   """
+  del counts  # the loss is divided by `normalizer`
   o, seq_len = cfg.objective, cfg.data.seq_len
   t_SN, u_SL = draw_noise(key, batch.tokens.shape[0], seq_len, o)
   hit_SL = u_SL < jnp.repeat(t_SN, o.block_size, axis=1)

@@ -16,6 +16,11 @@ route all of them there. So the layer runs under `shard_map`, in one of two layo
   instead, and returns each device's weighted expert outputs with one `psum_scatter`.
   Capacity (`model.moe_drop_tokens`) is counted over the group's tokens.
 
+Dropless, a device routes its rows in `model.row_chunks` chunks one after the other (each
+rematerialised), each chunk's pairs exchanged on their own: the receive buffer, sized for
+every pair of the group's chunk at one device, shrinks by the chunk count, and the result is
+the same, since every pair is routed whichever chunk it travels in.
+
 Router statistics are sums over rows, so they are psummed over the row axes either way.
 """
 
@@ -30,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from bdlm_jax.config import Config, ModelConfig
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.models import moe
+from bdlm_jax.models.transformer import in_parts
 from bdlm_jax.parallel.mesh import BATCH_AXES
 
 ROW_AXES = (*BATCH_AXES, "seq")
@@ -58,6 +64,14 @@ def check_dispatch_runs_here(cfg: Config, platform: str | None = None) -> None:
                       "no ragged-all-to-all); set parallel.moe_dispatch=all_gather")
 
 
+def dispatch_parts(m: ModelConfig) -> int:
+  """How many chunks of its rows a device routes one after the other: `model.row_chunks`
+  when dropless (every pair is routed whatever chunk it is in, so chunks change nothing but
+  the buffers: a device may receive every pair of its group's chunk, G x rows x k / chunks
+  rows), 1 with a capacity (counted over the rows routed together: all of them)."""
+  return 1 if m.moe_drop_tokens else m.row_chunks
+
+
 def expert_dispatch(cfg: Config, mesh):
   """The `dispatch` hook of `models.moe.MoE` for row-sharded activations on `mesh` (None on
   one device, where `experts` runs as it is, and for a model without experts)."""
@@ -68,11 +82,21 @@ def expert_dispatch(cfg: Config, mesh):
     body = functools.partial(_expert_parallel, cfg.model, axes, cfg.parallel.moe_dispatch)
     weight_specs = (P(), P(axes), P(axes), P(axes))  # router, gate, up, down
   else:
-    body, weight_specs = functools.partial(moe.experts, cfg.model), P()
+    body, weight_specs = functools.partial(moe.experts, cfg.model), (P(),) * 4
   row_spec = P(BATCH_AXES, "seq", None)
+  parts = dispatch_parts(cfg.model)
+
+  def varying(w, spec):  # over the mesh axes `spec` does not split w over
+    split = {a for s in spec if s for a in ((s,) if isinstance(s, str) else s)}
+    rest = tuple(a for a in mesh.axis_names if a not in split)
+    return jax.tree.map(lambda a: jax.lax.pcast(a, rest, to="varying"), w) if rest else w
 
   def local(x_BRD, row_weight_BR, weights):
-    out_BRD, stats = body(x_BRD, row_weight_BR, weights)
+    # Varying over every mesh axis from here on, so that each weight's gradient is summed
+    # over the devices once, here, and not once per chunk inside the loop (see loss.py).
+    weights = tuple(map(varying, weights, weight_specs))
+    out_BRD, stats = in_parts(lambda w, x, rw: body(x, rw, w), parts, weights, x_BRD,
+                              row_weight_BR)
     return out_BRD, jax.lax.psum(stats, ROW_AXES)
 
   def dispatch(x_BRD, row_weight_BR, weights):

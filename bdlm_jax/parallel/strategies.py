@@ -23,6 +23,7 @@ from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel.allgather import allgather_attend
 from bdlm_jax.parallel.layout import LayoutPlan
 from bdlm_jax.parallel.mesh import BATCH_AXES
+from bdlm_jax.parallel.recurrence import make_recur
 from bdlm_jax.parallel.registry import get_strategy, plan_for
 from bdlm_jax.parallel.ring import ring_attend
 from bdlm_jax.parallel.window import exchange_attend, exchange_plan
@@ -116,6 +117,7 @@ def make_attend(cfg: Config, mesh=None, rows: str = "all", plan: LayoutPlan | No
     with jax.named_scope(ATTENTION_SCOPE):
       return bodies[window](q, k, v, q_meta, k_meta)
 
+  attend.recur = make_recur(plan)  # Gated DeltaNet layers' streams (parallel/recurrence.py)
   return attend
 
 

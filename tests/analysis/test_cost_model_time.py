@@ -156,7 +156,7 @@ def test_scaling_flag_writes_its_table_csv_and_plot(tmp_path):
   text = (tmp_path / "cost_model_scaling.md").read_text()
   assert "| small | 4K | 16 |" in text and "* small at 4K: 8: " in text
   assert (tmp_path / "cost_model_scaling.png").stat().st_size > 0
-  assert "strong scaling" in (tmp_path / "README_results.md").read_text()
+  assert "strong scaling" in (tmp_path / "projections.md").read_text()
 
 
 def test_offload_input_keeps_the_layer_input_alone_and_reruns_the_attention_forward():
@@ -182,3 +182,19 @@ def test_offload_input_keeps_the_layer_input_alone_and_reruns_the_attention_forw
   window = exchange_for(work.plan, 8).rows_sent() * row  # the local layer's exchange
   np.testing.assert_allclose(step_comm_bytes(work, m, F32),
                              step_comm_bytes(work, offload, F32) + ring + window)
+
+
+def test_offload_input_reruns_an_all_gathers_compute_but_not_its_gather():
+  """csbp_allgather on 4 ranks: the backward's re-run gathers nothing beyond the backward's
+  own re-gather (XLA merges the two: tests/analysis/test_step_report.py), so the traffic is
+  remat=offload's and the time adds the attention's compute alone, not its exposed gather."""
+  work = plan_work("csbp_allgather", L, B, 4)
+  m = replace(_cfg("csbp_allgather", 4), model=dict(remat="offload_input")).model
+  offload = dataclasses.replace(m, remat="offload")
+  hw = setting.Hardware(nodes=1, gpus_per_node=4)
+  fwd, _, busy = timing.attention_s(m, work, *work.executed(F32.tile_skipping), hw, F32)
+  assert fwd > busy  # the forward waits for its gather
+  np.testing.assert_allclose(timing.step_time(m, work, hw, F32)["attention_s"],
+                             timing.step_time(offload, work, hw, F32)["attention_s"]
+                             + m.n_layers * busy)
+  assert step_comm_bytes(work, m, F32) == step_comm_bytes(work, offload, F32)

@@ -4,16 +4,20 @@ not the least attention traffic (bp sends none, yet repeats the clean prefix on 
 Rows are made up where the claim is about the choice; the projections are the cost model's on
 small configs (no compile)."""
 
+import numpy as np
 import pytest
 
 from bdlm_jax.analysis import hlo_stats
 from bdlm_jax.analysis import plan_mode as pm
 from bdlm_jax.analysis import step_report as sr
+from bdlm_jax.analysis.cost_model import timing
 from bdlm_jax.analysis.cost_model.timing import step_time
 from bdlm_jax.analysis.cost_model.work import work_of
 from bdlm_jax.configure import override, replace
+from bdlm_jax.metrics import linear_flops_per_row
+from bdlm_jax.parallel.layout import PAD
 from bdlm_jax.parallel.registry import plan_for
-from tests.analysis.test_step_report import config
+from tests.analysis.test_step_report import B, L, config
 
 GB = sr.GB
 # parallel_bench's model (experiments/results/parallel_bench.md), one sequence over 8 ranks
@@ -99,3 +103,47 @@ def test_plan_report_prints_the_projection_and_never_chooses_what_does_not_fit(m
   assert chosen.startswith("chosen: csbp_ring (projected ")
   assert runner_up.startswith("runner-up: cp_ring (projected ")
   assert over.startswith("faster but over 0.01 GB: bp (")
+
+
+def test_on_one_seq_rank_the_plan_compiles_none_once_and_says_so(monkeypatch):
+  """parallel.seq=1: every strategy is the single-device one; only it is compiled."""
+  asked = []
+
+  def fake(cfg, strategies, *_):
+    asked.extend(strategies)
+    kinds = dict.fromkeys(hlo_stats.COLLECTIVE_KINDS, 0)
+    return [(s, sr.StepReport(GB, 0, 0, 0, None, 0, 0.0, kinds, kinds, 0.0, 0.0))
+            for s in strategies]
+  monkeypatch.setattr(sr, "compare_strategies", fake)
+  text = pm.plan_report(config(seq=1))
+  assert asked == ["none"]
+  assert "One seq rank: every strategy is `none` (nothing splits a sequence), compiled once." \
+      in text
+  table = [line for line in text.splitlines() if line.startswith("| ")]
+  assert len(table) == 2 and table[1].startswith("| none |")  # the header, one row
+  assert "the only strategy compiled)" in text and "runner-up: none" in text
+
+
+def test_bp_computes_less_than_one_device_only_by_the_unread_last_clean_block():
+  """Why the cost model projected bp faster than `none` on one rank (the quickstart's 3%):
+  bp's plan leaves out the last block's clean rows (B rows: no noisy block reads them, no
+  label sits there, `counted_rows`), which `none` lays out. On P ranks bp's rows, summed,
+  never fall below one device's counted rows, and its projected compute on one rank is
+  `none`'s less exactly those B rows' linear layers and the pairs their queries make."""
+  one = plan_for(config("none", seq=1))
+  bp = plan_for(config("bp", seq=1))
+  assert bp.rows_per_rank == one.rows_per_rank - B
+  np.testing.assert_array_equal(bp.rows[0], one.rows[0][one.counted_rows])
+  for p in (2, 4, 8):
+    assert (plan_for(config("bp", seq=p)).rows != PAD).sum() >= one.counted_rows.sum()
+  cfg = config(seq=1)
+  hw, a = pm.mesh_hardware(1), pm.assumptions(cfg)
+  compute = {s: pm.projected_step(override(cfg, [f"parallel.strategy={s}"]), hw, a)["compute_s"]
+             for s in ("none", "bp")}
+  last_block_pairs = B * L  # each clean query of the last block sees every clean key
+  assert work_of(one).stay_pairs.sum() - work_of(bp).stay_pairs.sum() == last_block_pairs
+  m = cfg.model
+  linear = B * linear_flops_per_row(m) * (3 + a.remat_forward) / (hw.matmul_tflops * 1e12)
+  attention = (last_block_pairs * timing.pair_s(m, hw) * m.n_layers
+               * (1 + a.attention_bwd_factor))
+  assert compute["none"] - compute["bp"] == pytest.approx(linear + attention, rel=1e-9)

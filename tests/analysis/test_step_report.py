@@ -6,6 +6,7 @@ full train-step compile, shared by the tests that read it.
 """
 
 import functools
+import types
 
 import jax
 import numpy as np
@@ -71,6 +72,38 @@ def test_allgather_plan_traffic_matches_the_compiled_step():
   assert 0.97 <= r.attention_check <= 1.0
 
 
+# remat=offload_input re-runs each layer's forward in the backward, on every transport: a ring
+# (csbp_ring), an all-gather (csbp_allgather), and an all-gather beside local layers' windowed
+# exchange (cp_allgather on a local, global pattern of window 5).
+OFFLOAD_INPUT = {"csbp_ring": {}, "csbp_allgather": {},
+                 "cp_allgather": dict(layer_pattern="local,global", sliding_window=5)}
+
+
+@functools.cache
+def offload_input_report(strategy) -> sr.StepReport:
+  return sr.step_report(config(strategy, model=dict(TINY, remat="offload_input",
+                                                    **OFFLOAD_INPUT[strategy])))
+
+
+@pytest.mark.parametrize("strategy", OFFLOAD_INPUT)
+def test_offload_input_counts_what_the_compiled_step_moves(strategy):
+  """The re-run forward sends a ring's hops and an exchange's rows again, by hand: csbp_ring
+  one more P-1 hops of its 16 clean rows' K/V + metadata per layer. An all-gather's re-run
+  gather is the backward's own re-gather, merged by XLA: it gathers as under remat=full."""
+  r = offload_input_report(strategy)
+  assert 0.97 <= r.attention_check <= 1.0
+  cfg = config(strategy, model=dict(TINY, remat="offload_input", **OFFLOAD_INPUT[strategy]))
+  plan = sr.config_attention_traffic(cfg)
+  full = sr.config_attention_traffic(replace(cfg, model=dict(remat="full")))
+  if strategy == "csbp_ring":
+    assert plan["collective-permute"] - full["collective-permute"] == 2 * 7 * 16 * (256 + 16)
+  else:
+    assert plan["all-gather"] == full["all-gather"] > 0
+    assert plan["reduce-scatter"] == full["reduce-scatter"] > 0
+  if strategy == "csbp_allgather":  # compiled beside remat=full's
+    assert r.attention_collective_bytes == report("csbp_allgather").attention_collective_bytes
+
+
 def test_report_figures_are_positive_and_add_up():
   r = report()
   assert min(r.argument_bytes, r.temp_bytes, r.output_bytes, r.compile_s) > 0
@@ -84,6 +117,53 @@ def test_report_figures_are_positive_and_add_up():
   # XLA hoists the layer-invariant metadata hops out of the layer scan: slightly below 1.
   assert 0.97 <= r.attention_check <= 1.0
   assert r.fits(r.peak_bytes) and not r.fits(r.peak_bytes - 1)
+
+
+def _memory(peak, host, argument=100, temp=700, output=90, alias=80) -> sr.StepReport:
+  """A report of made-up memory figures (bound 100 + 700 + 90 - 80 = 810), nothing sent."""
+  kinds = dict.fromkeys(hlo_stats.COLLECTIVE_KINDS, 0)
+  return sr.StepReport(argument, temp, output, alias, peak, host, 0.0, kinds, kinds, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("peak, host, device", [
+    (None, 0, 810), (None, 500, 810),  # XLA:CPU: no peak of its own, the bound
+    (600, 0, 600), (900, 0, 900),  # nothing in host memory: the compiler's peak, even above
+    (900, 500, 810), (600, 500, 600)])  # host bytes: the smaller of the peak and the bound
+def test_device_peak_is_the_compilers_unless_host_memory_inflates_it(peak, host, device):
+  """XLA:TPU's peak counts host-resident buffers (tests/analysis/test_tpu_target.py), so with
+  any the device's peak is at most the bound of its own buffers."""
+  r = _memory(peak, host)
+  assert r.bound_bytes == 810 and r.peak_bytes == device
+  assert r.fits(device) and not r.fits(device - 1)
+  assert r.row()["peak_bytes"] == device and r.row()["host_bytes"] == host
+
+
+class _Compiled:
+  """A compiled step's stand-in: memory_analysis() returns the given fields."""
+
+  def __init__(self, **fields):
+    self.fields = fields
+
+  def memory_analysis(self):
+    return types.SimpleNamespace(generated_code_size_in_bytes=0, **self.fields)
+
+
+def test_compiled_memory_reads_every_figure_and_the_host_sizes_less_their_alias():
+  """Host bytes = host arguments + temp + output - host alias; XLA:CPU's own peak (which
+  leaves out temp) is dropped, XLA:TPU's kept; a jax without host fields reads 0 host bytes."""
+  device = dict(argument_size_in_bytes=100, temp_size_in_bytes=700, output_size_in_bytes=90,
+                alias_size_in_bytes=80, peak_memory_in_bytes=950)
+  host = dict(host_argument_size_in_bytes=30, host_temp_size_in_bytes=500,
+              host_output_size_in_bytes=20, host_alias_size_in_bytes=10)
+  compiled = _Compiled(**device, **host)
+  tpu, cpu = sr.compiled_memory(compiled, "tpu"), sr.compiled_memory(compiled, "cpu")
+  assert tpu == dict(argument_bytes=100, temp_bytes=700, output_bytes=90, alias_bytes=80,
+                     compiler_peak_bytes=950, host_bytes=540)
+  assert cpu == dict(tpu, compiler_peak_bytes=None)
+  assert sr.compiled_memory(_Compiled(**device), "tpu")["host_bytes"] == 0
+  r = sr.StepReport(**tpu, compile_s=0.0, collective_bytes={}, attention_collective_bytes={},
+                    attention_bytes=0.0, expected_attention_operand_bytes=0.0)
+  assert (r.bound_bytes, r.peak_bytes) == (810, 810)  # 950 counts host memory
 
 
 def test_csbp_sends_half_the_attention_bytes_of_cp():
@@ -116,7 +196,7 @@ def test_self_conditioning_pass_moves_only_clean_kv_in_its_own_shape():
   forward only, and nothing else. The layers' K/V have the global shape (head dim 32, two
   K/V heads: 512 bytes a row in float32)."""
   cfg = config(model=dict(TINY, self_conditioning=True, global_head_dim=32),
-               objective=dict(name="diffusiongemma", block_size=B))
+               objective=dict(name="diffusiongemma", block_size=B, loss_weight="unit"))
   rows, kv, meta = 16, 2 * 2 * 32 * 4, sr.META_ROW_BYTES
   layer = (2 + 1) * 7 * rows * (kv + meta) + 8 * rows * kv
   assert sr.config_attention_traffic(cfg)["collective-permute"] == 2 * layer

@@ -324,6 +324,21 @@ def test_export_files_get_the_usual_modes_and_this_model_s_generation_config(exp
   assert (out / "tokenizer.json").read_text() == "{}"
 
 
+@pytest.mark.parametrize("seq_len, expected", [(64, 2048), (4096, 4096)])
+def test_export_keeps_the_imported_model_s_context_unless_the_run_trained_longer(
+    exported, tmp_path, seq_len, expected):
+  """A model imported with max_position_embeddings=2048 and fine-tuned at L=64 still claims
+  2048 (export wrote 64 before); one trained at 4096 claims 4096."""
+  cfg, params, folder = exported
+  source = tmp_path / "source"
+  hf = edit_config(folder, source)
+  write_config(source, dict(hf, max_position_embeddings=2048))
+  export_hf(params, replace(cfg, init_from=str(source), data=dict(seq_len=seq_len)),
+            str(tmp_path / "hf"))
+  assert json.loads((tmp_path / "hf" / "config.json").read_text())[
+      "max_position_embeddings"] == expected
+
+
 def test_legacy_rope_theta_config_imports_alike(exported, tmp_path):
   """transformers 4.x files: top-level rope_theta, rope_scaling null, no head_dim."""
   cfg, _, folder = exported
@@ -481,6 +496,10 @@ TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size
                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=8)
 
 
+DIFFUSION_GENERATION = dict(eos_token_id=[1, 60, 50], max_new_tokens=128, max_denoising_steps=24,
+                            t_min=0.3, t_max=0.9, sampler_config=dict(entropy_bound=0.2))
+
+
 def gemma4_reference_logits(model, tokens) -> np.ndarray:
   """Gemma 4's causal logits; DiffusionGemma's encoder pass (its causal stream, as
   `DiffusionGemmaModel` runs it before the canvas) through the LM head and soft cap."""
@@ -506,8 +525,10 @@ def gemma4_model(request, tmp_path_factory) -> HFModel:
     config = transformers.Gemma4TextConfig(**GEMMA4_TEXT, attention_k_eq_v=True,
                                            enable_moe_block=True, hidden_size_per_layer_input=0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-  else:
-    config = transformers.DiffusionGemmaConfig(text_config=GEMMA4_TEXT, vision_config=TINY_VISION)
+  else:  # as released: text attention is causal, bidirectional only among image tokens
+    config = transformers.DiffusionGemmaConfig(
+        text_config=dict(GEMMA4_TEXT, use_bidirectional_attention="vision"),
+        vision_config=TINY_VISION)
     model = transformers.DiffusionGemmaForBlockDiffusion._from_config(
         config, attn_implementation="eager")
   model.eval()
@@ -523,6 +544,11 @@ def gemma4_model(request, tmp_path_factory) -> HFModel:
         b.copy_(scalars.setdefault(layer, 0.75 + 0.5 * torch.rand(1)))
   folder = str(tmp_path_factory.mktemp(request.param))
   model.save_pretrained(folder)
+  if request.param == "diffusion_gemma":  # the IT release's kind: an EOS list, sampler settings
+    from transformers.models.diffusion_gemma import generation_diffusion_gemma as hf
+    hf.DiffusionGemmaGenerationConfig(**{
+        **DIFFUSION_GENERATION, "sampler_config": hf.EntropyBoundSamplerConfig(
+            **DIFFUSION_GENERATION["sampler_config"])}).save_pretrained(folder)
   tokens = np.random.default_rng(0).integers(0, 64, (2, 24))
   return HFModel(folder, model, tokens, gemma4_reference_logits(model, tokens))
 
@@ -544,8 +570,11 @@ def test_gemma4_import_gives_the_logits_of_transformers(gemma4_model):
   assert (m.global_partial_rotary_factor, m.rope_theta, m.rope_local_theta) == (0.25, 1e6, 1e4)
   assert (m.moe_experts, m.moe_top_k, m.moe_d_ff, m.self_conditioning) == (4, 2, 16, diffusion)
   assert m.vocab_size == 64 + (not diffusion)
-  if diffusion:  # its own objective, on canvases of the folder's canvas_length
+  if diffusion:  # its own objective, on canvases of the folder's canvas_length; its sampler
     assert (cfg.objective.name, cfg.objective.block_size) == ("diffusiongemma", 256)
+    o = cfg.sample
+    assert (o.eos_ids, o.max_new_tokens, o.denoising_steps, o.t_min, o.t_max,
+            o.entropy_bound) == ("1,60,50", 128, 24, 0.3, 0.9, 0.2)
   assert params["global_layers"]["attn"]["k_proj"]["kernel"].shape == (2, 32, 16)
   assert "v_proj" not in params["global_layers"]["attn"]
   err = np.abs(jax_logits(params, cfg, gemma4_model.tokens)[..., :64] - gemma4_model.logits).max()
@@ -574,8 +603,13 @@ def test_gemma4_export_loads_as_the_same_class_and_round_trips(gemma4_model, tmp
     for name in [n for n in theirs if "vision" in n] + ["model.decoder.self_conditioning."
                                                         "gate_proj.weight"]:
       np.testing.assert_array_equal(ours[name].detach().numpy(), theirs[name].detach().numpy())
+    # the source's generation config and text attention rule, carried over
+    generation = [json.load(open(os.path.join(f, "generation_config.json")))
+                  for f in (out, gemma4_model.folder)]
+    assert generation[0] == generation[1]
+    assert loaded.config.text_config.use_bidirectional_attention == "vision"
   cfg2, params2 = import_hf(out)
-  assert cfg2.model == cfg.model
+  assert cfg2.model == cfg.model and cfg2.sample == cfg.sample
   jax.tree.map(np.testing.assert_array_equal, params2, params)
 
 
@@ -600,6 +634,42 @@ def test_canvas_logits_equal_diffusion_gemma_s(gemma4_model):
     err = np.abs(got - want.numpy()).max()
     assert err < TOL, f"self-conditioning logits {given is not None}: max abs error {err}"
   assert np.abs(got - np.asarray(run(params))).max() > 1000 * TOL  # the logits matter
+
+
+@pytest.mark.parametrize("gemma4_model", ["diffusion_gemma"], indirect=True)
+def test_diffusion_gemma_export_needs_its_source_folder(gemma4_model, tmp_path):
+  """Without the folder it came from, a DiffusionGemma export would name a random vision
+  tower: refused, unless export.toy_vision asks for one; `init_from` is that folder."""
+  cfg, params = import_hf(gemma4_model.folder)
+  with pytest.raises(ConfigError, match=r"needs the vision tower .* set init_from"):
+    export_hf(params, cfg, str(tmp_path / "a"))
+  export_hf(params, replace(cfg, export=dict(toy_vision=True)), str(tmp_path / "b"))
+  export_hf(params, replace(cfg, init_from=gemma4_model.folder), str(tmp_path / "c"))
+  assert json.load(open(tmp_path / "c" / "config.json"))["vision_config"] == json.load(
+      open(os.path.join(gemma4_model.folder, "config.json")))["vision_config"]
+  names = safetensors.numpy.load_file(str(tmp_path / "c" / "model.safetensors"))
+  assert any(n.startswith("model.encoder.vision_tower.") for n in names)
+
+
+@pytest.mark.parametrize("gemma4_model", ["diffusion_gemma"], indirect=True)
+def test_decoder_layer_scalars_that_differ_are_named(gemma4_model, tmp_path):
+  """transformers' canvas pass reads the decoder's `layer_scalar` copies, ours the encoder's:
+  a folder whose copies differ imports with a warning naming them."""
+  folder = shutil.copytree(gemma4_model.folder, tmp_path / "edited")
+  files = [f for f in os.listdir(folder) if f.endswith(".safetensors")]
+  assert len(files) == 1
+  tensors = safetensors.numpy.load_file(str(folder / files[0]))
+  name = "model.decoder.layers.2.layer_scalar"
+  tensors[name] = tensors[name] * 1.5
+  safetensors.numpy.save_file(tensors, str(folder / files[0]), metadata={"format": "pt"})
+  with pytest.warns(UserWarning, match=r"model.decoder.layers.2.layer_scalar \(\|difference\|"):
+    import_hf(str(folder))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # the release's equal copies: no such warning
+    try:
+      import_hf(gemma4_model.folder)
+    except UserWarning as e:
+      assert "layer_scalar" not in str(e)
 
 
 @pytest.fixture(scope="module")

@@ -280,12 +280,40 @@ def test_a_corrupt_only_checkpoint_raises_naming_its_path(tmp_path):
   save_steps(tmp_path, [1])
   garble_files(tmp_path / "ckpt" / "1" / "state")
   with checkpointer(tmp_path) as ckpt:
-    with pytest.warns(UserWarning), pytest.raises(CheckpointError,
-                                                  match=str(tmp_path / "ckpt" / "1")):
+    with pytest.raises(CheckpointError, match=str(tmp_path / "ckpt" / "1")):
       ckpt.restore(abstract(make_state()))
     with pytest.raises(CheckpointError, match=str(tmp_path / "ckpt" / "1")):
       ckpt.restore(abstract(make_state()), step=1)
   assert os.path.isdir(tmp_path / "ckpt" / "1")  # nothing is moved when nothing restores
+
+
+def test_a_truncated_only_checkpoint_is_refused_in_one_error_without_tracebacks(tmp_path):
+  """A real process restores a checkpoint whose array files are cut in half, and no older
+  one: its stderr is the error alone (before, a "trying an older one" warning and dozens of
+  "RuntimeError: Event loop is closed" tracebacks of TensorStore reads still in flight)."""
+  save_steps(tmp_path, [1])
+  truncate_files(tmp_path / "ckpt" / "1" / "state" / "d")
+  script = textwrap.dedent(f"""
+      import os, sys, time
+      os.environ["JAX_PLATFORMS"] = "cpu"
+      import jax
+      jax.config.update("jax_num_cpu_devices", 8)
+      from bdlm_jax.checkpoint import CheckpointError, Checkpointer
+      from bdlm_jax.config import Config
+      from tests.checkpoint.test_manager import abstract, make_state
+      with Checkpointer({str(tmp_path / "ckpt")!r}, Config(), save_every=1,
+                        max_to_keep=5) as ckpt:
+        try:
+          ckpt.restore(abstract(make_state()))
+        except CheckpointError as e:
+          print(f"error: {{e}}", file=sys.stderr)
+      time.sleep(1)  # the reads in flight finish
+  """)
+  proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                        text=True, timeout=120)
+  err = proc.stderr
+  assert f"error: no checkpoint in {tmp_path / 'ckpt'} restores" in err, err[-2000:]
+  assert "Traceback" not in err and "trying an older one" not in err, err[-2000:]
 
 
 def test_a_resumed_run_may_change_how_it_runs_but_not_what_it_computes():

@@ -12,11 +12,11 @@ SPECIALS = ["[UNK]", "[PAD]", "[MASK]", "</s>"]
 CORPUS = ["the cat sat", "the dog ran", "a cat ran far", "dogs and cats"]
 
 
-def save_word_level(path, specials=SPECIALS) -> str:
-  """A word-level tokenizer.json of CORPUS whose first ids are `specials`; returns its path."""
+def save_word_level(path, specials=SPECIALS, corpus=CORPUS) -> str:
+  """A word-level tokenizer.json of `corpus` whose first ids are `specials`; returns its path."""
   tok = tokenizers.Tokenizer(models.WordLevel(unk_token="[UNK]"))
   tok.pre_tokenizer = pre_tokenizers.Whitespace()
-  tok.train_from_iterator(CORPUS, trainers.WordLevelTrainer(special_tokens=specials))
+  tok.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=specials))
   tok.save(str(path))
   return str(path)
 

@@ -1,6 +1,8 @@
 """SFT chat data: prompts stay clean and unscored, examples are whole blocks, clear errors."""
 
 import json
+import os
+import shutil
 
 import jax
 import numpy as np
@@ -11,9 +13,13 @@ from bdlm_jax.config import Config, DataConfig
 from bdlm_jax.configure import replace
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.data import ByteTokenizer, DataError, check_arithmetic, make_dataset
-from bdlm_jax.data.chat import ChatSource, prompt_text
+from bdlm_jax.checkpoint.hf_export import export_hf
+from bdlm_jax.checkpoint.hf_import import import_hf
+from bdlm_jax.data.chat import ChatSource, FolderTemplate, make_template, prompt_text, render
 from bdlm_jax.evaluate import arithmetic_prompts
 from bdlm_jax.objectives import get_objective
+from bdlm_jax.params import init_params
+from tests.data.conftest import CORPUS, save_word_level
 
 B, L = 4, 128
 CONVERSATIONS = [
@@ -133,3 +139,125 @@ def test_arithmetic_chat_eval_prompts_are_questions_as_the_sampler_templates_the
     question = prompt.removeprefix("<|im_start|>user\n").split("<|im_end|>")[0]
     assert prompt == prompt_text(question, "chatml")
     assert check_arithmetic(question + answer) == (1, 1)
+
+
+# A tokenizer folder's own chat template (data.chat_template=tokenizer), Gemma's turn format.
+# Its generation prompt is written with plain block tags, so what it renders depends on the
+# environment transformers gives templates (trim_blocks, lstrip_blocks).
+GEMMA_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+  {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
+  {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+  {%- set first_user_prefix = "" -%}
+  {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+  {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+    {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+  {%- endif -%}
+  {%- set role = "model" if message['role'] == 'assistant' else message['role'] -%}
+  {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else "") }}
+  {{- message['content'] | trim -}}
+  {{ '<end_of_turn>\\n' }}
+{%- endfor %}
+  {% if add_generation_prompt %}
+<start_of_turn>model
+  {% endif %}
+"""
+GEMMA_SPECIALS = ["[UNK]", "[PAD]", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
+GEMMA_CONVERSATIONS = [
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat"},
+     {"role": "assistant", "content": "sat"}, {"role": "user", "content": "a dog"},
+     {"role": "assistant", "content": " ran far "}],
+    [{"role": "user", "content": "dogs and cats"}, {"role": "assistant", "content": "the dog"}],
+]
+
+
+@pytest.fixture
+def gemma_folder(tmp_path):
+  """A tokenizer folder with Gemma's chat template (one special token as an AddedToken
+  dict, as transformers 4 saved them)."""
+  folder = tmp_path / "gemma"
+  folder.mkdir()
+  save_word_level(folder / "tokenizer.json", GEMMA_SPECIALS,
+                  CORPUS + ["user model be brief"])
+  (folder / "tokenizer_config.json").write_text(json.dumps({
+      "bos_token": "<bos>", "pad_token": "[PAD]", "chat_template": GEMMA_TEMPLATE,
+      "eos_token": {"__type": "AddedToken", "content": "<eos>", "lstrip": False,
+                    "normalized": False, "rstrip": False, "single_word": False,
+                    "special": True}}))
+  return str(folder)
+
+
+def test_tokenizer_template_renders_and_tokenizes_as_transformers_does(gemma_folder, tmp_path):
+  transformers = pytest.importorskip("transformers")
+  reference = transformers.PreTrainedTokenizerFast.from_pretrained(gemma_folder)
+  template = FolderTemplate(gemma_folder)
+  expected = set()
+  for messages in GEMMA_CONVERSATIONS:
+    prompt, response = render(messages, template)
+    assert prompt == reference.apply_chat_template(messages[:-1], tokenize=False,
+                                                   add_generation_prompt=True)
+    assert prompt + response == reference.apply_chat_template(messages, tokenize=False)
+    ids = reference.apply_chat_template(messages)["input_ids"]
+    n_prompt = len(reference.apply_chat_template(messages[:-1],
+                                                 add_generation_prompt=True)["input_ids"])
+    expected.add((tuple(ids), (True,) * n_prompt + (False,) * (len(ids) - n_prompt)))
+  # The batches hold exactly those ids: BOS as the template writes it, the response ending
+  # with the turn's end (no EOS appended), and only the prompt protected.
+  batch = next(make_dataset(_chat_cfg(_write(tmp_path, GEMMA_CONVERSATIONS), tokenizer=gemma_folder,
+                                      chat_template="tokenizer"),
+                            batch_size=2, seed=0, vocab_size=64, block_size=B))
+  found = {(tuple(tokens[seg == s].tolist()), tuple(protected[seg == s].tolist()))
+           for tokens, seg, protected in zip(batch["tokens"], batch["segment_ids"],
+                                             batch["protected"])
+           for s in np.unique(seg[seg > 0])}
+  assert found == expected
+  # The sampler's prompt for one user message is the template's, generation prompt included.
+  user = [{"role": "user", "content": "a cat"}]
+  assert prompt_text("a cat", template) == reference.apply_chat_template(
+      user, tokenize=False, add_generation_prompt=True)
+
+
+def test_import_hf_renders_chat_with_the_folder_s_template(gemma_folder, tmp_path):
+  cfg = replace(Config(), model=dict(vocab_size=64, d_model=16, n_layers=1, n_heads=2,
+                                     n_kv_heads=1, head_dim=8, d_ff=32),
+                objective=dict(mask_token_id=63))
+  folder = str(tmp_path / "model")
+  export_hf(init_params(cfg, jax.random.key(0)), cfg, folder)
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(os.path.join(gemma_folder, name), folder)
+  imported, _ = import_hf(folder)
+  assert (imported.data.tokenizer, imported.data.chat_template) == (folder, "tokenizer")
+  assert prompt_text("a cat", make_template(imported.data)).startswith(
+      "<bos><start_of_turn>user\na cat<end_of_turn>\n")
+  os.remove(os.path.join(folder, "tokenizer_config.json"))  # no template: ours stays
+  assert import_hf(folder)[0].data.chat_template == "plain"
+
+
+def test_tokenizer_template_errors_name_the_problem(gemma_folder, tmp_path):
+  path = _write(tmp_path, CONVERSATIONS)
+  with pytest.raises(ConfigError, match="data.tokenizer='byte' has none"):
+    replace(Config(), data=dict(source="jsonl", path=path, format="chat",
+                                chat_template="tokenizer"))
+  bare = tmp_path / "bare"
+  bare.mkdir()
+  save_word_level(bare / "tokenizer.json")
+  with pytest.raises(ConfigError, match=f"the folder {bare} .* has none"):
+    make_dataset(_chat_cfg(path, tokenizer=str(bare / "tokenizer.json"),
+                           chat_template="tokenizer"),
+                 batch_size=2, seed=0, vocab_size=64, block_size=B)
+  # The template refuses a conversation: the record is named.
+  unpaired = _write(tmp_path, [[{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                                {"role": "assistant", "content": "c"}]], "unpaired.jsonl")
+  with pytest.raises(DataError, match=f"{unpaired}:1: .*roles must alternate"):
+    ChatSource(unpaired, FolderTemplate(gemma_folder))
+  # chat_template.jinja comes first (as transformers reads a folder); this one's generation
+  # prompt is no prefix of the conversation's rendering.
+  (tmp_path / "gemma" / "chat_template.jinja").write_text(
+      "{% for m in messages %}{{ m.content }};{% endfor %}"
+      "{% if add_generation_prompt %}>{% endif %}")
+  with pytest.raises(DataError, match=f"{path}:1: .*chat_template.jinja renders .* does not "
+                                      f"start with"):
+    ChatSource(path, FolderTemplate(gemma_folder))

@@ -1,9 +1,15 @@
 """mode=prepare: a corpus tokenized once reads back as the very batches of the on-the-fly
 pipeline; a killed prepare continues; a folder that does not fit the config says why."""
 
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -12,8 +18,10 @@ import run
 from bdlm_jax.config import Config, DataConfig, PrepareConfig
 from bdlm_jax.data import DataError, make_dataset
 from bdlm_jax.data import prepare as prep
+from bdlm_jax.data.tokenizers import make_tokenizer
 from bdlm_jax.errors import ConfigError
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 L, BATCH, BLOCK, MASK = 64, 4, 8, 259
 CONVERSATIONS = [
     [{"role": "user", "content": f"{i}+{i}="}, {"role": "assistant", "content": str(2 * i)}]
@@ -178,3 +186,194 @@ def test_prepare_refuses_what_it_cannot_or_should_not_write(tmp_path):
   other = dataclasses.replace(data, path=text_corpus(tmp_path, n=5, name="other.txt"))
   with pytest.raises(ConfigError, match="holds a preparation of another corpus"):
     prep.prepare(config(other, tmp_path / "ids"), progress=False)
+
+
+def test_resume_refuses_a_prepared_folder_re_made_in_place(tmp_path, capsys):
+  """Train on a prepared folder, prepare it again from another corpus, --resume: refused,
+  naming the folder (before, the checkpoint held data.path only and training went on). The
+  same corpus prepared again in other shards has the same fingerprint."""
+  from tests.test_cli import argv, error_line
+  ids = tmp_path / "ids"
+
+  def prepare_from(corpus, **kw):
+    shutil.rmtree(ids, ignore_errors=True)
+    prep.prepare(config(DataConfig(source="text", path=corpus, seq_len=32), ids, **kw),
+                 progress=False)
+
+  prepare_from(text_corpus(tmp_path))
+  first = prep.folder_fingerprint(str(ids))
+  args = argv("train.steps=2", "data.source=tokens", f"data.path={ids}",
+              workdir=tmp_path / "run")
+  assert run.main(args) == 0
+  prepare_from(text_corpus(tmp_path), shard_tokens=100)  # other shards, the same records
+  assert len(prep._read_meta(str(ids))["shards"]) > 1 and prep.folder_fingerprint(
+      str(ids)) == first
+  prepare_from(text_corpus(tmp_path, n=61, name="other.txt"))
+  assert run.main(args + ["--resume"]) == 2
+  line = error_line(capsys)
+  assert f"data.path='{ids}' re-prepared: its records differ" in line, line
+
+
+def test_a_damaged_shard_is_named_when_the_folder_is_opened_and_a_rerun_rewrites_it(
+    tmp_path, monkeypatch):
+  """One byte of one shard flipped (before: a raw "Corrupted Riegeli/records file" error in
+  the middle of training, and only if that record was read). Opening the folder names the
+  shard and how to rebuild it; rerunning mode=prepare tokenizes only that shard's documents."""
+  data = DataConfig(source="text", path=text_corpus(tmp_path), seq_len=L)
+  cfg = config(data, tmp_path / "ids", shard_tokens=150)
+  prep.prepare(cfg, progress=False)
+  shards = prep._read_meta(str(tmp_path / "ids"))["shards"]
+  bad = shards[len(shards) // 2]
+  path = tmp_path / "ids" / bad["file"]
+
+  def damage():  # in its first chunk: the folder opens, the record fails to read
+    raw = bytearray(path.read_bytes())
+    raw[100] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+  damage()
+  with pytest.raises(DataError, match=rf"shard {bad['file']} \(damaged: its sha256 differs.*"
+                                      r"Rebuild it: rerun the mode=prepare that wrote it"):
+    batches(tokens_of(data, tmp_path / "ids"))
+  write_range, calls = prep._write_range, []
+  monkeypatch.setattr(prep, "_write_range", lambda *a: calls.append(a[:2]) or write_range(*a))
+  with pytest.warns(UserWarning, match=rf"rewriting shard {bad['file']}"):
+    prep.prepare(cfg, progress=False)
+  assert calls[0][0] == bad["first"] and calls[-1][1] == bad["end"]  # in a few calls
+  assert all(a[1] == b[0] for a, b in zip(calls, calls[1:]))
+  meta = prep._read_meta(str(tmp_path / "ids"))
+  assert prep.fingerprint(meta) == prep.fingerprint({"shards": shards})
+  assert_byte_identical(batches(tokens_of(data, tmp_path / "ids")), batches(data))
+  source = prep.TokenSource(str(tmp_path / "ids"), data, make_tokenizer(data))
+  bad = next(s for s in meta["shards"] if s["first"] == bad["first"])  # rewritten in parts
+  path = tmp_path / "ids" / bad["file"]
+  damage()  # after the folder was opened and checked: the read names the shard
+  with pytest.raises(DataError, match=rf"document {bad['first']} in shard {bad['file']} cannot "
+                                      r"be read \(Corrupted Riegeli.*Rebuild it"):
+    source[bad["first"]]
+
+
+def test_a_killed_prepare_keeps_every_shard_written_before_the_kill(tmp_path, monkeypatch):
+  """A kill in the middle of a piece of work (documents [16, 24) here) that has already
+  written shards: each shard is logged as it is written, so the rerun tokenizes only the
+  documents after the last whole shard (before, the log was written per piece of work: the
+  rerun started again at document 16)."""
+  data = DataConfig(source="text", path=text_corpus(tmp_path), seq_len=L)
+  cfg = config(data, tmp_path / "ids", shard_tokens=150)
+  tokenize, seen = prep.tokenize, []
+
+  def counted(tokenizer, doc):
+    seen.append(doc)
+    if len(seen) == 21 and not killed:  # document 20
+      killed.append(doc)
+      raise KeyboardInterrupt
+    return tokenize(tokenizer, doc)
+
+  killed = []
+  monkeypatch.setattr(prep, "tokenize", counted)
+  with pytest.raises(KeyboardInterrupt):
+    prep.prepare(cfg, progress=False)
+  log = (tmp_path / "ids" / prep.PROGRESS).read_text().splitlines()
+  kept = max(json.loads(line)["end"] for line in log[1:])
+  assert 16 < kept <= 20
+  seen.clear()
+  prep.prepare(cfg, progress=False)
+  assert len(seen) == 60 - kept
+  assert_byte_identical(batches(tokens_of(data, tmp_path / "ids")), batches(data))
+
+
+def test_prepared_tokens_resume_across_an_epoch_on_each_of_two_processes(tmp_path):
+  """Each of 2 processes reads its half of the prepared documents as it reads the text: the
+  same batches, through the epoch's end and the next epoch's reshuffle, and from an iterator
+  state saved before the boundary (through JSON, as a checkpoint holds it) and restored in
+  a new iterator."""
+  data = DataConfig(source="text", path=text_corpus(tmp_path), seq_len=L)
+  prep.prepare(config(data, tmp_path / "ids", shard_tokens=300), progress=False)
+  prepared = tokens_of(data, tmp_path / "ids")
+  for p in range(2):
+    kw = dict(process_index=p, process_count=2)
+    on_the_fly = batches(data, n=16, **kw)
+    decode = make_tokenizer(data).decode
+    starts = [text.split(" ")[1] for b in on_the_fly
+              for tokens, seg in zip(b["tokens"], b["segment_ids"])
+              for s in range(1, seg.max() + 1)
+              if (text := decode(tokens[seg == s])).startswith("doc ")]
+    assert len(starts) > len(set(starts))  # a document read twice: an epoch ended
+    it = make_dataset(prepared, batch_size=BATCH, seed=3, vocab_size=260, block_size=BLOCK,
+                      mask_token_id=MASK, **kw)
+    got = [next(it) for _ in range(3)]
+    state = json.loads(json.dumps(it.get_state()))
+    got += [next(it) for _ in range(13)]
+    assert_byte_identical(got, on_the_fly)
+    resumed = make_dataset(prepared, batch_size=BATCH, seed=3, vocab_size=260,
+                           block_size=BLOCK, mask_token_id=MASK, **kw)
+    resumed.set_state(state)
+    assert_byte_identical([next(resumed) for _ in range(13)], on_the_fly[3:])
+
+
+def _children(pid: int) -> list[int]:
+  """The processes whose parent is `pid` (Linux /proc)."""
+  found = []
+  for entry in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+          found.append(int(entry))
+    except (OSError, ValueError, IndexError):
+      continue
+  return found
+
+
+def _running(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+  except OSError:
+    return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads processes from /proc")
+@pytest.mark.parametrize("fault", ["kill -9", "Ctrl-C while the workers start"])
+def test_prepare_s_workers_end_with_it_and_a_ctrl_c_prints_one_line(tmp_path, fault):
+  """A real mode=prepare with 2 worker processes. kill -9 of it: its workers and the
+  resource tracker exit too (before, they stayed, blocked, ~227 MB each). SIGINT to its
+  process group (a terminal's Ctrl-C) while the workers start: one "interrupted" line, no
+  worker traceback (before, an UnpicklingError or KeyboardInterrupt traceback followed)."""
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("\n\n".join(f"doc {i} " + "xyz" * (i % 50) for i in range(40000)) + "\n")
+  (tmp_path / "cfg.py").write_text(
+      "from bdlm_jax.config import Config, DataConfig\ndef get_config():\n"
+      f"  return Config(data=DataConfig(source='text', path={str(corpus)!r}, seq_len=64))\n")
+  err = tmp_path / "stderr"
+  with open(err, "w") as stderr:
+    proc = subprocess.Popen(
+        [sys.executable, "run.py", "--config", str(tmp_path / "cfg.py"), "--no-progress",
+         "--set", "mode=prepare", "--set", f"prepare.out_dir={tmp_path / 'ids'}", "--set",
+         "prepare.num_processes=2", "--set", "prepare.shard_tokens=20000"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+  children = []
+  try:
+    deadline = time.time() + 120
+    while len(_children(proc.pid)) < 3 and time.time() < deadline:  # 2 workers, the tracker
+      time.sleep(0.01)
+    children = _children(proc.pid)
+    assert len(children) == 3 and proc.poll() is None, err.read_text()
+    time.sleep(0.3)  # past the milliseconds in which the parent ignores SIGINT
+    if fault == "kill -9":
+      proc.kill()
+    else:
+      os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=120)
+    deadline = time.time() + 15
+    while any(map(_running, children)) and time.time() < deadline:
+      time.sleep(0.1)
+    assert not [pid for pid in children if _running(pid)]
+  finally:  # whatever the test saw, leave no process behind
+    for pid in [proc.pid, *children, *_children(proc.pid)]:
+      if _running(pid):
+        with contextlib.suppress(ProcessLookupError):
+          os.kill(pid, signal.SIGKILL)
+  if fault != "kill -9":
+    assert proc.returncode == 130
+    assert err.read_text() == ("interrupted; the shards written are kept: rerun the same "
+                               "command to continue\n")

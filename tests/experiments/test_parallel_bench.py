@@ -31,7 +31,7 @@ def _f(row, column):
 def test_tiny_bench_writes_one_row_per_strategy_and_its_reports(bench):
   out, rows = bench
   assert sorted(rows) == sorted(pb.STRATEGIES)
-  for name in ("parallel_bench.md", "README_results.md", "parallel_bench_traffic.png",
+  for name in ("parallel_bench.md", "strategies_measured.md", "parallel_bench_traffic.png",
                "parallel_bench_memory.png", "parallel_bench_time.png"):
     assert os.path.getsize(out / name) > 0
   assert "| 8 | 64 | csbp_ring |" in (out / "parallel_bench.md").read_text()
@@ -101,12 +101,13 @@ def test_cost_model_predicts_the_measured_attention_bytes(bench):
 
 def test_dflash_bench_writes_its_own_results_and_matches_the_plan(tmp_path):
   """A drafter's step (frozen target forward + drafter forward/backward) compiles, runs and
-  sends what its plan says; bd3lm's results stay as they are (no parallel_bench.csv, no
-  README_results.md). One strategy: tests/parallel/test_step_report.py checks the others."""
+  sends what its plan says; bd3lm's results stay as they are (no parallel_bench.csv), and
+  its results page shows it. One strategy: tests/parallel/test_step_report.py checks the
+  others."""
   (row,) = pb.main(["--objective", "dflash", "--tiny", "--strategies", "csbp_ring",
                     "--out", str(tmp_path)])
   assert sorted(os.listdir(tmp_path)) == ["parallel_bench_dflash.csv",
-                                          "parallel_bench_dflash.md"]
+                                          "parallel_bench_dflash.md", "strategies_measured.md"]
   assert row["objective"] == "dflash" and 0.97 <= row["attn_check"] <= 1.0
   for column in ("attn_wire_bytes", "temp_bytes", "model_flops_per_device", "step_ms"):
     assert row[column] > 0, column

@@ -13,6 +13,7 @@ from bdlm_jax import ConfigError, init_params, loss_fn, make_batch, make_mesh, s
 from bdlm_jax.configure import replace
 from bdlm_jax.models.pattern import layer_types
 from bdlm_jax.models.transformer import layer_slots
+from bdlm_jax.params import split_frozen
 from tests.models.test_moe import assert_scan_equals_layer_loop
 from tests.parallel import test_strategies
 
@@ -59,7 +60,9 @@ def loss_and_grads(cfg, mesh, logical=None):
   grads = jax.tree.map(np.asarray, grads)
   for stack in ("layers", "global_layers"):
     assert not grads[stack].pop("layer_scalar").any()
-  return float(loss), grads
+  trained, frozen = split_frozen(cfg, grads)  # frozen routers (train.freeze): no gradient
+  assert not any(g.any() for g in jax.tree.leaves(frozen))
+  return float(loss), trained
 
 
 @functools.cache

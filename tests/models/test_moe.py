@@ -99,8 +99,10 @@ def _one_device():
 def test_moe_loss_and_grads_equal_one_device():
   """Router statistics are pooled over the batch, so the aux loss couples every row: it must
   still come out the same with rows split over ranks and the experts ZeRO-3 sharded (every
-  strategy on seq=8: `ROUTER_CASES` and tests/objectives/test_diffusiongemma.py)."""
-  cfg = _cfg("cp_ring", data=2, fsdp=2, seq=2)
+  strategy on seq=8: `ROUTER_CASES` and tests/objectives/test_diffusiongemma.py), and with
+  each device's rows routed in 5 chunks, whose statistics meet in one psum over the data and
+  seq axes (parallel/experts.py)."""
+  cfg = replace(_cfg("cp_ring", data=2, fsdp=2, seq=2), model=dict(row_chunks=5))
   test_strategies.assert_close(*test_strategies._loss_and_grads(cfg, make_mesh(cfg)),
                                *_one_device())
 
@@ -171,7 +173,9 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
 
 
 # Expert parallelism on three meshes, csbp_ring, cp_ring and bp, both dispatches (the ragged one
-# emulated): E = 4 experts over G = 4 devices (one each) or 2 (two each).
+# emulated): E = 4 experts over G = 4 devices (one each) or 2 (two each). On csbp_ring each
+# device routes its rows in 5 chunks (model.row_chunks; 5 of 48 rows, the last one shorter),
+# each chunk exchanged on its own; elsewhere all at once.
 EXPERT_PARALLEL = [
     ("csbp_ring", dict(data=2, fsdp=2, seq=2, expert_axes="data,fsdp"), "all_gather"),
     ("cp_ring", dict(fsdp=4, seq=2, expert_axes="fsdp"), "all_gather"),
@@ -185,10 +189,13 @@ EXPERT_PARALLEL = [
 def test_expert_parallel_loss_and_grads_equal_one_device(strategy, mesh_shape, dispatch,
                                                          monkeypatch):
   """Tokens travel to the devices holding their experts and back; the expert weights, their
-  gradients and Adam moments stay split over the expert axes."""
+  gradients and Adam moments stay split over the expert axes. Dispatched in row chunks, every
+  pair is still routed: the same loss and gradients."""
   if dispatch == "ragged_all_to_all":
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
   cfg = _cfg(strategy, moe_dispatch=dispatch, **mesh_shape)
+  if strategy == "csbp_ring":
+    cfg = replace(cfg, model=dict(row_chunks=5))
   mesh = make_mesh(cfg)
   test_strategies.assert_close(*test_strategies._loss_and_grads(cfg, mesh), *_one_device())
   params = init_params(cfg, jax.random.key(0), mesh)
@@ -209,6 +216,26 @@ def test_ragged_dispatch_lowers_to_ragged_all_to_all_there_and_back():
   step = jax.jit(jax.grad(lambda p: loss_fn(p, batch, jax.random.key(1), cfg, mesh)[0]))
   text = step.lower(params).as_text()
   assert text.count("ragged_all_to_all") == 4  # forward there and back, and their transposes
+
+
+def _received_rows(cfg):
+  """The rows of each ragged all-to-all's output buffer in the lowered step (forward there
+  and back, and their transposes; a chunk loop's first chunk, its rematerialised forward and
+  its tail outside the loop)."""
+  mesh = make_mesh(cfg)
+  batch = make_batch(cfg, *test_strategies._logical_batch())
+  params = init_params(cfg, jax.random.key(0), mesh)
+  step = jax.jit(jax.grad(lambda p: loss_fn(p, batch, jax.random.key(1), cfg, mesh)[0]))
+  return set(re.findall(r"ragged_all_to_all.*-> tensor<(\d+)x", step.lower(params).as_text()))
+
+
+def test_dropless_dispatch_in_row_chunks_receives_a_chunks_pairs():
+  """G = 4 devices of 2 x 48 rows, k = 2: a device may receive every pair of the group, 768
+  rows at once; in 5 chunks, 4 x 2 x 10 x 2 = 160 a chunk of 10 rows (128 the last, of 8).
+  (The pairs' outputs come back into 2 x 48 x 2 = 192 rows, 40 a chunk, 32 the last.)"""
+  cfg = _cfg("csbp_ring", fsdp=2, seq=4, expert_axes="seq")
+  assert _received_rows(cfg) == {"768", "192"}
+  assert _received_rows(replace(cfg, model=dict(row_chunks=5))) == {"160", "128", "40", "32"}
 
 
 def test_a_dispatch_the_backend_cannot_run_is_refused_before_training(tmp_path):
@@ -252,10 +279,10 @@ def test_capacity_drops_the_pairs_over_it_in_order_and_counts_them():
 def test_expert_parallel_capacity_counts_the_groups_tokens():
   """With a capacity, expert parallelism over every device holding rows drops exactly what
   one device holding the whole batch drops: the same queue (members in sequence order), so
-  the same loss too."""
+  the same loss too; row chunks do not cut the queue (every row is routed at once)."""
   drop = dict(moe_drop_tokens=True, moe_capacity_factor=0.6)
   cfg = replace(_cfg("none", data=2, fsdp=2, expert_axes="data,fsdp",
-                     moe_dispatch="all_gather"), model=drop)
+                     moe_dispatch="all_gather"), model=dict(row_chunks=3, **drop))
   one = replace(_cfg("none"), model=drop)
   batch = make_batch(cfg, *test_strategies._logical_batch())
   mesh = make_mesh(cfg)

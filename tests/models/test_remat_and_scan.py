@@ -11,6 +11,7 @@ from jax._src.ad_checkpoint import saved_residuals
 from bdlm_jax import init_params, loss_fn, make_batch, make_mesh
 from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
+from tests.close import assert_trees_close
 
 L, D, HEADS, KV_HEADS, HEAD_DIM = 256, 64, 4, 2, 16
 
@@ -100,8 +101,7 @@ def _assert_same_loss_and_grads(ref_cfg, cfg, seed=0):
   params = init_params(cfg, jax.random.key(seed))
   (l0, g0), (l1, g1) = (jax.value_and_grad(_loss(c))(params) for c in (ref_cfg, cfg))
   np.testing.assert_allclose(l1, l0, rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  assert_trees_close(g1, g0, rel=1e-5)
 
 
 @pytest.mark.parametrize("remat", ["none", "full", "offload", "offload_input"])

@@ -71,7 +71,8 @@ SEQ_STRATEGIES = ["cp_allgather", "cp_ring", "bp", "csbp_allgather", "csbp_ring"
 # On seq8 the layers keep their saved residuals in host memory and run over 5 chunks of each
 # device's rows (the last one shorter): where and when a layer's arrays exist, never a value.
 # The composed meshes below run the defaults (remat none, all rows at once), except that on
-# data x fsdp x seq each layer's backward re-runs its forward, ring included (offload_input).
+# data x fsdp x seq each layer's backward re-runs its forward, ring included (offload_input;
+# an all-gather's and a windowed exchange's: tests/parallel/test_window.py).
 MEMORY_FEATURES = dict(remat="offload", row_chunks=5)
 
 
@@ -88,7 +89,8 @@ def test_balanced_cp_ring_equals_single_device_on_seq8():
 
 
 COMPOSED = [(s, dict(data=2, seq=4)) for s in SEQ_STRATEGIES + ["cp_ring_balanced"]] + [
-    (s, dict(data=2, fsdp=2, seq=2)) for s in ("cp_ring", "bp", "csbp_ring")]
+    (s, dict(data=2, fsdp=2, seq=2))
+    for s in ("cp_ring", "cp_ring_balanced", "bp", "csbp_ring")]
 
 
 @pytest.mark.parametrize("strategy, mesh_shape", COMPOSED,

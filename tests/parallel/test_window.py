@@ -15,7 +15,7 @@ from bdlm_jax.configure import replace
 from bdlm_jax.kernels.mask import RowMeta, allowed, windowed
 from bdlm_jax.kernels.tiles import plan_row_meta
 from bdlm_jax.parallel.layout import PAD
-from bdlm_jax.parallel.registry import make_plan
+from bdlm_jax.parallel.registry import make_plan, plan_for
 from bdlm_jax.analysis.probe import attention_layer_costs
 from bdlm_jax.parallel.strategies import window_transport
 from bdlm_jax.parallel.window import exchange_plan
@@ -57,7 +57,11 @@ def test_local_layers_equal_one_device_under_the_other_strategies(strategy):
 
 
 def test_local_layers_equal_one_device_on_a_composed_mesh():
-  cfg = _cfg("csbp_ring", *WINDOWS["W<B"], data=2, fsdp=2, seq=2)
+  """csbp_allgather with remat=offload_input: the backward re-runs each global layer's
+  all-gather and each local layer's windowed exchange."""
+  cfg = replace(_cfg("csbp_allgather", *WINDOWS["W<B"], data=2, fsdp=2, seq=2),
+                model=dict(remat="offload_input"))
+  assert window_transport(plan_for(cfg), cfg.model.sliding_window) == "exchange"
   _assert_matches_one_device(cfg, make_mesh(cfg))
 
 

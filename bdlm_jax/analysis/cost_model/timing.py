@@ -7,7 +7,8 @@ are exposed (attention needs the gathered K/V; the backward gathers them again),
 MoE's token exchange (the MLP waits for its rows) and a local layer's windowed exchange.
 Under `model.remat=offload` a layer's saved residuals cross the host link (`host_gb_s`) once
 each way, beside the layer's own time: only what outlasts it adds to the step; under
-`offload_input` its input alone does, and the backward re-runs its attention forward.
+`offload_input` its input alone does, and the backward re-runs its attention forward (a
+ring's hops and an exchange's too; an all-gather's gather there is the backward's own).
 """
 
 import numpy as np
@@ -16,6 +17,7 @@ from bdlm_jax.analysis.cost_model.memory import saved_layer_bytes
 from bdlm_jax.analysis.cost_model.setting import GB, Assumptions, Hardware
 from bdlm_jax.analysis.cost_model.work import (PlanWork, attention_kinds, expert_params,
                                                kv_row, moe_layers, step_comm_bytes)
+from bdlm_jax.analysis.step_report import layer_transport, rerun_sends
 from bdlm_jax.config import ModelConfig
 from bdlm_jax.metrics import linear_flops_per_row, param_count
 from bdlm_jax.models.transformer import reruns_attention
@@ -157,7 +159,10 @@ def step_time(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) -> d
                                                    hw, a)
     else:
       attn_fwd, attn_bwd, layer_busy = local_attention_s(m, work, window, hw, a)
-    rerun = reruns_attention(m.remat) * attn_fwd  # the backward re-runs the forward first
+    # The backward re-runs the forward first; an all-gather's gather there is the one the
+    # backward issues anyway (`rerun_sends`), so only the re-run's compute adds.
+    rerun = reruns_attention(m.remat) * (
+        attn_fwd if rerun_sends(layer_transport(work.plan, window)) else layer_busy)
     attention += n * (attn_fwd + attn_bwd + rerun)
     busy += n * (1 + a.attention_bwd_factor + reruns_attention(m.remat)) * layer_busy
     layers.append((n, saved_layer_bytes(m, work, window, a), layer_linear + attn_fwd,

@@ -137,12 +137,13 @@ def step_comm_bytes(work: PlanWork, m: ModelConfig, a: Assumptions) -> float:
   the transport issues per layer kind (`attention_traffic`: the ring shifts K/V + metadata
   P-1 times forward and P-1 times backward and the dK/dV P times; the all-gather gathers K/V
   + metadata forward and again backward and reduce-scatters the dK/dV; a local layer's
-  windowed exchange sends the rows its windows reach and takes their dK/dV back; one more
-  forward's where the backward re-runs it), as ring algorithms send it (`wire_bytes`)."""
+  windowed exchange sends the rows its windows reach and takes their dK/dV back; a ring's
+  or an exchange's forward once more where the backward re-runs it, `rerun_sends`), as ring
+  algorithms send it (`wire_bytes`)."""
   kv = kv_row(m)
   totals = [attention_traffic(work.plan, kv * a.compute_bytes, kv * a.kv_grad_bytes,
                               a.meta_bytes_per_row, n, window,
-                              first_passes=reruns_attention(m.remat))
+                              reruns=reruns_attention(m.remat))
             for window, n in attention_kinds(m)]
   traffic = {kind: sum(t[kind] for t in totals) for kind in COLLECTIVE_KINDS}
   return wire_bytes(traffic, work.plan.num_ranks)

@@ -1,0 +1,100 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3.5 / Qwen3-Next hybrids (docs/gdn.md).
+
+The layer splits as attention does: row-wise work (`project`: the input projections, the
+decay g and the write strength beta; `gated_norm`: RMSNormGated; the output projection),
+and a sequence mixer over rows that a layout ordered, run by the caller's `recur` (as
+`attend` is the caller's): `recur(cell, pre_BRC, g_BRH, beta_BRH, meta) -> o_BRHV` decides
+which rows form one causal stream, where each stream starts (its conv context and state),
+and calls `cell` on contiguous pieces of it. `cell` is the sequence math of one piece: the
+causal depthwise conv (SiLU) over [q | k | v] from `left` context rows, q and k L2-normed
+(q also scaled by K^-1/2), key heads repeated to value heads, and the chunked gated delta
+rule (kernels/delta_rule.py) from state `s`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bdlm_jax.config import ModelConfig
+from bdlm_jax.kernels import delta_rule
+from bdlm_jax.models.pattern import gdn_shape
+
+L2_EPS = 1e-6  # transformers' (and flash-linear-attention's) l2norm
+
+
+def _l2norm(x):
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def cell(pre_BTC, left_BJC, g_BTH, beta_BTH, s_BHKV, *, conv_CK, shape):
+  """(o [B, T, Hv, V] float32, final state [B, Hv, K, V]) of T consecutive rows of one
+  stream, after `left` [B, kernel - 1, C] pre-conv rows and from state `s` (None: zeros)."""
+  hk, hv, dk, dv = shape
+  b, t, c = pre_BTC.shape
+  j = conv_CK.shape[1] - 1
+  if left_BJC is None:
+    left_BJC = jnp.zeros((b, j, c), pre_BTC.dtype)
+  x = jnp.concatenate([left_BJC.astype(pre_BTC.dtype), pre_BTC], axis=1)
+  w = conv_CK.astype(x.dtype)
+  conv = sum(x[:, i:i + t] * w[:, i] for i in range(j + 1))  # depthwise, causal, no bias
+  conv = jax.nn.silu(conv)
+  q, k, v = jnp.split(conv, [hk * dk, 2 * hk * dk], axis=-1)
+  rep = lambda x: jnp.repeat(x.reshape(b, t, hk, dk), hv // hk, axis=2)
+  q = _l2norm(rep(q)) * dk ** -0.5
+  k = _l2norm(rep(k))
+  if s_BHKV is None:
+    s_BHKV = jnp.zeros((b, hv, dk, dv), jnp.float32)
+  return delta_rule.chunked(q, k, v.reshape(b, t, hv, dv), g_BTH, beta_BTH, s_BHKV)
+
+
+class GatedDeltaNet(nnx.Module):
+  """A Gated DeltaNet layer's weights, named as transformers' `Qwen3_5GatedDeltaNet`'s (the
+  conv kernel in its [channels, 1, kernel] layout). `linear(din, dout, cfg, rngs)` builds
+  the model's projections."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, linear):
+    self.cfg = cfg
+    self.shape = gdn_shape(cfg)
+    hk, hv, dk, dv = self.shape
+    param_dtype = jnp.dtype(cfg.param_dtype)
+    channels = 2 * hk * dk + hv * dv
+    self.in_proj_qkv = linear(cfg.d_model, channels, cfg, rngs)
+    self.in_proj_z = linear(cfg.d_model, hv * dv, cfg, rngs)
+    self.in_proj_b = linear(cfg.d_model, hv, cfg, rngs)
+    self.in_proj_a = linear(cfg.d_model, hv, cfg, rngs)
+    bound = cfg.gdn_conv ** -0.5  # torch's Conv1d init (fan-in = kernel)
+    self.conv = nnx.Param(jax.random.uniform(rngs.params(), (channels, 1, cfg.gdn_conv),
+                                             param_dtype, -bound, bound))
+    self.dt_bias = nnx.Param(jnp.ones((hv,), param_dtype))
+    self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (hv,), jnp.float32,
+                                                      0.01, 16.0)).astype(param_dtype))
+    self.norm = nnx.Param(jnp.ones((dv,), param_dtype))
+    self.out_proj = linear(hv * dv, cfg.d_model, cfg, rngs)
+
+  def project(self, h_BRD):
+    """(pre-conv [q | k | v] rows [B, R, C], z [B, R, Hv, V], g and beta [B, R, Hv]) of the
+    normed rows `h`: g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), f32."""
+    b, r, _ = h_BRD.shape
+    _, hv, _, dv = self.shape
+    a = self.in_proj_a(h_BRD).astype(jnp.float32)
+    g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+        a + self.dt_bias[...].astype(jnp.float32))
+    beta = jax.nn.sigmoid(self.in_proj_b(h_BRD)).astype(jnp.float32)
+    z = self.in_proj_z(h_BRD).reshape(b, r, hv, dv)
+    return self.in_proj_qkv(h_BRD), z, g, beta
+
+  def cell(self):
+    """`cell` with this layer's conv kernel and head shapes."""
+    return functools.partial(cell, conv_CK=self.conv[...][:, 0], shape=self.shape)
+
+  def gated_norm(self, o_BRHV, z_BRHV):
+    """RMSNormGated: o normed over V in float32, times the weight (in z's dtype), times
+    silu(z) in float32, as transformers computes it; [B, R, Hv, V] in z's dtype."""
+    dtype = z_BRHV.dtype
+    o = o_BRHV.astype(dtype).astype(jnp.float32)
+    o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + self.cfg.norm_eps)
+    o = self.norm[...].astype(dtype) * o.astype(dtype)
+    return (o * jax.nn.silu(z_BRHV.astype(jnp.float32))).astype(dtype)

@@ -1,0 +1,271 @@
+"""DFlash2 (docs/dflash.md, "DFlash2"): D-PACE and LK losses, the candidate selector, the
+block convolution, sliding-window drafts and locality anchors, each against a hand
+computation, and the whole loss and its gradients under the strategies."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bdlm_jax import (ConfigError, draft_proposals, init_params, loss_fn, make_batch,
+                      make_mesh)
+from bdlm_jax.configure import replace
+from bdlm_jax.kernels.mask import allowed
+from bdlm_jax.models.drafter import GroupedConv, windowed_drafts
+from bdlm_jax.models.selector import CandidateSelector
+from bdlm_jax.models.transformer import head_logits
+from bdlm_jax.objectives import dflash
+from bdlm_jax.objectives.dflash import dpace_weights
+from bdlm_jax.params import merge
+from bdlm_jax.parallel.registry import plan_for
+from bdlm_jax.spec import resolve
+from tests.objectives.test_dflash import A, B, L, _cfg, _logical_batch
+from tests.parallel.test_strategies import assert_close
+
+DFLASH2 = dict(objective=dict(dflash_loss="dpace", lk_loss="lambda", kl_decay=2.0,
+                              selector_rank=4, selector_top_k=64, selector_loss_alpha=0.7),
+               drafter=dict(conv_taps=2, conv_group_size=8, window=12))
+
+
+def _cfg2(strategy="none", **parallel):
+  return replace(_cfg(strategy, **parallel), **DFLASH2)
+
+
+def _dpace_by_hand(p, m, alpha, kind):
+  w = np.zeros_like(p)
+  for idx in np.ndindex(p.shape[:-1]):
+    c, prefix = 1.0, []
+    for j in range(p.shape[-1]):
+      c *= (1 - alpha) * p[idx][j] + alpha if m[idx][j] else 1.0
+      prefix.append(c)
+    for j in range(p.shape[-1]):
+      suffix = sum(prefix[k] * m[idx][k] for k in range(j, p.shape[-1]))
+      w[idx][j] = {"dpace": suffix, "dpace-cumulative-confidence-only": prefix[j],
+                   "dpace-continuation-value-only": suffix / prefix[j]}[kind]
+  return w
+
+
+def test_dpace_weights_match_the_check_value_and_a_hand_computation():
+  w = dpace_weights(np.array([0.8, 0.6, 0.4]), np.ones(3), 0.0)
+  np.testing.assert_allclose(w, [1.472, 0.672, 0.192], rtol=1e-6)
+  rng = np.random.default_rng(0)
+  p, m = rng.random((3, 5, 6)), rng.random((3, 5, 6)) < 0.7
+  for kind in dflash.dflash2.DPACE:
+    np.testing.assert_allclose(dpace_weights(p, m, 0.3, kind), _dpace_by_hand(p, m, 0.3, kind),
+                               rtol=1e-5)
+
+
+def _one_device(params, cfg, batch):
+  """(the drafter's hidden states [S, A*B, D], their head logits [S, A, B, V]) on one
+  device, in logical order."""
+  spec = resolve(cfg)
+  model = merge(cfg, params)
+  batch, inputs, _, _ = spec.objective.corrupt(None, batch, cfg)
+  hidden = spec.objective.hidden(spec, model, batch, inputs, None)[0]
+  return hidden, head_logits(model.head, hidden, 0.0).reshape(hidden.shape[0], A, B, -1)
+
+
+def _reference_loss(params, cfg, batch, w, lam, ids):
+  """DFlash2's loss written out on [S, A, B] (the seed's dflash2.py ~552-693), given its
+  no-gradient parts: the D-PACE weights w, LK's lambda and the top-K candidate ids."""
+  o = cfg.objective
+  hidden, logits = _one_device(params, cfg, batch)
+  labels = np.asarray(batch.labels[:, :A * B]).reshape(logits.shape[:3])
+  m = labels >= 0
+  ce = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), np.maximum(labels, 0)[..., None],
+                            -1)[..., 0]
+  num = jnp.sum(w * (lam * ce + (1 - lam) * (1 - jnp.exp(-ce))) * m)
+  sel = params["drafter"]["selector"]
+  tokens = np.asarray(batch.tokens[:, :A * B]).reshape(labels.shape)
+  prev = np.concatenate([tokens[..., :1], tokens[..., :-1]], -1)
+  unary = jnp.take_along_axis(logits, ids, -1)
+  proj = hidden.reshape(*labels.shape, -1) @ sel["hidden_projection"]["kernel"]
+  pred, succ = sel["predecessor_codebook"][prev], sel["successor_codebook"][ids]
+  scores = unary + jnp.einsum("sabr,sabkr->sabk", pred * proj, succ)
+  match = ids == labels[..., None]
+  covered = m & match.any(-1)
+  sel_ce = -jnp.take_along_axis(jax.nn.log_softmax(scores, -1), np.argmax(match, -1)[..., None],
+                                -1)[..., 0]
+  num = num + o.selector_loss_alpha * jnp.sum(jnp.where(covered, w * sel_ce, 0.0))
+  return num / w.sum()
+
+
+def _params(cfg):
+  """Init params with the selector's successor codebook and the convolutions' coefficient
+  projections non-zero (both start at zero), so the test sees what they do."""
+  params = init_params(cfg, jax.random.key(0))
+  keys = iter(jax.random.split(jax.random.key(1), 8))
+  d = params["drafter"]
+  d["selector"]["successor_codebook"] = 0.3 * jax.random.normal(
+      next(keys), d["selector"]["successor_codebook"].shape)
+  for part in ("attn", "mlp"):
+    k = d["convs"][part]["kernel_projection"]["kernel"]
+    d["convs"][part]["kernel_projection"]["kernel"] = 0.05 * jax.random.normal(next(keys), k.shape)
+  return params
+
+
+@functools.cache
+def _logits():
+  """float64 [S, A, B, V]: the head's logits at the draft rows of `_single_device`."""
+  params, batch = _single_device()[:2]
+  out = jax.jit(functools.partial(_one_device, cfg=_cfg2()))(params, batch=batch)[1]
+  return np.asarray(out, np.float64)
+
+
+@functools.cache
+def _single_device():
+  cfg = _cfg2()
+  params = _params(cfg)
+  batch = make_batch(cfg, *_logical_batch())
+  step = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, None, cfg), has_aux=True))
+  (loss, metrics), grads = step(params, batch)
+  return params, batch, float(loss), metrics, jax.tree.map(np.asarray, grads)
+
+
+def test_the_dflash2_loss_and_gradients_equal_a_hand_computation():
+  cfg, o = _cfg2(), _cfg2().objective
+  params, batch, loss, metrics, grads = _single_device()
+  logits = _logits()
+  labels = np.asarray(batch.labels[:, :A * B]).reshape(logits.shape[:3])
+  m = labels >= 0
+  p = np.exp(np.take_along_axis(logits, np.maximum(labels, 0)[..., None], -1)[..., 0]
+             - np.log(np.exp(logits).sum(-1)))
+  w = _dpace_by_hand(np.where(m, p, 0), m, o.dpace_alpha, o.dflash_loss) * m
+  lam = o.kl_scale * np.exp(-o.kl_decay * p[m].mean())
+  ids = np.argsort(-logits, -1)[..., :o.selector_top_k]
+  assert (m & (ids == labels[..., None]).any(-1)).sum() > 4  # the selector's CE counts
+  assert float(metrics["selector_coverage"]) > 0
+  ref = jax.jit(jax.value_and_grad(
+      lambda p: _reference_loss(p, cfg, batch, w.astype(np.float32), lam, ids)))
+  want, want_grads = ref(params)
+  assert_close(loss, grads["drafter"], float(want), jax.tree.map(np.asarray,
+                                                                 want_grads["drafter"]))
+
+
+@pytest.mark.parametrize("strategy,parallel", [
+    ("csbp_ring", dict(seq=4)), ("cp_ring", dict(seq=4)), ("bp", dict(seq=2, data=2)),
+    ("csbp_allgather", dict(seq=2, fsdp=2))])
+def test_every_strategy_gives_the_single_device_dflash2_loss_and_gradients(strategy, parallel):
+  cfg = _cfg2(strategy, **parallel)
+  mesh = make_mesh(cfg)
+  params, _, ref_loss, _, ref_grads = _single_device()
+  batch = make_batch(cfg, *_logical_batch())
+  step = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, None, cfg, mesh), has_aux=True))
+  (loss, _), grads = step(params, batch)
+  assert_close(float(loss), jax.tree.map(np.asarray, grads["drafter"]), ref_loss,
+               ref_grads["drafter"])
+
+
+def test_the_block_convolution_is_causal_inside_each_block_and_never_crosses_one():
+  d, b, taps, group = 8, 4, 3, 2
+  conv = GroupedConv(d, b, taps, group, jnp.float32, nnx.Rngs(0))
+  rng = np.random.default_rng(1)
+  conv.base_kernel[...] = rng.normal(size=(2, taps, d))
+  conv.kernel_projection.kernel[...] = rng.normal(size=(d, 2 * taps * d // group))
+  x = rng.normal(size=(2, 3 * b, d)).astype(np.float32)
+  y, coef = conv.prepare(jnp.asarray(x))
+  dyn = x @ np.asarray(conv.kernel_projection.kernel[...])  # [S, N, 2 * taps * G]
+  dyn = dyn.reshape(2, 3 * b, 2, taps, d // group)
+  want = np.zeros_like(x)
+  for s, t, ch in np.ndindex(want.shape):
+    for k in range(min(taps, t % b + 1)):  # never before the block's first row
+      want[s, t, ch] += (conv.base_kernel[...][0, k, ch] + dyn[s, t, 0, k, ch // group]) * x[
+          s, t - k, ch]
+  np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(coef, dyn[:, :, 1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_windowed_draft_slot_sees_its_window_of_context_and_its_whole_block():
+  w = 6
+  tokens, seg, prot = _logical_batch()
+  cfg = _cfg()
+  rows = dflash.logical_rows(tokens, seg, prot, cfg.objective)
+  meta = jax.tree.map(lambda x: x[:1], make_batch(cfg, tokens, seg, prot).meta)
+  mask = np.asarray(allowed(windowed_drafts(meta, w), meta))[0]
+  q = np.flatnonzero(rows["seg"][0, :A * B] > 0)
+  anchor, pos = rows["block"][0, q], rows["pos"][0, q]
+  doc = seg[0][np.minimum(anchor, L - 1)]
+  k = np.arange(L)
+  want = ((k >= np.maximum(pos - w + 1, 0)[:, None]) & (k < anchor[:, None])
+          & (seg[0][None] == doc[:, None]))
+  assert (mask[q, A * B:] == want).all()
+  assert (mask[q, :A * B] == (rows["block"][0, None, :A * B] == anchor[:, None])
+          & (rows["seg"][0, None, :A * B] > 0)).all()
+
+
+def test_the_drafter_applies_its_window():
+  losses = {}
+  for w in (0, 4):
+    cfg = replace(_cfg(), drafter=dict(window=w))
+    params = init_params(cfg, jax.random.key(0))
+    loss = jax.jit(lambda p, b: loss_fn(p, b, None, cfg)[0])
+    losses[w] = float(loss(params, make_batch(cfg, *_logical_batch())))
+  assert abs(losses[4] - losses[0]) > 1e-4
+
+
+def test_locality_anchors_are_a_wrapped_coprime_stride_from_a_uniform_start():
+  ok = np.zeros((1, 100), bool)
+  ok[0, 10:90] = True  # 80 candidates: stride 4 -> 5 -> 7 (coprime with 80)
+  draws = [dflash.pick_anchors(ok, 6, "locality", seed, block_size=4)[0] for seed in range(40)]
+  for a in draws:
+    i = a - 10
+    assert len(set(i)) == 6 and (np.diff(a) > 0).all()
+    start = [s for s in i if all(((s + 7 * j) % 80) in i for j in range(6))]
+    assert start, i  # the set is {start + 7 j mod 80}
+  assert len({tuple(a) for a in draws}) > 10  # the start is random
+
+
+def test_the_selectors_greedy_path_follows_its_best_candidate_after_each_choice():
+  sel = CandidateSelector(6, 20, 3, jnp.float32, nnx.Rngs(0))
+  rng = np.random.default_rng(2)
+  sel.successor_codebook[...] = rng.normal(size=(20, 3))
+  h = rng.normal(size=(2, 5, 6)).astype(np.float32)
+  ids = rng.integers(0, 20, (2, 5, 4))
+  unary = rng.normal(size=(2, 5, 4)).astype(np.float32)
+  anchor = np.array([3, 7])
+  path = np.asarray(sel.greedy_path(h, anchor, ids, unary))
+  pred, succ = np.asarray(sel.predecessor_codebook[...]), np.asarray(sel.successor_codebook[...])
+  proj = np.asarray(sel.hidden_projection.kernel[...])
+  for s in range(2):
+    prev = anchor[s]
+    for t in range(5):
+      scores = unary[s, t] + succ[ids[s, t]] @ (pred[prev] * (h[s, t] @ proj))
+      prev = ids[s, t][np.argmax(scores)]
+      assert path[s, t] == prev
+
+
+def test_draft_proposals_with_and_without_the_selector():
+  cfg = _cfg2()
+  params = _single_device()[0]
+  tokens, seg, prot = _logical_batch()
+  plain, rows = draft_proposals(params, cfg, tokens, seg, prot, selector=False)
+  chosen, _ = draft_proposals(params, cfg, tokens, seg, prot)
+  assert (np.asarray(rows.tokens) == np.asarray(_single_device()[1].tokens)).all()
+  logits = _logits()
+  assert plain.shape == (4, A, B - 1) and (np.asarray(plain) == logits[:, :, 1:].argmax(-1)).all()
+  top = np.argsort(-logits[:, :, 1:], -1)[..., :cfg.objective.selector_top_k]
+  assert (np.asarray(chosen)[..., None] == top).any(-1).all()  # always one of the top-K
+  assert (np.asarray(chosen) != np.asarray(plain)).any()  # and the selector re-ranks them
+
+
+@pytest.mark.parametrize("override,message", [
+    (dict(objective=dict(lk_loss="tv")), "set objective.dflash_loss"),
+    (dict(objective=dict(dflash_loss="dpace", draft_loss="kl")), "hard-label CE"),
+    (dict(drafter=dict(window=2)), "must be >= objective.block_size"),
+    (dict(drafter=dict(conv_taps=5)), "conv_taps=5 must be <="),
+    (dict(objective=dict(dflash_loss="dpace", dpace_alpha=1.5)), "dpace_alpha must be in"),
+    (dict(objective=dict(dflash_loss="dflash"), train=dict(grad_accum=2)), "grad_accum=1"),
+])
+def test_bad_dflash2_configs_fail_at_load(override, message):
+  with pytest.raises(ConfigError, match=message):
+    replace(_cfg(), **override)
+
+
+def test_the_convolution_refuses_a_layout_that_splits_draft_blocks():
+  cfg = replace(_cfg2("cp_ring", seq=4), objective=dict(max_anchors=12))
+  with pytest.raises(ConfigError, match="whole draft blocks"):
+    dflash._check_whole_blocks(plan_for(cfg))
+  dflash._check_whole_blocks(plan_for(_cfg2("cp_ring", seq=4)))  # 8 blocks: 1 per chunk
