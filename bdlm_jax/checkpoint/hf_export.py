@@ -21,7 +21,7 @@ import safetensors.numpy
 
 from bdlm_jax.checkpoint.hf_gemma4 import text_config
 from bdlm_jax.checkpoint.hf_import import INDEX_FILE, read_generation_config, read_hf_config
-from bdlm_jax.checkpoint.hf_names import get_path, hf_config, tensor_map
+from bdlm_jax.checkpoint.hf_names import get_path, hf_config, hf_model_type, tensor_map
 from bdlm_jax.checkpoint.manager import restore_state
 from bdlm_jax.config import Config
 from bdlm_jax.errors import ConfigError
@@ -46,6 +46,7 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
   Sharded params are gathered to the host one tensor at a time; only process 0 writes.
   """
   source = vision_from or cfg.init_from or None
+  hf_model_type(cfg.model)  # a model no family expresses is refused first
   if cfg.model.self_conditioning and not source and not cfg.export.toy_vision:
     raise ConfigError(
         "a DiffusionGemma export needs the vision tower of the Hugging Face folder it was "

@@ -28,7 +28,7 @@ MODEL = dict(test_gemma4.GEMMA4, n_layers=2, last_layer_global=False, self_condi
 # (conversation starts, prompt lengths) per sequence; each conversation runs to the next
 # start, the last to the padding. Sequence 0 starts its second conversation inside block 7,
 # whose first half ends the first one, and its third conversation's prompt ends inside a block.
-CONVERSATIONS = [((0, 30, 46), (10, 8, 3)), ((0,), (13,)), ((0, 20), (4, 6)), ((0, 8), (2, 2))]
+CONVERSATIONS = [((0, 30, 46), (10, 8, 3)), ((0,), (45,)), ((0, 20), (4, 6)), ((0, 8), (2, 2))]
 PAD = 5  # the last PAD positions of every sequence
 
 
@@ -158,10 +158,11 @@ def test_corruption_replaces_only_supervised_canvas_tokens_with_uniform_ones():
   # 8 conversations, each weighing 1/8 in all, its canvases alike, tokens alike in one
   w = np.asarray(weight)[noisy & (labels >= 0)]
   np.testing.assert_allclose(w.sum(), 1.0, rtol=1e-6)
-  # sequence 1: one conversation, a prompt of 13: canvases 3 (3 tokens), 4..14 (4 each)
+  # sequence 1: one conversation, a prompt of 45: canvases 11 (3 tokens), 12, 13 (4 each), 14 (3)
   w1 = np.asarray(weight)[1, :L]
-  np.testing.assert_allclose(w1[13:16], 1 / (8 * 12 * 3), rtol=1e-6)
-  np.testing.assert_allclose(w1[16:20], 1 / (8 * 12 * 4), rtol=1e-6)
+  np.testing.assert_allclose(w1[45:48], 1 / (8 * 4 * 3), rtol=1e-6)
+  np.testing.assert_allclose(w1[48:56], 1 / (8 * 4 * 4), rtol=1e-6)
+  np.testing.assert_allclose(w1[56:59], 1 / (8 * 4 * 3), rtol=1e-6)
   np.testing.assert_allclose(np.asarray(weight)[~noisy & (labels >= 0)].sum(), 0.7, rtol=1e-6)
 
 
