@@ -62,7 +62,7 @@ from __future__ import annotations
 import functools
 import json
 import warnings
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp

@@ -14,6 +14,15 @@ compiles on simulated CPU devices (JAX_NUM_CPU_DEVICES=16; XLA:CPU has no ragged
 so add `--set parallel.moe_dispatch=all_gather` there). docs/train_diffusiongemma.md
 holds the plan table.
 
+Dropless, csbp_ring compiled with XLA:TPU for 16 v5p reads a peak of 81.87 GB a device (bound
+101.62 GB; the all-gather dispatch 80.18 GB) against 95.74 GiB = 102.8 GB, where the same
+step dropping at 1.25x capacity read 90.63 GB:
+
+  python experiments/scale_probe.py --target tpu:v5p:2x2x4 --models diffusiongemma-26b-a4b \
+      --objective diffusiongemma --lens 262144 --strategies csbp_ring --block-size 256 \
+      --remat offload --set model.row_chunks=16 model.attention_chunk=512 \
+      model.logits_chunk=1024 model.moe_drop_tokens=false --dispatch real --depth-check 0
+
 Random weights and the embedded arithmetic conversations, so it compiles and runs from a fresh
 clone; for the real model, uncomment `init_from` (the Hugging Face folder: `import_hf` reads
 its text model) and point `data` at chat JSONL (`data.source=jsonl`, `data.path=...`).
@@ -42,13 +51,14 @@ DIFFUSIONGEMMA_26B_A4B = dict(
 
 def get_config() -> Config:
   return Config(
-      # Each expert takes at most 1.25x its fair share of the rows routed together (what is
-      # dropped is logged as moe_dropped): the static receive buffers of a dropless dispatch
-      # are sized for every row at one device, 16 x 262,144 pairs, 24 GB each, per layer.
+      # Dropless, as transformers and the seed: every token goes to its top 8 experts. The
+      # dispatch routes each device's rows in the 16 row chunks, so a device's static receive
+      # buffer holds every pair of one chunk of the 16 devices' rows (16 x 16,384 pairs, 1.5
+      # GB), not of all of them (24 GB, per layer; XLA:TPU refused that step at 333.98 GB of
+      # temporaries).
       model=ModelConfig(**DIFFUSIONGEMMA_26B_A4B, param_dtype="float32",
                         compute_dtype="bfloat16", remat="offload", row_chunks=16,
-                        attention_chunk=512, logits_chunk=1024, moe_drop_tokens=True,
-                        moe_capacity_factor=1.25),
+                        attention_chunk=512, logits_chunk=1024, moe_drop_tokens=False),
       data=DataConfig(source="arithmetic", format="chat", seq_len=1 << 18),
       objective=ObjectiveConfig(name="diffusiongemma", block_size=256, loss_weight="unit",
                                 self_condition_p=0.5, encoder_loss_weight=1.0),

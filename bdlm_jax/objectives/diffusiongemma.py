@@ -42,7 +42,6 @@ from bdlm_jax.kernels.mask import CLEAN, NOISY
 from bdlm_jax.models.transformer import expected_embedding, head_logits
 from bdlm_jax.objectives import ar
 from bdlm_jax.objectives.base import check_block_size, over_layers
-from bdlm_jax.objectives.bd3lm import draw_noise
 from bdlm_jax.objectives.streams import logical_stream
 
 NAME = "diffusiongemma"
