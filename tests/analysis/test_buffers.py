@@ -30,12 +30,14 @@ def breakdown(*overrides) -> buffers.Breakdown:
 
 def test_the_buffers_live_at_the_peak_are_within_xla_cpus_bound_and_hold_every_argument():
   """XLA:CPU keeps the arguments live through the step: the state and batch buffers at the
-  peak are memory_analysis's arguments but the PRNG key (8 bytes, dead once the noise is
-  drawn), and all that is live then is at most the bound arguments + temp + output - alias
-  (the temp buffers not live at the peak aside)."""
+  peak are memory_analysis's arguments but a few hundred bytes at most (the PRNG key, dead
+  once the noise is drawn, and scalars or norm scales the step has finished with: 132 bytes
+  since the step also reports its update and weight norms), and all that is live then is at
+  most the bound arguments + temp + output - alias (the temp buffers not live at the peak
+  aside)."""
   b = breakdown()
   r, by = b.report, b.by_category()
-  assert 0 <= r.argument_bytes - (by[buffers.STATE] + by[buffers.BATCH]) <= 8
+  assert 0 <= r.argument_bytes - (by[buffers.STATE] + by[buffers.BATCH]) <= 512
   assert by[buffers.STATE] > 0.9 * r.argument_bytes
   assert r.argument_bytes < b.device_bytes <= r.bound_bytes
   assert "x the bound arguments" in b.relation()
