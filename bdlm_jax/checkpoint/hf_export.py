@@ -92,7 +92,7 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
   extra = {"bdlm_mask_token_id": cfg.objective.mask_token_id,
            "bdlm_block_size": cfg.objective.block_size, "bdlm_objective": cfg.objective.name}
   config = hf_config(cfg.model, cfg.export.dtype, _max_positions(cfg, source), extra, vision)
-  if vision:  # the source's text attention rule (one text attends causally under: checked)
+  if vision:  # the source's text attention rule (import accepted it: text stays causal)
     config["text_config"]["use_bidirectional_attention"] = text_config(
         read_hf_config(source)).get("use_bidirectional_attention")
   _write_json(os.path.join(out_dir, "config.json"), config)

@@ -139,10 +139,10 @@ def _scored(batch):
   return labelled & (batch.stream == NOISY), labelled & (batch.stream == CLEAN)
 
 
-def _per_conversation(seg_SR, x_SR):
-  """Sums of x over each sequence's conversations, [S, R + 1] (index: its number; numbers
-  are at most L <= R, `_conversations`)."""
-  return jax.vmap(lambda g, x: jax.ops.segment_sum(x, g, seg_SR.shape[1] + 1))(seg_SR, x_SR)
+def _per_conversation(seg_SR, x_SR, reduce=jax.ops.segment_sum):
+  """Sums (or another segment `reduce`) of x over each sequence's conversations, [S, R + 1]
+  (index: its number; numbers are at most L <= R, `_conversations`)."""
+  return jax.vmap(lambda g, x: reduce(x, g, seg_SR.shape[1] + 1))(seg_SR, x_SR)
 
 
 def corrupt(key, batch, cfg: Config, counts=None):
@@ -192,8 +192,9 @@ def loss_weights(batch, cfg: Config, counts: dict) -> jax.Array:
   per_position = lambda f, x, at: jax.vmap(lambda x, i: f(x, i, l))(x, at)  # [S, L] tables
   # A canvas is named by a position: its block's first, or where its conversation's
   # supervision starts if later. That position lies in the canvas's conversation.
-  first = jnp.take_along_axis(_per_conversation_min(batch.seg, jnp.where(decoder, batch.pos, l)),
-                              batch.seg, axis=1)
+  first = jnp.take_along_axis(
+      _per_conversation(batch.seg, jnp.where(decoder, batch.pos, l), jax.ops.segment_min),
+      batch.seg, axis=1)
   canvas = jnp.minimum(jnp.maximum(batch.pos // b * b, first), l - 1)
   in_canvas_SL = per_position(jax.ops.segment_sum, decoder.astype(jnp.float32), canvas)
   conversation_SL = per_position(jax.ops.segment_max, batch.seg, batch.pos)
@@ -204,9 +205,6 @@ def loss_weights(batch, cfg: Config, counts: dict) -> jax.Array:
   w_encoder = cfg.objective.encoder_loss_weight / jnp.maximum(counts["pairs"], 1)
   return jnp.where(decoder, w_decoder, jnp.where(encoder, w_encoder, 0.0))
 
-
-def _per_conversation_min(seg_SR, x_SR):
-  return jax.vmap(lambda g, x: jax.ops.segment_min(x, g, seg_SR.shape[1] + 1))(seg_SR, x_SR)
 
 
 def hidden(spec, model, batch, inputs, layer_weights):
