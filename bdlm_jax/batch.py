@@ -76,7 +76,7 @@ def make_batch(cfg: Config, tokens, segment_ids=None, protected=None, context=No
       (seg[:, 1:] != seg[:, :-1]) & (seg[:, 1:] > 0)).any():
     raise ConfigError("Gated DeltaNet layers (model.layer_pattern) run one recurrence per "
                       "sequence: segment_ids may end in padding (0) but not start a new "
-                      "document; pack one document per sequence (docs/gdn.md)")
+                      "document; give one document a row (data.pack=false; docs/gdn.md)")
   rows = get_objective(cfg.objective.name).logical_rows(tokens, seg, prot, cfg.objective)
   plan = plan_for(cfg)
   rows = apply_layout(plan, rows, PAD_VALUES)

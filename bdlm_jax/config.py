@@ -30,6 +30,7 @@ MLP_TYPES = ("dense", "moe")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama, Qwen3), GeGLU (Gemma 3)
 MOE_DISPATCHES = ("ragged_all_to_all", "all_gather")  # parallel.moe_dispatch
 DTYPES = ("float32", "bfloat16")
+DRAFT_TRANSPORTS = ("auto", "kv", "query")  # parallel.draft_transport
 REMAT = ("none", "full", "offload", "offload_input")
 MODES = ("train", "eval", "sample", "export", "plan", "prepare")
 # "tokens": a folder of token ids written by mode=prepare (bdlm_jax/data/prepare.py).
@@ -278,6 +279,10 @@ class DataConfig(Section):
   # "tokenizer" (the data.tokenizer folder's own chat template, as transformers renders it).
   chat_template: str = "plain"
   seq_len: int = 128  # L
+  # True: documents are packed several to a row (segment ids 1, 2, ...). False: one document
+  # a row, padded at the end (a document longer than L: one row per L-token piece), which is
+  # what Gated DeltaNet models need (docs/gdn.md).
+  pack: bool = True
   shuffle: bool = True
   num_threads: int = 2  # grain read threads (2-core friendly)
   # The held-out split (evaluation). The embedded source draws it from another seed; file
@@ -397,6 +402,12 @@ class ParallelConfig(Section):
   # dtype of the travelling dK/dV (ring accumulators, all-gather's reduce-scatter); K/V
   # themselves travel in model.compute_dtype.
   kv_grad_dtype: str = "float32"
+  # What travels for a drafter's draft attention under a strategy that moves only the context
+  # (csbp_*): "kv", the context K/V around the ring (or all-gathered); "query", each rank's
+  # draft queries with their partial softmax state around the ring, the context K/V staying
+  # (parallel/query_ring.py); "auto", whichever sends fewer bytes (the seed's rule,
+  # `query_ring.prefers_query_rotation`). A strategy that moves nothing ignores it.
+  draft_transport: str = "auto"
   # Expert parallelism: mesh axes (comma-separated, from data, fsdp, seq) whose devices split
   # the experts of each MoE layer; tokens travel to their experts' devices and back by
   # moe_dispatch: ragged_all_to_all (exact-size messages; GPU/TPU) or all_gather (gather every
@@ -411,7 +422,8 @@ class ParallelConfig(Section):
   distributed: bool = False
 
   RULES = dict(data=AT_LEAST_1, fsdp=AT_LEAST_1, seq=AT_LEAST_1,
-               kv_grad_dtype=OneOf(DTYPES), moe_dispatch=OneOf(MOE_DISPATCHES),
+               kv_grad_dtype=OneOf(DTYPES), draft_transport=OneOf(DRAFT_TRANSPORTS),
+               moe_dispatch=OneOf(MOE_DISPATCHES),
                num_processes=Holds(">= 0 (0: from the environment)", lambda x: x >= 0),
                process_id=Holds(">= -1 (-1: from the environment)", lambda x: x >= -1))
 

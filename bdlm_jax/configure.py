@@ -28,11 +28,23 @@ def validate(cfg: Config) -> None:
     raise ConfigError(
         f"parallel.strategy={strategy.name!r} needs parallel.seq=1 (got {cfg.parallel.seq}); "
         f"pick one that splits sequences, such as csbp_ring")
+  if strategy.needs_drafter and not objective.DRAFTER:
+    raise ConfigError(
+        f"parallel.strategy={strategy.name!r} replicates a drafter's draft blocks and cannot "
+        f"run the {cfg.objective.name!r} objective, which trains no drafter; use one of "
+        f"{list(registry.strategy_names(needs_drafter=False))}")
   if strategy.needs_noisy_stream and not objective.NOISY_STREAM:
     raise ConfigError(
         f"parallel.strategy={strategy.name!r} splits corrupted blocks and cannot run the "
         f"{cfg.objective.name!r} objective, which has no corrupted stream; use one of "
         f"{list(registry.strategy_names(needs_noisy_stream=False))}")
+  if (cfg.parallel.draft_transport == "query" and strategy.travels != "none"
+      and not (objective.DRAFTER and strategy.travels == "clean")):
+    raise ConfigError(
+        f"parallel.draft_transport='query' rotates a drafter's draft queries past a context "
+        f"that stays: it needs a drafter objective and a strategy that moves only the context "
+        f"({list(registry.strategy_names(travels='clean'))}); got objective="
+        f"{cfg.objective.name!r}, parallel.strategy={strategy.name!r}. Use 'auto' or 'kv'")
   mesh.check_config(cfg)
   experts.check_config(cfg)
   recurrence.check_config(cfg)

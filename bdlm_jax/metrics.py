@@ -10,7 +10,7 @@ from etils import epath
 
 from bdlm_jax.config import Config, ModelConfig
 from bdlm_jax.models.drafter import drafter_model, target_depth, target_layer_ids
-from bdlm_jax.models.pattern import attention_shape, layer_types, mlp_types
+from bdlm_jax.models.pattern import attention_shape, gdn_shape, layer_types, mlp_types
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel.registry import SINGLE_DEVICE, make_plan
 
@@ -22,15 +22,25 @@ def _layer_weights(m: ModelConfig, mlp: str, active: bool, kind: str = "global")
   """One layer's linear weights: attention projections (of its kind's shapes) and its MLP,
   dense or a mixture of experts (the router, and all E experts or, `active`, the k a row is
   sent to; with `moe_beside_dense` a dense MLP beside them)."""
-  kv_heads, head_dim, k_eq_v = attention_shape(m, kind)
-  attention = (m.d_model * (m.n_heads + (1 if k_eq_v else 2) * kv_heads) * head_dim  # qkv
-               + m.n_heads * head_dim * m.d_model)  # o
+  if kind == "gdn":
+    attention = gdn_projection_weights(m)
+  else:
+    kv_heads, head_dim, k_eq_v = attention_shape(m, kind)
+    q_heads = 2 * m.n_heads if m.attention_gate else m.n_heads  # [q | gate]
+    attention = (m.d_model * (q_heads + (1 if k_eq_v else 2) * kv_heads) * head_dim  # qkv
+                 + m.n_heads * head_dim * m.d_model)  # o
   dense = 3 * m.d_model * m.d_ff
   if mlp == "dense":
     return attention + dense
   experts = m.moe_top_k if active else m.moe_experts
   return (attention + m.d_model * m.moe_experts + experts * 3 * m.d_model * (m.moe_d_ff or m.d_ff)
           + (dense if m.moe_beside_dense else 0))
+
+
+def gdn_projection_weights(m: ModelConfig) -> int:
+  """A Gated DeltaNet layer's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj."""
+  hk, hv, dk, dv = gdn_shape(m)
+  return m.d_model * (2 * hk * dk + 3 * hv * dv + 2 * hv)
 
 
 def linear_flops_per_row(m: ModelConfig) -> int:
@@ -42,7 +52,11 @@ def linear_flops_per_row(m: ModelConfig) -> int:
 def param_count(m: ModelConfig, active: bool = False) -> int:
   """The model's parameters (what memory holds), or with `active` those one token computes
   with (an MoE layer's router and the k experts it is sent to: what its FLOPs count)."""
-  norms = lambda kind: 2 * m.d_model + (2 * attention_shape(m, kind).head_dim if m.qk_norm
+  hk, hv, dk, dv = gdn_shape(m)
+  # A Gated DeltaNet layer's other weights: conv, dt_bias, A_log, its gated norm.
+  gdn = (2 * hk * dk + hv * dv) * m.gdn_conv + 2 * hv + dv
+  norms = lambda kind: 2 * m.d_model + (gdn if kind == "gdn" else
+                                        2 * attention_shape(m, kind).head_dim if m.qk_norm
                                         else 0)
   embed = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
   return (embed + sum(_layer_weights(m, mlp, active, kind) + norms(kind)
@@ -71,7 +85,10 @@ def model_flops_per_step(cfg: Config) -> float:
   pairs = {"global": plan.attention_work().sum(),
            "local": plan.attention_work(m.sliding_window).sum() if "local" in kinds else 0}
   attention = 4 * m.n_heads * sum(float(pairs[k]) * attention_shape(m, k).head_dim
-                                  for k in kinds)
+                                  for k in kinds if k != "gdn")
+  # A Gated DeltaNet row, per value head: k^T S, the rank-1 update and S^T q (2 K V each).
+  hk, hv, dk, dv = gdn_shape(m)
+  attention += kinds.count("gdn") * rows * hv * 6 * dk * dv
   return 3.0 * cfg.train.batch_size * objective.COPIES * (linear + attention)
 
 

@@ -62,7 +62,7 @@ TIMED_STEPS = 3
 PROBE = ("--models", "llama3-8b", "--lens", "262144", "--devices", "16", "--timeout", "420")
 DRY_PROBE = ("--models", "tiny", "--lens", "64", "--devices", "4", "--block-size", "16")
 # block parallelism's ring and the context-parallel ring it is measured against
-STRATEGIES = (*strategy_names(travels="clean", transport="ring"),
+STRATEGIES = (*strategy_names(travels="clean", transport="ring", baseline=False),
               *strategy_names(baseline=True, transport="ring")[:1])
 COMPILED_ELSEWHERE = {"XLA:TPU": "scale_probe_tpu.csv", "XLA:CPU": "scale_probe.csv"}
 

@@ -248,7 +248,7 @@ def tile_report(lens=(8192, 65536), blocks=(16, 256), num_ranks=8, window=1024):
         f"pairs, per strategy (P={num_ranks}), global and local (W={window}) layers")
   for seq_len in lens:
     for block in blocks:
-      for strategy in strategy_names():
+      for strategy in strategy_names(needs_drafter=False):
         record = get_strategy(strategy)
         plan = make_plan(strategy, seq_len, block, num_ranks if record.splits_sequences else 1)
         local = window_transport(plan, window)

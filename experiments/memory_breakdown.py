@@ -26,7 +26,7 @@ from bdlm_jax.parallel.registry import strategy_names
 
 GB = step_report.GB
 # the ring that sends only the clean stream: CSBP's (registry properties, not its name)
-CSBP_RING = strategy_names(travels="clean", transport="ring")[0]
+CSBP_RING = strategy_names(travels="clean", transport="ring", baseline=False)[0]
 QUICK = dict(model="tiny", layers=2, seq_len=128, devices=4, block_size=16,
              targets=["cpu", "tpu:v5e:2x2"])
 

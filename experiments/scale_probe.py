@@ -42,7 +42,9 @@ compiler: its memory is the structure to optimise, not a GPU's exact figure. Mod
 (the Llama-style block of bdlm_jax.models): llama3-8b, gemma3-27b and qwen3-30b-a3b as in
 `bdlm_jax.analysis.cost_model.setting` (Gemma 3 27B's dimensions and
 5 local : 1 global layers; Qwen3-30B-A3B's, a mixture of experts),
-qwen3-8b (Qwen3-8B's dimensions, qk_norm) and diffusiongemma-26b-a4b (the released Gemma 4
+qwen3-8b (Qwen3-8B's dimensions, qk_norm), qwen3.5-27b (`setting.GDN_MODELS`: 48 Gated
+DeltaNet and 16 gated attention layers, configs/qwen3_5_27b_fast_dllm_v2_256k.py's
+dimensions) and diffusiongemma-26b-a4b (the released Gemma 4
 layers of configs/diffusiongemma_26b_a4b_sft_256k.py; with `--objective diffusiongemma`).
 
 An MoE preset splits its experts over the seq axis (`parallel.expert_axes=seq`). XLA:CPU
@@ -87,7 +89,7 @@ from bdlm_jax.errors import ConfigError
 from bdlm_jax.metrics import param_count
 from bdlm_jax.models.drafter import target_layer_ids
 from bdlm_jax.parallel.mesh import make_mesh
-from bdlm_jax.parallel.registry import SINGLE_DEVICE, strategy_names
+from bdlm_jax.parallel.registry import SINGLE_DEVICE, strategy_names, strategy_names_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
@@ -99,6 +101,7 @@ MODELS = {
                             qk_norm=True, tie_embeddings=False),
     "gemma3-27b": setting.MODELS["gemma3-27b"],
     "qwen3-30b-a3b": setting.MODELS["qwen3-30b-a3b"],
+    "qwen3.5-27b": setting.GDN_MODELS["qwen3.5-27b"],
     # the released dimensions, as the recipe's config names their source
     "diffusiongemma-26b-a4b": ModelConfig(**runpy.run_path(os.path.join(
         ROOT, "configs", "diffusiongemma_26b_a4b_sft_256k.py"))["DIFFUSIONGEMMA_26B_A4B"],
@@ -571,7 +574,8 @@ def main(argv=None):
                       choices=sorted(MODELS))
   parser.add_argument("--lens", nargs="+", type=int,
                       default=[65536, 131072, 262144, 524288, 1048576])
-  parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+  parser.add_argument("--strategies", nargs="+", choices=STRATEGIES,
+                      help="default: every one that can train --objective")
   parser.add_argument("--devices", type=int, default=16, help="P: the seq axis")
   parser.add_argument("--block-size", type=int, default=64)
   parser.add_argument("--layers", type=int, default=0, help="override every model's depth")
@@ -611,6 +615,8 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.worker:
     return _worker(json.loads(args.worker))
+  args.strategies = args.strategies or list(strategy_names_for(args.objective,
+                                                                splits_sequences=True))
   if args.quick:  # the tiny setting, keeping --lens if given
     vars(args).update({k: v for k, v in QUICK.items()
                        if k != "lens" or args.lens == parser.get_default("lens")})

@@ -32,7 +32,7 @@ def _one_per_transport() -> tuple[str, ...]:
   """The first registered strategy of each (transport, what travels): another layout of the
   same pair moves the same bytes on a global layer (cp_ring_balanced moves cp_ring's)."""
   first = {}
-  for name in strategy_names(splits_sequences=True):
+  for name in strategy_names(splits_sequences=True, needs_drafter=False):
     record = get_strategy(name)
     first.setdefault((record.transport, record.travels), name)
   return tuple(first.values())

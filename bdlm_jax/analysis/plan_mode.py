@@ -28,10 +28,10 @@ from bdlm_jax.config import Config
 from bdlm_jax.configure import override
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel.mesh import make_mesh
-from bdlm_jax.parallel.registry import SINGLE_DEVICE, plan_for, strategy_names
+from bdlm_jax.parallel.registry import SINGLE_DEVICE, plan_for, strategy_names_for
 
 # What a batch of S sequences divides by S: each FLOP and byte S times, each hop's latency once.
-RATES = ("matmul_tflops", "attention_tflops", "nvlink_gb_s", "ib_gb_s")
+RATES = ("matmul_tflops", "attention_tflops", "delta_rule_tflops", "nvlink_gb_s", "ib_gb_s")
 
 
 def mesh_hardware(num_devices: int, hw: Hardware = Hardware()) -> Hardware:
@@ -59,12 +59,17 @@ def sequences(cfg: Config) -> int:
   return t.batch_size // (p.data * p.fsdp * t.grad_accum) * copies
 
 
+def batched(hw: Hardware, cfg: Config) -> Hardware:
+  """`hw` at 1/S of every rate, S = `sequences(cfg)`: a batch timed as one sequence."""
+  s = sequences(cfg)
+  return dataclasses.replace(hw, **{rate: getattr(hw, rate) / s for rate in RATES})
+
+
 def projected_step(cfg: Config, hw: Hardware, a: Assumptions) -> dict:
   """Seconds of `cfg`'s train step per device under its strategy: `compute_s` on the busiest
   rank, `wait_s` the rest (K/V hops not hidden, waiting for ring neighbours, an MoE's token
   exchange). A micro-batch's sequences run as one batch: as one sequence at 1/S of every rate."""
-  s = sequences(cfg)
-  batch = dataclasses.replace(hw, **{rate: getattr(hw, rate) / s for rate in RATES})
+  batch = batched(hw, cfg)
   if get_objective(cfg.objective.name).DRAFTER:
     t = dflash_step_time(cfg, *dflash_works(cfg.parallel.strategy, cfg, cfg.parallel.seq),
                          batch, a)
@@ -72,7 +77,7 @@ def projected_step(cfg: Config, hw: Hardware, a: Assumptions) -> dict:
                   for part in ("linear", "attention_busy"))
   else:
     t = step_time(cfg.model, work_of(plan_for(cfg)), batch, a)
-    compute = t["linear_s"] + t["attention_busy_s"]
+    compute = t["linear_s"] + t["attention_busy_s"] + t["gdn_busy_s"]
   steps = cfg.train.grad_accum
   return dict(total_s=steps * t["total_s"], compute_s=steps * compute,
               wait_s=steps * (t["total_s"] - compute))
@@ -149,7 +154,8 @@ def plan_report(cfg: Config, progress=lambda _: None) -> str:
   target = targets.resolve(cfg.plan.target, p.data * p.fsdp * p.seq)
   mesh = make_mesh(cfg, target.devices)  # too few devices is the config's error
   device = step_report.device_memory_bytes(cfg.plan.device_memory_gb, target)
-  strategies = (strategy_names(splits_sequences=True) if p.seq > 1 else (SINGLE_DEVICE,))
+  strategies = (strategy_names_for(cfg.objective.name, splits_sequences=True) if p.seq > 1
+                else (SINGLE_DEVICE,))
   hw, a = mesh_hardware(p.data * p.fsdp * p.seq), assumptions(cfg)
   rows = []
   for name, r in step_report.compare_strategies(cfg, strategies, mesh, progress):

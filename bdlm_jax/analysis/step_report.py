@@ -20,6 +20,9 @@ counts what ring.py / allgather.py issue per layer, for every sequence a device 
   local      nothing (`bp`, one rank)
   exchange   a local layer's windowed exchange (window.py): its rows + metadata forward,
              their dK/dV back by the reverse permutes (in the compute dtype)
+  query      a drafter's draft queries rotating instead (query_ring.py): P-1 hops of Q +
+             metadata and their f32 partial (out, lse) forward; of Q, O, dO + metadata, f32
+             LSE and dLSE, and the dQ partial (in parallel.kv_grad_dtype) backward
 
 Under remat `offload_input` the backward re-runs each layer's forward: a ring's and an
 exchange's sends run again, but the re-run's all-gather is the backward's own re-gather
@@ -37,7 +40,8 @@ traffic (parameter all-gathers, gradient reductions); `attention_check` compares
 with the plan's figure in the compiled program's element sizes. 1.00 means the core moves
 exactly what its transport should; a little below, that XLA hoisted the layer-invariant
 metadata hops out of the layer scan (or, with P = 2 and one inlined layer, found the
-backward's first K/V hop equal to the forward's); above 1, that something moves twice (a
+backward's first K/V hop equal to the forward's; or a rotating query's first metadata hop,
+which it always does); above 1, that something moves twice (a
 rematerialised ring, say).
 """
 
@@ -52,20 +56,23 @@ from bdlm_jax.config import Config, ModelConfig
 from bdlm_jax.configure import override
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.models.drafter import drafter_model, target_depth
-from bdlm_jax.models.pattern import attention_shape, layer_types
+from bdlm_jax.models.pattern import attention_shape, gdn_shape, layer_types
 from bdlm_jax.models.transformer import reruns_attention
-from bdlm_jax.kernels.mask import RowMeta
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.analysis import hlo_stats, targets
+from bdlm_jax.parallel import query_ring, recurrence
 from bdlm_jax.parallel.layout import LayoutPlan
 from bdlm_jax.parallel.mesh import make_mesh
-from bdlm_jax.parallel.registry import get_strategy, plan_for, strategy_names
-from bdlm_jax.parallel.strategies import ATTENTION_SCOPE, exchange_for, window_transport
+from bdlm_jax.parallel.registry import get_strategy, plan_for, strategy_names_for
+from bdlm_jax.parallel.recurrence import RECURRENCE_SCOPE
+from bdlm_jax.parallel.strategies import (ATTENTION_SCOPE, draft_transport, exchange_for,
+                                         window_transport)
 from bdlm_jax.train import abstract_state, make_train_step
 
 GB = 1e9
-# int32 stream, block, segment and position travel with each row (`mask.as_keys`)
-META_ROW_BYTES = (len(RowMeta._fields) - 1) * 4
+# int32 stream, block, segment and position travel with each K/V row (`mask.as_keys`), and
+# as many with a rotating query (its window start for its position)
+META_ROW_BYTES = query_ring.META_ROW_BYTES
 
 
 def attention_traffic(plan: LayoutPlan, kv_row_bytes: float, grad_row_bytes: float,
@@ -145,6 +152,22 @@ def context_traffic(plan: LayoutPlan, kv_row_bytes: float, meta_row_bytes: float
   return out
 
 
+def query_rotation_traffic(plan: LayoutPlan, drafter: ModelConfig, sequences: int, itemsize,
+                           grad_dtype) -> dict[str, float]:
+  """What a drafter's layers issue where its draft queries rotate (parallel/query_ring.py):
+  per layer, P-1 ring hops of each rank's draft rows' `query_hop_bytes` (its forward again
+  under remat `offload_input`), all collective-permutes; the context K/V never move."""
+  out = dict.fromkeys(hlo_stats.COLLECTIVE_KINDS, 0.0)
+  q_row = sequences * drafter.n_heads * drafter.head_dim
+  hop = query_ring.query_hop_bytes(
+      plan.n_noisy * q_row, plan.n_noisy * sequences * drafter.n_heads,
+      itemsize(drafter.compute_dtype), itemsize(grad_dtype),
+      plan.n_noisy * sequences * META_ROW_BYTES,
+      forwards=1 + reruns_attention(drafter.remat))
+  out["collective-permute"] = drafter.n_layers * (plan.num_ranks - 1) * hop
+  return out
+
+
 def config_attention_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype).itemsize,
                              narrow_last_hop: bool = False):
   """`attention_traffic` of `cfg` (K/V in compute_dtype, dK/dV in kv_grad_dtype); for a
@@ -170,9 +193,12 @@ def config_attention_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype
   if objective.DRAFTER:
     kv, _, meta = row_bytes(m)
     drafter = drafter_model(cfg)
-    totals = [attention_traffic(plan, *row_bytes(drafter), drafter.n_layers,
-                                reruns=reruns_attention(drafter.remat),
-                                **last_hop(drafter))]
+    if draft_transport(cfg, plan) == "query":
+      totals = [query_rotation_traffic(plan, drafter, sequences, itemsize, p.kv_grad_dtype)]
+    else:
+      totals = [attention_traffic(plan, *row_bytes(drafter), drafter.n_layers,
+                                  reruns=reruns_attention(drafter.remat),
+                                  **last_hop(drafter))]
     totals.append(context_traffic(plan, kv, meta, target_depth(cfg)))
   else:
     kinds = layer_types(m)
@@ -182,6 +208,41 @@ def config_attention_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype
                                 reruns=reruns_attention(m.remat), **last_hop(m, kind))
               for kind, window in by_kind if kinds.count(kind)]
   return {kind: sum(t[kind] for t in totals) for kind in hlo_stats.COLLECTIVE_KINDS}
+
+
+def recurrence_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype).itemsize,
+                       reruns: int = 0) -> dict[str, float]:
+  """Operand bytes per device and step (hlo_stats convention), by kind, of the Gated DeltaNet
+  layers' streams (parallel/recurrence.py), forward and backward, for every sequence a device
+  holds: the all-gather of segment tails (reduce-scatter back), the chain's one-pair permutes
+  of a state [Hv, K, V] f32 (each compiles to one collective every rank runs, though only two
+  ranks exchange: this counts what the compiled program counts), and the fetched copies'
+  rows (pre-conv rows, g, beta) and entry states. `reruns`: forward re-runs in the backward."""
+  out = dict.fromkeys(hlo_stats.COLLECTIVE_KINDS, 0.0)
+  m = cfg.model
+  n_layers = layer_types(m).count("gdn")
+  plan = plan_for(cfg)
+  if not n_layers or plan.num_ranks == 1:
+    return out
+  program = recurrence.stream_program(plan, m.gdn_conv - 1)
+  sequences = (cfg.train.batch_size // (cfg.parallel.data * cfg.parallel.fsdp)
+               * get_objective(cfg.objective.name).COPIES)
+  hk, hv, dk, dv = gdn_shape(m)
+  row = (2 * hk * dk + hv * dv) * itemsize(m.compute_dtype)  # one pre-conv row
+  state = hv * dk * dv * itemsize(jnp.float32)
+  passes = 1 + reruns
+  if program.shares_tails:
+    tails = program.own * program.halo * row
+    out["all-gather"] += passes * tails
+    out["reduce-scatter"] += plan.num_ranks * tails
+  hops = sum(q != r for r, _, q, _ in program.chain)
+  fetches = len(program.fetch_permutes())
+  copy = program.seg_len * (row + 2 * hv * itemsize(jnp.float32)) + state
+  out["collective-permute"] += (passes + 1) * (hops * state + fetches * copy)
+  out = {k: n_layers * sequences * v for k, v in out.items()}
+  # The conv kernel enters the shard_map whole: its gradient is summed over `seq` there.
+  out["all-reduce"] += n_layers * (2 * hk * dk + hv * dv) * m.gdn_conv * itemsize(m.param_dtype)
+  return out
 
 
 def expected_attention_operand_bytes(cfg: Config, platform: str | None = None) -> float:
@@ -209,6 +270,10 @@ class StepReport:
   attention_collective_bytes: dict  # the part issued inside the attention shard_map
   attention_bytes: float  # sent for attention, from the plan (wire bytes, config dtypes)
   expected_attention_operand_bytes: float  # the plan's, in the compiled element sizes
+  # the Gated DeltaNet layers' streams (parallel/recurrence.py): compiled, and the program's
+  recurrence_collective_bytes: dict = dataclasses.field(
+      default_factory=lambda: dict.fromkeys(hlo_stats.COLLECTIVE_KINDS, 0))
+  expected_recurrence_operand_bytes: float = 0.0
 
   @property
   def bound_bytes(self) -> int:
@@ -229,7 +294,8 @@ class StepReport:
 
   @property
   def weight_collective_bytes(self) -> dict:
-    return {k: v - self.attention_collective_bytes[k] for k, v in self.collective_bytes.items()}
+    return {k: v - self.attention_collective_bytes[k] - self.recurrence_collective_bytes[k]
+            for k, v in self.collective_bytes.items()}
 
   @property
   def attention_check(self) -> float | None:
@@ -237,6 +303,13 @@ class StepReport:
     compiled = sum(self.attention_collective_bytes.values())
     return compiled / self.expected_attention_operand_bytes \
         if self.expected_attention_operand_bytes else None
+
+  @property
+  def recurrence_check(self) -> float | None:
+    """Compiled recurrence operand bytes / the program's; None where nothing should move."""
+    compiled = sum(self.recurrence_collective_bytes.values())
+    return compiled / self.expected_recurrence_operand_bytes \
+        if self.expected_recurrence_operand_bytes else None
 
   def fits(self, device_bytes: float) -> bool:
     return self.peak_bytes <= device_bytes
@@ -246,7 +319,8 @@ class StepReport:
     out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
            if not isinstance(getattr(self, f.name), dict)}
     out.update(peak_bytes=self.peak_bytes, bound_bytes=self.bound_bytes,
-               attention_check=self.attention_check)
+               attention_check=self.attention_check, recurrence_check=self.recurrence_check,
+               recurrence_bytes=sum(self.recurrence_collective_bytes.values()))
     for kind in hlo_stats.COLLECTIVE_KINDS:
       key = kind.replace("-", "_")
       out[f"attention_{key}_bytes"] = self.attention_collective_bytes[kind]
@@ -290,15 +364,19 @@ def step_report(cfg: Config, mesh=None, compiler_options: dict | None = None) ->
       compile_s=seconds, collective_bytes=hlo_stats.collective_bytes(compiled),
       attention_collective_bytes=hlo_stats.collective_bytes(compiled, ATTENTION_SCOPE),
       attention_bytes=hlo_stats.wire_bytes(config_attention_traffic(cfg), cfg.parallel.seq),
-      expected_attention_operand_bytes=expected_attention_operand_bytes(cfg, platform))
+      expected_attention_operand_bytes=expected_attention_operand_bytes(cfg, platform),
+      recurrence_collective_bytes=hlo_stats.collective_bytes(compiled, RECURRENCE_SCOPE),
+      expected_recurrence_operand_bytes=sum(recurrence_traffic(
+          cfg, lambda dtype: _collective_itemsize(dtype, platform),
+          reruns=cfg.model.remat != "none").values()))
 
 
 def compare_strategies(cfg: Config, strategies=None, mesh=None,
                        progress=lambda _: None) -> list:
   """[(strategy, StepReport or the reason it cannot run)] for `cfg` under each strategy
-  (default: every registered one)."""
+  (default: every registered one that can train its objective)."""
   out = []
-  for strategy in strategy_names() if strategies is None else strategies:
+  for strategy in strategy_names_for(cfg.objective.name) if strategies is None else strategies:
     try:
       report = step_report(override(cfg, [f"parallel.strategy={strategy}"]), mesh)
     except ConfigError as e:
@@ -339,8 +417,10 @@ def table(rows: list[dict], device_bytes: float, keys=("strategy",)) -> list[str
   """Markdown lines, one per row: `keys` columns, then the figures (GB per device) or the
   row's `error`. A row written before `bound_bytes` existed holds the bound as its peak."""
   limit = f"fits {device_bytes / GB:g} GB"
+  # Gated DeltaNet streams' columns where a row has them: compiled operand bytes, and check
+  gdn = any(r.get("expected_recurrence_operand_bytes") for r in rows if not r.get("error"))
   head = ["arguments GB", "temp GB", "peak GB", "bound GB", "compile s", "attention GB/step",
-          "attention check", limit]
+          "attention check", *(["GDN operand GB/step", "GDN check"] if gdn else []), limit]
   lines = ["| " + " | ".join([*keys, *head]) + " |", "|" + "---|" * (len(keys) + len(head))]
   for r in rows:
     cells = [str(r[k]) for k in keys]
@@ -352,8 +432,11 @@ def table(rows: list[dict], device_bytes: float, keys=("strategy",)) -> list[str
                 format_gb(r["peak_bytes"]),
                 format_gb(r.get("bound_bytes") or r["peak_bytes"]),
                 f"{r['compile_s']:.1f}", format_gb(r["attention_bytes"]),
-                "—" if check is None else f"{check:.2f}",
-                "yes" if r["peak_bytes"] <= device_bytes else "**no**"]
+                "—" if check is None else f"{check:.2f}"]
+      if gdn:
+        cells += [format_gb(r["recurrence_bytes"]),
+                  "—" if r["recurrence_check"] is None else f"{r['recurrence_check']:.2f}"]
+      cells.append("yes" if r["peak_bytes"] <= device_bytes else "**no**")
     lines.append("| " + " | ".join(cells) + " |")
   return lines
 

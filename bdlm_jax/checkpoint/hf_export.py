@@ -1,6 +1,7 @@
 """bdlm_jax params -> a Hugging Face folder that `transformers` loads as Llama, Qwen3,
-Qwen3-MoE or Gemma 3 (`Gemma3ForCausalLM`), whichever expresses the model
-(`hf_names.hf_model_type`).
+Qwen3-MoE, Gemma 3 (`Gemma3ForCausalLM`), Gemma 4, DiffusionGemma, Qwen3.5 or Qwen3-Next,
+whichever expresses the model (`hf_names.hf_model_type`; where two do, the family of the
+folder the model came from).
 
 config.json also records `bdlm_mask_token_id`, `bdlm_block_size` and `bdlm_objective`, so
 a PyTorch user can run the BDLM (put [MASK] in a block, read its logits) and `import_hf`
@@ -43,10 +44,12 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
   and tensors, as they are) and its `use_bidirectional_attention`. A DiffusionGemma without
   such a folder is refused unless `export.toy_vision` asks for the smallest Gemma 4 vision
   tower, which transformers initialises at random.
+  Where two families express the model (Qwen3.5 and Qwen3-Next), that folder's is written.
   Sharded params are gathered to the host one tensor at a time; only process 0 writes.
   """
   source = vision_from or cfg.init_from or None
-  hf_model_type(cfg.model)  # a model no family expresses is refused first
+  like = _source_type(source)
+  hf_model_type(cfg.model, like)  # a model no family expresses is refused first
   if cfg.model.self_conditioning and not source and not cfg.export.toy_vision:
     raise ConfigError(
         "a DiffusionGemma export needs the vision tower of the Hugging Face folder it was "
@@ -55,7 +58,7 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
   check_out_dir(out_dir, cfg.export.overwrite)
   dtype = jax.numpy.dtype(cfg.export.dtype)
   host, parts = {}, {}
-  for t in tensor_map(cfg.model):
+  for t in tensor_map(cfg.model, like):
     if t.path not in host:  # a stacked weight is gathered once for all its layers
       x = to_host(get_path(params, t.path))
       # An offset comes off in float32, before the cast (Gemma's norm weights: scale - 1).
@@ -63,9 +66,8 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
     x = host[t.path][t.index]  # its layer's (and expert's) slice of a stacked weight
     x = np.swapaxes(x, -1, -2) if t.transposed else x
     for name in (t.name, *t.copies):
-      parts.setdefault(name, {})[t.part[0] if t.part else 0] = x
-  tensors = {name: np.ascontiguousarray(np.concatenate([p[i] for i in sorted(p)], axis=-2)
-                                        if len(p) > 1 else p[0]) for name, p in parts.items()}
+      parts.setdefault(name, []).append((t.out_rows(x.shape), x))
+  tensors = {name: _assemble(p) for name, p in parts.items()}
   vision = None
   if source and cfg.model.self_conditioning:
     vision, tensors = _with_vision_tower(source, tensors)
@@ -91,7 +93,8 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
         "weight_map": {n: file for file, shard in zip(names, shards) for n in shard}})
   extra = {"bdlm_mask_token_id": cfg.objective.mask_token_id,
            "bdlm_block_size": cfg.objective.block_size, "bdlm_objective": cfg.objective.name}
-  config = hf_config(cfg.model, cfg.export.dtype, _max_positions(cfg, source), extra, vision)
+  config = hf_config(cfg.model, cfg.export.dtype, _max_positions(cfg, source), extra, vision,
+                     like)
   if vision:  # the source's text attention rule (import accepted it: text stays causal)
     config["text_config"]["use_bidirectional_attention"] = text_config(
         read_hf_config(source)).get("use_bidirectional_attention")
@@ -137,6 +140,29 @@ def _with_vision_tower(folder: str, tensors: dict) -> tuple[dict, dict]:
   with _TensorFiles(folder) as files:
     tower = {n: files.get_slice(n)[:] for n in sorted(files.names) if n.startswith(VISION_PREFIXES)}
   return vision, {**tensors, **tower}
+
+
+def _assemble(parts: list) -> np.ndarray:
+  """An HF tensor from its (rows, x) parts: x is the whole tensor (rows None) or those rows
+  of its out axis (-2; Gemma 4's halves of gate_up_proj, Qwen3-Next's fused projections)."""
+  rows, x = parts[0]
+  if rows is None:
+    return np.ascontiguousarray(x)
+  filled = np.concatenate([rows for rows, _ in parts])
+  assert np.array_equal(np.sort(filled), np.arange(filled.size)), "rows left unwritten"
+  out = np.empty(x.shape[:-2] + (filled.size, x.shape[-1]), x.dtype)
+  for rows, x in parts:
+    out[..., rows, :] = x
+  return out
+
+
+def _source_type(source: str | None) -> str | None:
+  """The model_type of the folder the model came from (None without one, or where this
+  machine cannot read it)."""
+  try:
+    return read_hf_config(source).get("model_type") if source else None
+  except ConfigError:
+    return None
 
 
 def _split(tensors: dict, max_bytes: int) -> list[dict]:

@@ -42,9 +42,9 @@ _BEHAVIOUR_KEYS = ("rope_theta", "rope_local_theta", "norm_eps", "layer_pattern"
 
 
 def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dict]:
-  """(cfg, params) from a Llama, Qwen3, Qwen3-MoE, Gemma 3 (text), Gemma 4 (text) or
-  DiffusionGemma (its text model: the vision tower is left out, with a warning) Hugging Face
-  folder, params placed on `mesh`.
+  """(cfg, params) from a Llama, Qwen3, Qwen3-MoE, Qwen3.5 (text, dense or MoE), Qwen3-Next,
+  Gemma 3 (text), Gemma 4 (text) or DiffusionGemma (its text model: the vision tower is left
+  out, with a warning) Hugging Face folder, params placed on `mesh`.
 
   `cfg.model` comes from config.json (params and compute in `dtype`); every other section
   keeps the `Config()` defaults, except:
@@ -191,7 +191,8 @@ def _read_params(path: str, cfg: Config, mesh, layers: bool = True) -> dict:
     shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
   else:
     shardings = zero3_shardings(mesh, abstract, cfg.parallel.expert_axis_names)
-  names = tensor_map(model)
+  like = read_hf_config(path).get("model_type")  # the folder's family, of those that fit
+  names = tensor_map(model, like)
   by_path: dict[tuple, list] = {}
   for t in names:
     by_path.setdefault(t.path, []).append(t)  # a stacked weight: one HF tensor per slice
@@ -214,7 +215,7 @@ def _read_params(path: str, cfg: Config, mesh, layers: bool = True) -> dict:
                             f"{hf_shape}")
       set_path(params, where, _place(grid, tensors[0], want, get_path(shardings, where)))
     _check_copies(files, [t for t in names if t.copies])
-    used = {name for t in tensor_map(cfg.model) for name in (t.name, *t.copies)}
+    used = {name for t in tensor_map(cfg.model, like) for name in (t.name, *t.copies)}
     vision = sorted(n for n in files.names if n.startswith(VISION_PREFIXES))
     if vision:
       warnings.warn(f"{path}: the vision tower ({len(vision)} tensors under "
@@ -233,7 +234,7 @@ def _place(grid: np.ndarray, hf: Tensor, want, sharding) -> jax.Array:
   of each). `hf` says how HF stores it: transposed, or offset (added in float32 before the
   cast, as HF computes it)."""
   def read_one(tensor, index):
-    x = tensor[hf.hf_index(index, want.shape[grid.ndim:])]
+    x = hf.take_rows(tensor[hf.hf_index(index, want.shape[grid.ndim:])], index)
     x = np.swapaxes(x, -1, -2) if hf.transposed else x
     return x.astype(np.float32) + hf.offset if hf.offset else x
 

@@ -1,5 +1,5 @@
 """Hugging Face Llama/Qwen3/Qwen3-MoE/Gemma 3 <-> bdlm_jax: tensor names and model config fields
-(Gemma 4 and DiffusionGemma: hf_gemma4.py).
+(Gemma 4 and DiffusionGemma: hf_gemma4.py; Qwen3.5 and Qwen3-Next: hf_qwen3_5.py).
 
 The one place that knows both vocabularies; import (hf_import.py) and export (hf_export.py)
 read the same tables in opposite directions. Llama and Qwen3 match our decoder exactly:
@@ -17,8 +17,9 @@ weights are [out, in]; our flax kernels are [in, out].
 from __future__ import annotations
 
 from bdlm_jax.checkpoint import hf_gemma4, hf_qwen3_5
-from bdlm_jax.checkpoint.hf_tensor import (ACTIVATIONS, LAYER_TYPES, Tensor, require,
-                                           shared_config, shortest_period)
+from bdlm_jax.checkpoint.hf_tensor import (ACTIVATIONS, LAYER_TYPES, Tensor, mlp_pattern,
+                                           require, shared_config, shortest_period,
+                                           sparse_config)
 from bdlm_jax.config import ModelConfig
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.models.pattern import layer_types, mlp_types
@@ -82,13 +83,14 @@ _QWEN3_MOE_DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermedi
                            decoder_sparse_step=1, mlp_only_layers=[])
 
 
-def hf_model_type(m: ModelConfig) -> str:
+def hf_model_type(m: ModelConfig, like: str | None = None) -> str:
   """The HF family that expresses `m`: Gemma 4 or DiffusionGemma when it has their features
   (`hf_gemma4.model_type`), Gemma 3 when it has Gemma's norms and embedding scale, else
-  Qwen3-MoE (experts), Qwen3 (q/k norms) or Llama; Qwen3.5 (hf_qwen3_5.py) with Gated
-  DeltaNet layers or gated attention; a ConfigError when no family fits."""
+  Qwen3-MoE (experts), Qwen3 (q/k norms) or Llama; Qwen3.5 or Qwen3-Next (hf_qwen3_5.py)
+  with Gated DeltaNet layers or gated attention, `like` (the model_type of the folder `m`
+  came from) choosing where both express it; a ConfigError when no family fits."""
   if hf_qwen3_5.owns(m):
-    return hf_qwen3_5.model_type(m)
+    return hf_qwen3_5.model_type(m, like)
   if any(getattr(m, k) for k in hf_gemma4.FEATURES) or m.global_partial_rotary_factor != 1:
     return hf_gemma4.model_type(m)
   gemma = ("post_norms", "scale_embeddings", "qk_norm")
@@ -120,13 +122,14 @@ def hf_model_type(m: ModelConfig) -> str:
   return "qwen3" if m.qk_norm else "llama"
 
 
-def tensor_map(m: ModelConfig) -> list[Tensor]:
-  """Every HF tensor of `m`, with where it lives in our params pytree."""
-  model_type = hf_model_type(m)
+def tensor_map(m: ModelConfig, like: str | None = None) -> list[Tensor]:
+  """Every HF tensor of `m` (in the family `hf_model_type(m, like)`), with where it lives in
+  our params pytree."""
+  model_type = hf_model_type(m, like)
   if model_type in GEMMA4_TYPES:
     return hf_gemma4.tensor_map(m, model_type)
   if model_type in hf_qwen3_5.MODEL_TYPES:
-    return hf_qwen3_5.tensor_map(m)
+    return hf_qwen3_5.tensor_map(m, model_type)
   offset = 1.0 if model_type == GEMMA3 else 0.0
   norms = {**_NORMS[model_type], **(_QK_NORMS if m.qk_norm else {})}
   per_layer = [(name, (*path, "scale"), False, offset) for name, path in norms.items()]
@@ -222,16 +225,11 @@ def _qwen3_moe_fields(hf: dict, where: str) -> dict:
   if not experts:
     return {}  # every layer's MLP is dense, with the tensor names of Qwen3's
   hf = {**_QWEN3_MOE_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
-  step = int(hf["decoder_sparse_step"])
-  if step < 1:
-    raise ConfigError(f"{where}: decoder_sparse_step={step} must be >= 1")
-  kinds = ["moe" if i not in hf["mlp_only_layers"] and (i + 1) % step == 0 else "dense"
-           for i in range(hf["num_hidden_layers"])]
-  if "moe" not in kinds:
+  pattern = mlp_pattern(hf, where)
+  if pattern is None:
     return {}
-  return dict(mlp_pattern="" if "dense" not in kinds else ",".join(shortest_period(kinds)),
-              moe_experts=int(experts), moe_top_k=int(hf["num_experts_per_tok"]),
-              moe_d_ff=int(hf["moe_intermediate_size"]),
+  return dict(mlp_pattern=pattern, moe_experts=int(experts),
+              moe_top_k=int(hf["num_experts_per_tok"]), moe_d_ff=int(hf["moe_intermediate_size"]),
               moe_norm_topk=bool(hf["norm_topk_prob"]),
               moe_aux_weight=float(hf["router_aux_loss_coef"]))
 
@@ -291,14 +289,14 @@ def _plain_rope_theta(params: dict, key: str, where: str, default: float) -> flo
 
 
 def hf_config(m: ModelConfig, dtype: str, max_positions: int, extra: dict,
-              vision: dict | None = None) -> dict:
-  """config.json for `m` that transformers loads as its family (`hf_model_type`; `vision`:
-  a DiffusionGemma's vision_config)."""
-  model_type = hf_model_type(m)
+              vision: dict | None = None, like: str | None = None) -> dict:
+  """config.json for `m` that transformers loads as its family (`hf_model_type(m, like)`;
+  `vision`: a DiffusionGemma's vision_config)."""
+  model_type = hf_model_type(m, like)
   if model_type in GEMMA4_TYPES:
     return hf_gemma4.hf_config(m, model_type, dtype, max_positions, extra, vision)
   if model_type in hf_qwen3_5.MODEL_TYPES:
-    return hf_qwen3_5.hf_config(m, dtype, max_positions, extra)
+    return hf_qwen3_5.hf_config(m, model_type, dtype, max_positions, extra)
   out = {
       "architectures": [ARCHITECTURES[model_type]],
       "model_type": model_type,
@@ -324,8 +322,7 @@ def hf_config(m: ModelConfig, dtype: str, max_positions: int, extra: dict,
         "moe_intermediate_size": m.moe_d_ff or m.d_ff,
         "norm_topk_prob": m.moe_norm_topk,
         "router_aux_loss_coef": m.moe_aux_weight,
-        "decoder_sparse_step": 1,  # the dense layers are listed; `intermediate_size` is theirs
-        "mlp_only_layers": [i for i, kind in enumerate(mlp_types(m)) if kind == "dense"],
+        **sparse_config(mlp_types(m)),
         "output_router_logits": False,  # as Qwen's files: HF's forward adds no aux loss
     })
   return {**out, **extra}

@@ -5,10 +5,18 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 from bdlm_jax.errors import ConfigError
 
 LAYER_TYPES = {"full_attention": "global", "sliding_attention": "local"}  # HF -> ours
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF -> ours
+
+
+class Rows(NamedTuple):
+  """Rows of an HF tensor's out axis, scattered (Qwen3-Next's interleaved in_proj_qkvz)."""
+  index: tuple[int, ...]  # the HF rows that make our out axis, in its order
+  total: int  # the HF tensor's out-axis size
 
 
 class Tensor(NamedTuple):
@@ -29,6 +37,7 @@ class Tensor(NamedTuple):
   # (i, n): ours is part i of n equal parts of HF's out axis (Gemma 4's fused gate_up_proj)
   part: tuple[int, int] | None = None
   copies: tuple[str, ...] = ()  # other HF names of the same values, written on export
+  rows: Rows | None = None  # ours is these rows of HF's out axis (part of a fused projection)
 
   def hf_shape(self, shape: tuple) -> tuple:
     """The HF tensor's shape, of our slice's `shape`."""
@@ -37,6 +46,8 @@ class Tensor(NamedTuple):
       shape[-2:] = shape[-2:][::-1]
     if self.part:
       shape[-2] *= self.part[1]
+    if self.rows:
+      shape[-2] = self.rows.total
     return tuple(shape)
 
   def hf_index(self, index: tuple, shape: tuple) -> tuple:
@@ -48,7 +59,26 @@ class Tensor(NamedTuple):
       size = shape[-1] if self.transposed else shape[-2]
       start, stop, _ = index[-2].indices(size)
       index[-2] = slice(start + self.part[0] * size, stop + self.part[0] * size)
+    if self.rows:
+      index[-2] = slice(None)  # all of them: `take_rows` picks ours
     return tuple(index)
+
+  def take_rows(self, x: np.ndarray, index: tuple) -> np.ndarray:
+    """`x`, the HF tensor read at `hf_index(index, ...)`, cut to our rows where they are
+    scattered over its out axis (`rows`)."""
+    if not self.rows:
+      return x
+    ours = index[-1] if self.transposed else index[-2]
+    return x[..., np.asarray(self.rows.index)[ours], :]
+
+  def out_rows(self, shape: tuple) -> np.ndarray | None:
+    """The rows of the HF tensor's out axis that ours (of `shape`, in HF's layout) fills;
+    None: it is the whole HF tensor."""
+    if self.rows:
+      return np.asarray(self.rows.index)
+    if self.part:
+      return np.arange(self.part[0] * shape[-2], (self.part[0] + 1) * shape[-2])
+    return None
 
   @property
   def index(self) -> tuple:
@@ -62,6 +92,28 @@ def shortest_period(kinds: list) -> list:
   n = len(kinds)
   return kinds[:next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p]
                                                        for i in range(n)))]
+
+
+def mlp_pattern(hf: dict, where: str) -> str | None:
+  """`model.mlp_pattern` of a Qwen MoE config.json (Qwen3-MoE, Qwen3-Next; `hf` with its
+  defaults): layer i's MLP is MoE unless i is in `mlp_only_layers` or (i + 1) is not a
+  multiple of `decoder_sparse_step`, as transformers picks it; the layers' kinds as their
+  shortest period, "" when every layer is MoE, None when none is."""
+  step = int(hf["decoder_sparse_step"])
+  if step < 1:
+    raise ConfigError(f"{where}: decoder_sparse_step={step} must be >= 1")
+  kinds = ["moe" if i not in (hf["mlp_only_layers"] or ()) and (i + 1) % step == 0 else "dense"
+           for i in range(hf["num_hidden_layers"])]
+  if "moe" not in kinds:
+    return None
+  return "" if "dense" not in kinds else ",".join(shortest_period(kinds))
+
+
+def sparse_config(kinds: tuple[str, ...]) -> dict:
+  """The config.json keys of a Qwen MoE family that give the layers their MLP `kinds`: the
+  dense layers listed (their width is `intermediate_size`)."""
+  return {"decoder_sparse_step": 1,
+          "mlp_only_layers": [i for i, kind in enumerate(kinds) if kind == "dense"]}
 
 
 def require(hf: dict, where: str, key: str, allowed: tuple, what: str) -> None:

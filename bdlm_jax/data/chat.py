@@ -298,3 +298,19 @@ def pack_chat(examples: grain.IterDataset, *, seq_len: int, pad_id: int,
       examples, length_struct={f: seq_len for f in features}, num_packing_bins=num_bins,
       shuffle_bins=False, padding_struct={"tokens": pad_id, "protected": True, "real": False})
   return rows.map(_packed_row)
+
+
+def _padded_row(seq_len: int, pad_id: int, example: dict[str, np.ndarray]
+                ) -> dict[str, np.ndarray]:
+  fill = seq_len - len(example["tokens"])
+  pad = lambda x, value: np.concatenate([x, np.full(fill, value, x.dtype)])
+  return {"tokens": pad(example["tokens"], pad_id), "protected": pad(example["protected"], True),
+          "segment_ids": pad(example["real"], False).astype(np.int32)}
+
+
+def chat_per_row(examples: grain.IterDataset, *, seq_len: int, pad_id: int,
+                 num_bins: int = 0) -> grain.IterDataset:
+  """Examples -> the same rows as `pack_chat`, one example each (data.pack=false), padded
+  at the end; `num_bins` is unused."""
+  del num_bins
+  return examples.map(functools.partial(_padded_row, seq_len, pad_id))

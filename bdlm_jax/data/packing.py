@@ -3,9 +3,13 @@
 A document that fits in L stays whole: grain's first-fit packing pads a row rather than cut
 a document across rows. Only a document longer than L is cut, into L-token pieces, each its
 own segment. Segment ids number the documents of a row 1, 2, 3, ...; padding is segment 0.
+`one_per_row` (data.pack=false) puts each document, or L-token piece of one, in a row of its
+own, padded at the end.
 """
 
 from __future__ import annotations
+
+import functools
 
 import grain
 import grain.experimental as gx
@@ -38,3 +42,20 @@ def pack(docs: grain.IterDataset, *, seq_len: int, pad_id: int,
       pieces, length_struct={"tokens": seq_len}, num_packing_bins=num_bins,
       shuffle_bins=False, padding_struct={"tokens": pad_id})
   return rows.map(_rename)
+
+
+def _padded(seq_len: int, pad_id: int, piece: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  n = len(piece["tokens"])
+  return {"tokens": np.concatenate([piece["tokens"], np.full(seq_len - n, pad_id, np.int32)]
+                                   ).astype(np.int32),
+          "segment_ids": (np.arange(seq_len) < n).astype(np.int32)}
+
+
+def one_per_row(docs: grain.IterDataset, *, seq_len: int, pad_id: int,
+                num_bins: int = 0) -> grain.IterDataset:
+  """int32 [T] documents -> {"tokens", "segment_ids"}: int32 [L] rows, one document (or
+  L-token piece of one) each, padded at the end with `pad_id` (segment 0); `num_bins` is
+  unused (`pack`'s signature)."""
+  del num_bins
+  pieces = gx.FlatMapIterDataset(docs, _SplitLong(seq_len))
+  return pieces.map(functools.partial(_padded, seq_len, pad_id))

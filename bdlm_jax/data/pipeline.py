@@ -15,7 +15,7 @@ import grain
 from bdlm_jax.config import DataConfig
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.data import chat
-from bdlm_jax.data.packing import pack
+from bdlm_jax.data.packing import one_per_row, pack
 from bdlm_jax.data.prepare import TokenSource, tokenize
 from bdlm_jax.data.sources import DataError, held_out, make_source, split_path
 from bdlm_jax.data.tokenizers import EOS_NAMES, Tokenizer, check_mask_id, make_tokenizer
@@ -108,6 +108,10 @@ def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size
     docs = docs.map(functools.partial(chat.align, tokenizer.pad_id, block_size, data_cfg.seq_len))
   docs = docs.to_iter_dataset(grain.ReadOptions(
       num_threads=data_cfg.num_threads, prefetch_buffer_size=_PREFETCH))
-  rows = (chat.pack_chat if is_chat else pack)(
+  if is_chat:
+    to_rows = chat.pack_chat if data_cfg.pack else chat.chat_per_row
+  else:
+    to_rows = pack if data_cfg.pack else one_per_row
+  rows = to_rows(
       docs, seq_len=data_cfg.seq_len, pad_id=tokenizer.pad_id, num_bins=batch_size)
   return iter(rows.batch(batch_size, drop_remainder=True))

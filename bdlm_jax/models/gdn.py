@@ -5,13 +5,13 @@ decay g and the write strength beta; `gated_norm`: RMSNormGated; the output proj
 and a sequence mixer over rows that a layout ordered, run by the caller's `recur` (as
 `attend` is the caller's): `recur(cell, pre_BRC, g_BRH, beta_BRH, meta) -> o_BRHV` decides
 which rows form one causal stream, where each stream starts (its conv context and state),
-and calls `cell` on contiguous pieces of it. `cell` is the sequence math of one piece: the
+and calls `cell` on contiguous pieces of it. `Cell` is the sequence math of one piece: the
 causal depthwise conv (SiLU) over [q | k | v] from `left` context rows, q and k L2-normed
 (q also scaled by K^-1/2), key heads repeated to value heads, and the chunked gated delta
 rule (kernels/delta_rule.py) from state `s`.
 """
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -29,25 +29,53 @@ def _l2norm(x):
   return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
-def cell(pre_BTC, left_BJC, g_BTH, beta_BTH, s_BHKV, *, conv_CK, shape):
-  """(o [B, T, Hv, V] float32, final state [B, Hv, K, V]) of T consecutive rows of one
-  stream, after `left` [B, kernel - 1, C] pre-conv rows and from state `s` (None: zeros)."""
-  hk, hv, dk, dv = shape
-  b, t, c = pre_BTC.shape
-  j = conv_CK.shape[1] - 1
-  if left_BJC is None:
-    left_BJC = jnp.zeros((b, j, c), pre_BTC.dtype)
-  x = jnp.concatenate([left_BJC.astype(pre_BTC.dtype), pre_BTC], axis=1)
-  w = conv_CK.astype(x.dtype)
-  conv = sum(x[:, i:i + t] * w[:, i] for i in range(j + 1))  # depthwise, causal, no bias
-  conv = jax.nn.silu(conv)
-  q, k, v = jnp.split(conv, [hk * dk, 2 * hk * dk], axis=-1)
-  rep = lambda x: jnp.repeat(x.reshape(b, t, hk, dk), hv // hk, axis=2)
-  q = _l2norm(rep(q)) * dk ** -0.5
-  k = _l2norm(rep(k))
-  if s_BHKV is None:
-    s_BHKV = jnp.zeros((b, hv, dk, dv), jnp.float32)
-  return delta_rule.chunked(q, k, v.reshape(b, t, hv, dv), g_BTH, beta_BTH, s_BHKV)
+@dataclasses.dataclass(frozen=True, eq=False)
+class Cell:
+  """The sequence math of one layer over consecutive rows of one stream: the causal conv
+  (kernel `conv_CK` [C, kernel]) from `left` context rows, then the gated delta rule."""
+  conv_CK: jax.Array
+  shape: tuple[int, int, int, int]  # (key heads, value heads, key dim, value dim)
+
+  @property
+  def halo(self) -> int:
+    """Pre-conv rows before a piece that its conv reads."""
+    return self.conv_CK.shape[1] - 1
+
+  def _qkv(self, pre_BTC, left_BJC):
+    hk, hv, dk, dv = self.shape
+    b, t, c = pre_BTC.shape
+    if left_BJC is None:
+      left_BJC = jnp.zeros((b, self.halo, c), pre_BTC.dtype)
+    x = jnp.concatenate([left_BJC.astype(pre_BTC.dtype), pre_BTC], axis=1)
+    w = self.conv_CK.astype(x.dtype)
+    conv = sum(x[:, i:i + t] * w[:, i] for i in range(self.halo + 1))  # depthwise, causal
+    conv = jax.nn.silu(conv)
+    q, k, v = jnp.split(conv, [hk * dk, 2 * hk * dk], axis=-1)
+    rep = lambda x: jnp.repeat(x.reshape(b, t, hk, dk), hv // hk, axis=2)
+    return _l2norm(rep(q)) * dk ** -0.5, _l2norm(rep(k)), v.reshape(b, t, hv, dv)
+
+  def __call__(self, pre_BTC, left_BJC, g_BTH, beta_BTH, s_BHKV):
+    """(o [B, T, Hv, V] float32, final state [B, Hv, K, V]) of T consecutive rows after
+    `left` [B, halo, C] pre-conv rows (None: zeros), from state `s` (None: zeros)."""
+    q, k, v = self._qkv(pre_BTC, left_BJC)
+    if s_BHKV is None:
+      _, hv, dk, dv = self.shape
+      s_BHKV = jnp.zeros((pre_BTC.shape[0], hv, dk, dv), jnp.float32)
+    return delta_rule.chunked(q, k, v, g_BTH, beta_BTH, s_BHKV)
+
+  def transfer(self, pre_BTC, left_BJC, g_BTH, beta_BTH, mn_BHKW=None):
+    """The rows' effect on the state, which is affine: S_out = M S_in + N, as [N | M]
+    [B, Hv, K, V + K], after the effect `mn` of the rows before (None: none, [0 | I]). One
+    delta-rule pass with v_aug = [v | 0] from [N | M] ends in the composed [N' | M']
+    (M = A_T ... A_1, A_t = e^g_t (I - beta_t k_t k_t^T); N the state from zeros)."""
+    q, k, v = self._qkv(pre_BTC, left_BJC)
+    b, t, hv, dv = v.shape
+    dk = k.shape[-1]
+    v_aug = jnp.concatenate([v.astype(jnp.float32), jnp.zeros((b, t, hv, dk))], axis=-1)
+    if mn_BHKW is None:
+      mn_BHKW = jnp.broadcast_to(jnp.concatenate([jnp.zeros((dk, dv)), jnp.eye(dk)], axis=-1),
+                                 (b, hv, dk, dv + dk))
+    return delta_rule.chunked(q, k, v_aug, g_BTH, beta_BTH, mn_BHKW)[1]
 
 
 class GatedDeltaNet(nnx.Module):
@@ -86,9 +114,9 @@ class GatedDeltaNet(nnx.Module):
     z = self.in_proj_z(h_BRD).reshape(b, r, hv, dv)
     return self.in_proj_qkv(h_BRD), z, g, beta
 
-  def cell(self):
-    """`cell` with this layer's conv kernel and head shapes."""
-    return functools.partial(cell, conv_CK=self.conv[...][:, 0], shape=self.shape)
+  def cell(self) -> Cell:
+    """The sequence math with this layer's conv kernel and head shapes."""
+    return Cell(self.conv[...][:, 0], self.shape)
 
   def gated_norm(self, o_BRHV, z_BRHV):
     """RMSNormGated: o normed over V in float32, times the weight (in z's dtype), times

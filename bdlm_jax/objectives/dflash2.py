@@ -55,10 +55,13 @@ def streamed_rows(head, softcap: float, chunk: int, top_k: int, h_SND, labels_SN
 
 def draft_index(plan) -> np.ndarray:
   """int [N]: the logical draft row (anchor j * B + slot k) of each row of every rank's
-  noisy slot, A * B for padding."""
+  noisy slot; A * B for padding and for the later copies of a row that a layout repeats
+  (`first_copies`: every rank holds every draft block under a replicated-drafts plan), so
+  each logical row is written once, by its scored copy."""
   rows = plan.slot_rows(plan.rows.reshape(1, -1), "noisy")[0].astype(np.int64)
+  first = plan.slot_rows(plan.first_copies.reshape(1, -1), "noisy")[0]
   n = plan.draft_blocks * plan.block_size
-  return np.where((rows >= 0) & (rows < n), rows, n)
+  return np.where((rows >= 0) & (rows < n) & first, rows, n)
 
 
 def to_blocks(plan, x_SN):

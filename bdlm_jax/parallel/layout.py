@@ -9,7 +9,8 @@ slot*; -1 marks a padding row. `travel` says which local K/V must visit other ra
 
   none   nothing travels (single device, or `bp`, which replicates the clean prefix)
   all    every local K/V row travels (`cp_*`: the whole stream is context-parallel)
-  clean  only the clean slot travels (`csbp_*`: corrupted K/V never leave their rank)
+  clean  only the clean slot travels (`csbp_*`: corrupted K/V never leave their rank;
+         `cp_replicated_drafts`: every rank holds every draft block)
 
 Each strategy of `registry.py` names one plan builder below,
 `builder(name, L, B, P, noisy_stream, draft_blocks) -> LayoutPlan`; adding a strategy means
@@ -36,6 +37,9 @@ class LayoutPlan:
   n_noisy: int
   travel: str
   draft_blocks: int = 0  # A: the noisy stream is A draft blocks (dflash); 0: the sequence's own
+  # int64 [A]: where a static cost places the sorted anchors (the cost model's anchor rule);
+  # None: uniform anchors (`block_starts`)
+  anchor_starts: np.ndarray | None = None
 
   @property
   def noisy_len(self) -> int:
@@ -48,6 +52,8 @@ class LayoutPlan:
     A draft block's anchor depends on the data; here the j-th of A sorted anchors sits at its
     expected place, (j + 1) * L / (A + 1) (uniform anchors), so static costs can use it.
     """
+    if self.anchor_starts is not None:
+      return np.asarray(self.anchor_starts, np.int64)
     if self.draft_blocks:
       j = np.arange(self.draft_blocks)
       return np.round((j + 1) * self.seq_len / (self.draft_blocks + 1)).astype(np.int64)
@@ -302,6 +308,21 @@ def sharded_context_plan(name: str, L: int, B: int, P: int, noisy_stream: bool =
   clean = zigzag(L, P, offset=draft_blocks * B if draft_blocks else L)
   return LayoutPlan(name, L, B, np.concatenate([noisy, clean], axis=1).astype(np.int32),
                     noisy.shape[1], "clean", draft_blocks)
+
+
+def replicated_drafts_plan(name: str, L: int, B: int, P: int, noisy_stream: bool = True,
+                           draft_blocks: int = 0) -> LayoutPlan:
+  """The seed paper's pure-CP DFlash baseline (its `all_blocks` mode when BP = 1): every rank
+  holds all A draft blocks, replicated as `bp` replicates the clean prefix (so the drafter's
+  layers, head and losses run A*B rows on every rank), and one zigzag shard of the context;
+  only context K/V travel."""
+  if not draft_blocks:
+    raise ConfigError(f"strategy {name!r} replicates a drafter's draft blocks on every rank: "
+                      f"it needs a drafter objective (objective.name=dflash)")
+  n = draft_blocks * B
+  drafts = np.tile(np.arange(n), (P, 1))
+  rows = np.concatenate([drafts, zigzag(L, P, offset=n)], axis=1).astype(np.int32)
+  return LayoutPlan(name, L, B, rows, n, "clean", draft_blocks)
 
 
 def _draft_zigzag(name: str, L: int, B: int, P: int, A: int) -> LayoutPlan:

@@ -36,6 +36,8 @@ class Strategy:
   # Whether its ranks own whole corrupted blocks, so it needs a diffusion objective's
   # corrupted stream (an autoregressive objective has none)
   needs_noisy_stream: bool = False
+  # Whether its plan exists only for a drafter's draft blocks (a drafter objective: dflash)
+  needs_drafter: bool = False
 
   def __post_init__(self):
     if self.transport not in TRANSPORTS:
@@ -75,6 +77,14 @@ def strategy_names(**properties) -> tuple[str, ...]:
   `strategy_names(splits_sequences=True, baseline=False)`)."""
   return tuple(s.name for s in STRATEGIES.values()
                if all(getattr(s, k) == v for k, v in properties.items()))
+
+
+def strategy_names_for(objective_name: str, **properties) -> tuple[str, ...]:
+  """`strategy_names(**properties)` that can train objective `objective_name`: a strategy
+  for drafters only (`needs_drafter`) where the objective trains a drafter."""
+  drafter = objectives.get_objective(objective_name).DRAFTER
+  return tuple(name for name in strategy_names(**properties)
+               if drafter or not STRATEGIES[name].needs_drafter)
 
 
 def make_plan(strategy: str, seq_len: int, block_size: int, num_ranks: int,
@@ -126,3 +136,8 @@ register(Strategy("csbp_allgather", layout.sharded_context_plan, "allgather", "c
 register(Strategy("csbp_ring", layout.sharded_context_plan, "ring", "clean", baseline=False,
                   summary="context-sharded BP: owned blocks, clean K/V around the ring",
                   needs_noisy_stream=True))
+register(Strategy("cp_replicated_drafts", layout.replicated_drafts_plan, "ring", "clean",
+                  baseline=True,
+                  summary="the DFlash paper's CP baseline: every draft block on every rank, "
+                          "context K/V around the ring",
+                  needs_noisy_stream=True, needs_drafter=True))

@@ -19,13 +19,14 @@ from bdlm_jax.kernels import residuals
 from bdlm_jax.kernels.xla import NEG_INF
 
 
-def _merge(out, lse, out_i, lse_i):
+def merge(out, lse, out_i, lse_i):
+  """Two partial (out, lse) of the same queries over disjoint keys, as one."""
   lse_new = jnp.logaddexp(lse, lse_i)
   out = out * jnp.exp(lse - lse_new)[..., None] + out_i * jnp.exp(lse_i - lse_new)[..., None]
   return out, lse_new
 
 
-def _partial(kernel, chunk, q, k, v, q_meta, k_meta):
+def partial_attend(kernel, chunk, q, k, v, q_meta, k_meta):
   """(out, lse) in float32 of q against one K/V part; an empty part contributes nothing."""
   if k.shape[1] == 0:
     out = jnp.zeros_like(q, jnp.float32)  # zeros_like keeps q's varying mesh axes
@@ -33,7 +34,7 @@ def _partial(kernel, chunk, q, k, v, q_meta, k_meta):
   return kernel.attend_fwd(q, k, v, q_meta, k_meta, chunk)
 
 
-def _grads(kernel, chunk, q, k, v, q_meta, k_meta, out, lse, dout, dlse, dq=None):
+def partial_grads(kernel, chunk, q, k, v, q_meta, k_meta, out, lse, dout, dlse, dq=None):
   """(dq, dk, dv) in float32 of one K/V part, dq added into the running `dq` where given."""
   if k.shape[1] == 0:
     return (jnp.zeros_like(q, jnp.float32) if dq is None else dq,
@@ -49,22 +50,23 @@ def ring_attend(kernel, axis, num_ranks, chunk, grad_dtype, q, k_stay, v_stay, k
                    q_meta, stay_meta, tr_meta)[0]
 
 
-def _shift(x, axis, num_ranks):
+def shift(x, axis, num_ranks):
+  """`x` (a pytree) of rank i, sent to rank i + 1 around the ring."""
   return jax.lax.ppermute(x, axis, [(i, (i + 1) % num_ranks) for i in range(num_ranks)])
 
 
 def _ring_fwd(kernel, axis, num_ranks, chunk, grad_dtype, q, k_stay, v_stay, k_tr, v_tr, q_meta,
               stay_meta, tr_meta):
-  out, lse = _partial(kernel, chunk, q, k_stay, v_stay, q_meta, stay_meta)
+  out, lse = partial_attend(kernel, chunk, q, k_stay, v_stay, q_meta, stay_meta)
 
   def step(carry, _):
     out, lse, kv = carry
-    kv_next = _shift(kv, axis, num_ranks)
-    out, lse = _merge(out, lse, *_partial(kernel, chunk, q, *kv[:2], q_meta, kv[2]))
+    kv_next = shift(kv, axis, num_ranks)
+    out, lse = merge(out, lse, *partial_attend(kernel, chunk, q, *kv[:2], q_meta, kv[2]))
     return (out, lse, kv_next), None
 
   (out, lse, kv), _ = jax.lax.scan(step, (out, lse, (k_tr, v_tr, tr_meta)), length=num_ranks - 1)
-  out, lse = _merge(out, lse, *_partial(kernel, chunk, q, *kv[:2], q_meta, kv[2]))
+  out, lse = merge(out, lse, *partial_attend(kernel, chunk, q, *kv[:2], q_meta, kv[2]))
   out, lse = residuals.keep(out.astype(q.dtype), lse)
   return (out, lse), (q, k_stay, v_stay, k_tr, v_tr, q_meta, stay_meta, tr_meta, out, lse)
 
@@ -72,17 +74,17 @@ def _ring_fwd(kernel, axis, num_ranks, chunk, grad_dtype, q, k_stay, v_stay, k_t
 def _ring_bwd(kernel, axis, num_ranks, chunk, grad_dtype, res, cts):
   q, k_stay, v_stay, k_tr, v_tr, q_meta, stay_meta, tr_meta, out, lse = res
   dout, dlse = cts
-  grads = functools.partial(_grads, kernel, chunk, q, out=out, lse=lse, dout=dout, dlse=dlse)
+  grads = functools.partial(partial_grads, kernel, chunk, q, out=out, lse=lse, dout=dout, dlse=dlse)
   dq, dk_stay, dv_stay = grads(k=k_stay, v=v_stay, q_meta=q_meta, k_meta=stay_meta)
 
   def visit(dq, kv, dkv):
     dq, dk_i, dv_i = grads(k=kv[0], v=kv[1], q_meta=q_meta, k_meta=kv[2], dq=dq)
     dkv = (dkv[0] + dk_i).astype(grad_dtype), (dkv[1] + dv_i).astype(grad_dtype)
-    return dq, _shift(dkv, axis, num_ranks)
+    return dq, shift(dkv, axis, num_ranks)
 
   def step(carry, _):
     dq, kv, dkv = carry
-    kv_next = _shift(kv, axis, num_ranks)
+    kv_next = shift(kv, axis, num_ranks)
     dq, dkv = visit(dq, kv, dkv)
     return (dq, kv_next, dkv), None
 

@@ -6,7 +6,9 @@ code on row-sharded arrays. The transport decides how the plan's travelling K/V 
 other ranks: a `ppermute` ring (ring.py) or one all-gather (allgather.py); both take the
 same arguments and return the travelling K/V gradients to their owners. Local
 (sliding-window) layers use the windowed exchange (window.py) instead, which moves only the
-rows their windows reach, wherever that is less than the global transport moves.
+rows their windows reach, wherever that is less than the global transport moves. A drafter's
+draft attention may instead keep the context K/V still and rotate its draft queries
+(query_ring.py), where that sends fewer bytes (`draft_transport`).
 """
 
 import functools
@@ -19,7 +21,9 @@ from bdlm_jax.config import Config
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.kernels import get_kernel, with_windows
 from bdlm_jax.kernels.mask import RowMeta, as_keys
+from bdlm_jax.models.drafter import drafter_model
 from bdlm_jax.objectives import get_objective
+from bdlm_jax.parallel import query_ring
 from bdlm_jax.parallel.allgather import allgather_attend
 from bdlm_jax.parallel.layout import LayoutPlan
 from bdlm_jax.parallel.mesh import BATCH_AXES
@@ -35,13 +39,16 @@ ATTENTION_SCOPE = "seq_attention"
 
 def _local_attend(split: int, transport: str, kernel, chunk: int, num_ranks: int,
                   grad_dtype):
-  """Attention over one rank's rows, whose K/V from row `split` on travel; runs inside
-  shard_map (or alone on one device)."""
+  """Attention over one rank's rows, whose K/V from row `split` on travel (under `query`, the
+  queries travel past them instead); runs inside shard_map (or alone on one device)."""
   attend = functools.partial(kernel.attend, chunk=chunk)
   if transport == "local":
     return attend
   if transport == "ring":
     move = functools.partial(ring_attend, kernel, "seq", num_ranks, chunk, grad_dtype)
+  elif transport == "query":
+    move = functools.partial(query_ring.query_ring_attend, kernel, "seq", num_ranks, chunk,
+                             grad_dtype)
   else:
     move = functools.partial(allgather_attend, kernel, "seq", chunk, grad_dtype)
 
@@ -96,6 +103,8 @@ def make_attend(cfg: Config, mesh=None, rows: str = "all", plan: LayoutPlan | No
   transport = get_strategy(plan.strategy).transport
   if rows == "clean" and plan.travel == "none":
     transport = "local"  # bp replicates the context on every rank
+  if rows == "draft" and draft_transport(cfg, plan) == "query":
+    transport = "query"  # the draft queries travel, the context stays
   split = 0 if rows == "clean" else plan.n_stay
   chunk = cfg.model.attention_chunk
   global_body = _local_attend(split, transport, kernel, chunk, plan.num_ranks,
@@ -117,7 +126,7 @@ def make_attend(cfg: Config, mesh=None, rows: str = "all", plan: LayoutPlan | No
     with jax.named_scope(ATTENTION_SCOPE):
       return bodies[window](q, k, v, q_meta, k_meta)
 
-  attend.recur = make_recur(plan)  # Gated DeltaNet layers' streams (parallel/recurrence.py)
+  attend.recur = make_recur(plan, mesh)  # Gated DeltaNet layers' streams (parallel/recurrence.py)
   return attend
 
 
@@ -136,12 +145,32 @@ def _sharded(cfg: Config, mesh, body, n_kv: int):
                        check_vma=cfg.model.attention_impl != "pallas")
 
 
+def draft_transport(cfg: Config, plan: LayoutPlan) -> str:
+  """What a drafter's draft attention moves under `plan`: "query" (its draft queries rotate
+  past the context, query_ring.py) or "kv" (the strategy's own transport: the context K/V,
+  or everything under cp, or nothing). `parallel.draft_transport`, whose "auto" is the
+  seed's rule by bytes per hop (`query_ring.prefers_query_rotation`)."""
+  choice = cfg.parallel.draft_transport
+  if plan.travel != "clean" or choice == "kv":
+    return "kv"
+  if choice == "query":
+    return choice
+  d = drafter_model(cfg)
+  sizes = jnp.dtype(d.compute_dtype).itemsize, jnp.dtype(cfg.parallel.kv_grad_dtype).itemsize
+  query = plan.n_noisy * query_ring.query_hop_bytes(
+      d.n_heads * d.head_dim, d.n_heads, *sizes, query_ring.META_ROW_BYTES)
+  kv = (plan.rows_per_rank - plan.n_stay) * query_ring.kv_hop_bytes(
+      2 * d.n_kv_heads * d.head_dim, *sizes, query_ring.META_ROW_BYTES)
+  return "query" if query_ring.prefers_query_rotation(plan.num_ranks, query, kv) else "kv"
+
+
 def _draft_attend(cfg: Config, mesh, global_body):
   """`attend(q, k, v, q_meta, k_meta, k_ctx, v_ctx, ctx_meta) -> (out, lse)` of a drafter's
   layer: queries are each rank's draft rows (its noisy slot), keys its draft rows and the
   context rows (its clean slot) given apart, as the drafter computes them. Each rank joins
   them into its layout's rows, so the strategy's transport moves what it always moves:
-  nothing (none, bp), the context (csbp), or both (cp)."""
+  nothing (none, bp), the context (csbp), or both (cp); or, where `draft_transport` says
+  "query", the draft queries move past a context that stays."""
   def body(q, k, v, q_meta, k_meta, k_ctx, v_ctx, ctx_meta):
     join = lambda a, b: jnp.concatenate([a, b], axis=1)
     return global_body(q, join(k, k_ctx), join(v, v_ctx), q_meta, k_meta.concat(ctx_meta))

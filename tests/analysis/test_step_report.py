@@ -265,6 +265,23 @@ def test_dflash_plan_traffic_matches_the_compiled_step(strategy, monkeypatch):
       assert sent == plan[kind], kind
 
 
+def test_rotating_draft_queries_sends_the_plans_bytes():
+  """With the draft queries rotating (parallel.draft_transport=query) the windowed drafter's
+  layer sends its queries' packets and partials; the context K/V stay. Exact but for one
+  hop of metadata: XLA reuses the forward's first metadata hop in the backward."""
+  drafter = dict(DFLASH["drafter"], features="f", window=8)
+  cfg = config("csbp_ring", **{**DFLASH, "drafter": drafter},
+               parallel=dict(strategy="csbp_ring", seq=8, draft_transport="query"))
+  r = sr.step_report(cfg)
+  # By hand, per hop (4 draft rows of 4 heads x 16, f32): forward Q 1024 + metadata 64 +
+  # partial 4 (1024 + 64); backward Q, O, dO 3072 + metadata 64 + LSE, dLSE 128 + dQ 1024.
+  plan = 7 * (1024 + 64 + 1088 + 3072 + 64 + 128 + 1024)
+  assert sr.config_attention_traffic(cfg)["collective-permute"] == plan
+  assert r.attention_collective_bytes == dict(sr.config_attention_traffic(cfg),
+                                              **{"collective-permute": plan - 64})
+  assert f"{r.attention_check:.2f}" == "1.00"
+
+
 def test_dflash_traffic_is_the_targets_forward_plus_the_drafters_layers():
   """By hand, per device (P = 8, f32): 8 context rows and 4 draft rows per rank; K+V per row
   2*2*16*4 = 256 B for the target, 2*1*16*4 = 128 B for the drafter; 16 B of metadata.

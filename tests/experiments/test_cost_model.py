@@ -87,8 +87,13 @@ def _brute_force_pairs(plan, keys, window=None):
 def test_pairs_split_by_kv_owner_equal_a_brute_force_count_of_the_mask(strategy, block_size,
                                                                        draft_blocks):
   """N > 2P, N = 2P, P < N < 2P blocks (P = 4), and a drafter's 8 draft blocks; the one
-  layout these sizes do not divide into is refused, saying why."""
+  layout these sizes do not divide into, and a drafter-only one without drafts, are refused,
+  saying why."""
   p = 4 if get_strategy(strategy).splits_sequences else 1
+  if get_strategy(strategy).needs_drafter and not draft_blocks:
+    with pytest.raises(ConfigError, match="needs a drafter objective"):
+      plan_work(strategy, 96, block_size, p)
+    return
   if strategy == "cp_ring_balanced" and 96 % (2 * p * block_size):
     with pytest.raises(ConfigError, match=r"data.seq_len=96 must be divisible by "
                        rf"2\*parallel.seq\*objective.block_size={2 * p * block_size}"):
@@ -101,7 +106,7 @@ def test_pairs_split_by_kv_owner_equal_a_brute_force_count_of_the_mask(strategy,
   np.testing.assert_array_equal(work.stay_pairs, np.diagonal(stay))
 
 
-@pytest.mark.parametrize("strategy", strategy_names(splits_sequences=True))
+@pytest.mark.parametrize("strategy", strategy_names(splits_sequences=True, needs_drafter=False))
 @pytest.mark.parametrize("window", [3, 20])
 def test_windowed_pairs_split_by_kv_owner_equal_a_brute_force_count_of_the_mask(strategy,
                                                                                 window):
@@ -541,3 +546,25 @@ def test_bp_repeats_the_targets_forward_on_every_gpu_csbp_splits_it():
     assert line.endswith(f"| {r['dominant']} | {r['mfu']:.0%} |"), line
   over = " / ".join(f"{v:.2f}x" for v in spd[0]["over_any"].values())
   assert any(f"({spd[0]['csbp']}) | {over} |" in x for x in lines)
+
+
+def test_gdn_flops_equal_a_hand_count_and_the_projection_has_three_rows():
+  """A one-layer GDN model (2 key heads of 8 repeated to 4 value heads of 8, conv 4) on one
+  rank, L = 32, B = 16 (one segment, no chain): two scan steps, each a clean and a noisy
+  call of 16 rows (one chunk of c = 16). Per call and value head, intra: k_beta k^T and
+  q k^T 4 * 16^2 * 8 = 8192, the solves 16 * 15 * (8 + 8) = 3840, attn v_new
+  2 * 16^2 * 8 = 4096; inter 6 * 16 * 8 * 8 = 6144. Conv: 64 rows x 2 * 64 channels x 4.
+  Projections: 64 rows x 2 * 32 * (32 + 96 + 8)."""
+  from bdlm_jax.analysis.cost_model import gdn, hybrid
+  m = _model(d_model=32, n_layers=1, layer_pattern="gdn", gdn_key_heads=2, gdn_value_heads=4,
+             gdn_key_dim=8, gdn_value_dim=8)
+  layer = gdn.chain_layer(m, make_plan(SINGLE_DEVICE, 32, 16, 1))
+  calls = 4 * 4  # (2 steps x clean and noisy) x 4 value heads
+  assert (layer.intra, layer.inter) == (calls * (8192 + 3840 + 4096), calls * 6144)
+  assert (layer.transfer, layer.apply) == (0, 0)
+  assert layer.conv == 64 * 2 * 64 * 4
+  assert layer.projection == 64 * 2 * 32 * (32 + 96 + 8)
+  rows = hybrid.hybrid_rows(setting.Hardware(nodes=1, gpus_per_node=2), {"tiny": m},
+                            seq_len=128, block_size=16)
+  assert [(r["strategy"], r["gdn_transport"]) for r in rows] == list(hybrid.VARIANTS)
+  assert all(r["gdn_s"] > 0 and r["gdn_bytes_per_step"] > 0 for r in rows)

@@ -21,8 +21,10 @@ from bdlm_jax.kernels import get_kernel, pallas, tiles, xla
 from bdlm_jax.kernels.mask import RowMeta, allowed
 from bdlm_jax.kernels.xla import NEG_INF
 from bdlm_jax.parallel.registry import make_plan
-from bdlm_jax.parallel.registry import STRATEGIES
+from bdlm_jax.parallel.registry import STRATEGIES, strategy_names
 from tests.kernels import test_xla
+
+BDLM_STRATEGIES = strategy_names(needs_drafter=False)  # those with a plan of [x_t ; x_0]
 
 
 def random_meta(rng, s, r, n_blocks=4, n_segs=3):
@@ -87,7 +89,7 @@ def strategy_calls(seq_len=32, block_size=4, num_ranks=2):
   plus the autoregressive (causal) stream, as one-row NumPy metadata, with three packed
   documents starting at positions 0, 3/8 L and 3/4 L (rounded down to a block)."""
   calls = []
-  for strategy, noisy in [(s, True) for s in STRATEGIES] + [("cp_ring", False)]:
+  for strategy, noisy in [(s, True) for s in BDLM_STRATEGIES] + [("cp_ring", False)]:
     p = 1 if strategy == "none" else num_ranks
     plan = make_plan(strategy, seq_len, block_size if noisy else 1, p, noisy)
     calls += [(_documents(q, plan), _documents(k, plan))
@@ -168,7 +170,7 @@ def test_tile_map_never_skips_an_allowed_pair_nor_unmasks_a_masked_one():
   np.testing.assert_array_equal(traced, tiles.tile_kinds(*packed, 8, 16, np))
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("strategy", BDLM_STRATEGIES)
 def test_visited_tiles_of_bdlm_plans_track_allowed_pairs(strategy):
   """Bound (tiles T x T, zigzag chunks L/2P >= T): visited <= allowed * (1 + 2T/L).
 

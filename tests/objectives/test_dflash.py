@@ -102,9 +102,10 @@ def _reference(draft_loss="ce"):
 
 
 @pytest.mark.parametrize("strategy,parallel", [
-    ("csbp_ring", dict(seq=8)), ("csbp_allgather", dict(seq=4, fsdp=2)),
+    ("csbp_ring", dict(seq=8, draft_transport="kv")), ("csbp_allgather", dict(seq=4, fsdp=2)),
     ("cp_ring", dict(seq=4, data=2)), ("cp_allgather", dict(seq=8)), ("bp", dict(seq=4)),
-    ("csbp_ring", dict(seq=2, data=2, fsdp=2))])
+    ("csbp_ring", dict(seq=2, data=2, fsdp=2)), ("cp_replicated_drafts", dict(seq=4)),
+    ("csbp_ring", dict(seq=8, draft_transport="query"))])
 def test_every_strategy_gives_the_single_device_loss_and_drafter_gradients(strategy, parallel):
   cfg = _cfg(strategy, **parallel)
   loss, grads = _loss_and_grads(cfg, make_mesh(cfg))
@@ -175,10 +176,22 @@ def test_a_train_step_updates_the_drafter_alone():
     (dict(objective=dict(max_anchors=2), parallel=dict(strategy="csbp_ring", seq=4)),
      "max_anchors=2 draft blocks cannot be split"),
     (dict(model=dict(layer_pattern="local,global", sliding_window=8)), "all-global target"),
+    (dict(parallel=dict(draft_transport="queries")), r"draft_transport='queries' is not one of"),
+    (dict(parallel=dict(strategy="cp_ring", seq=4, draft_transport="query")),
+     "moves only the context"),
+    (dict(objective=dict(name="bd3lm"), parallel=dict(strategy="csbp_ring", seq=4,
+                                                      draft_transport="query")),
+     "needs a drafter objective"),
 ])
 def test_bad_drafter_configs_fail_at_load(override, message):
   with pytest.raises(ConfigError, match=message):
     replace(_cfg(), **override)
+
+
+@pytest.mark.parametrize("strategy,parallel", [("none", {}), ("bp", dict(seq=4))])
+def test_a_strategy_that_moves_nothing_takes_any_draft_transport(strategy, parallel):
+  for transport in ("auto", "kv", "query"):
+    replace(_cfg(strategy, **parallel, draft_transport=transport))
 
 
 def test_the_mask_id_in_the_data_is_refused():

@@ -146,8 +146,9 @@ def test_the_dflash2_loss_and_gradients_equal_a_hand_computation():
 
 
 @pytest.mark.parametrize("strategy,parallel", [
-    ("csbp_ring", dict(seq=4)), ("cp_ring", dict(seq=4)), ("bp", dict(seq=2, data=2)),
-    ("csbp_allgather", dict(seq=2, fsdp=2))])
+    ("csbp_ring", dict(seq=4, draft_transport="kv")), ("cp_ring", dict(seq=4)),
+    ("bp", dict(seq=2, data=2)), ("csbp_allgather", dict(seq=2, fsdp=2)),
+    ("cp_replicated_drafts", dict(seq=4)), ("csbp_ring", dict(seq=4, draft_transport="query"))])
 def test_every_strategy_gives_the_single_device_dflash2_loss_and_gradients(strategy, parallel):
   cfg = _cfg2(strategy, **parallel)
   mesh = make_mesh(cfg)

@@ -64,7 +64,7 @@ def test_bp_holds_noisy_rows_once_and_replicates_the_clean_prefix(L, B, P):
 def test_every_strategy_counts_the_same_logical_rows_once(L, B, P):
   """What the router statistics pool: each noisy row and each clean row before the last block
   (the ones `bp` holds) once, whatever the layout; an autoregressive plan's whole clean stream."""
-  for strategy in strategy_names():
+  for strategy in strategy_names(needs_drafter=False):  # drafters': the test below
     record = get_strategy(strategy)
     for noisy_stream, want in ((True, np.arange(2 * L - B)), (False, L + np.arange(L))):
       if (not noisy_stream and record.needs_noisy_stream
@@ -73,6 +73,35 @@ def test_every_strategy_counts_the_same_logical_rows_once(L, B, P):
       plan = make_plan(strategy, L, B, P if record.splits_sequences else 1, noisy_stream)
       counted = plan.rows.reshape(-1)[plan.counted_rows]
       np.testing.assert_array_equal(np.sort(counted), want, err_msg=f"{strategy} {noisy_stream}")
+
+
+def test_every_drafter_strategy_counts_the_same_logical_rows_once():
+  """Every draft row and every context row once, whichever rank holds it (or copies of it)."""
+  L, B, P, A = 64, 4, 4, 8
+  for strategy in strategy_names():
+    record = get_strategy(strategy)
+    plan = make_plan(strategy, L, B, P if record.splits_sequences else 1, draft_blocks=A)
+    counted = plan.rows.reshape(-1)[plan.counted_rows]
+    np.testing.assert_array_equal(np.sort(counted), np.arange(A * B + L), err_msg=strategy)
+
+
+def test_cp_replicated_drafts_gives_every_rank_every_draft_block_and_a_context_shard():
+  """The paper's CP baseline: drafts replicated (each scored on its first copy only), the
+  context zigzagged as csbp's, only context K/V travel; no plan without draft blocks."""
+  L, B, P, A = 64, 4, 4, 8
+  plan = make_plan("cp_replicated_drafts", L, B, P, draft_blocks=A)
+  n = A * B
+  assert plan.travel == "clean" and plan.n_noisy == n
+  np.testing.assert_array_equal(plan.rows[:, :n], np.tile(np.arange(n), (P, 1)))
+  csbp = make_plan("csbp_ring", L, B, P, draft_blocks=A)
+  np.testing.assert_array_equal(plan.rows[:, n:], csbp.rows[:, csbp.n_noisy:])
+  first = plan.first_copies.reshape(P, -1)
+  assert first[0].all() and not first[1:, :n].any() and first[:, n:].all()
+  with pytest.raises(ConfigError, match="'cp_replicated_drafts' .* needs a drafter objective"):
+    make_plan("cp_replicated_drafts", L, B, P)
+  with pytest.raises(ConfigError, match="'cp_replicated_drafts' .* cannot run the 'bd3lm'"):
+    replace(Config(), data=dict(seq_len=L), parallel=dict(strategy="cp_replicated_drafts",
+                                                          seq=P))
 
 
 def test_zigzag_gives_rank_r_chunks_r_and_2p_minus_1_minus_r():

@@ -8,19 +8,22 @@ context parallel where K/V travel, the whole context on every GPU under bp); use
 """
 
 import dataclasses
+import math
+
+import numpy as np
 
 from bdlm_jax.analysis.cost_model.projection import BASELINES, CSBP
-from bdlm_jax.analysis.cost_model.setting import Assumptions, Hardware
+from bdlm_jax.analysis.cost_model.setting import GB, Assumptions, Hardware
 from bdlm_jax.analysis.cost_model.timing import attention_s
 from bdlm_jax.analysis.cost_model.work import (PlanWork, context_work, distinct_plans, kv_row,
-                                               plan_work)
+                                               work_of)
 from bdlm_jax.analysis.hlo_stats import COLLECTIVE_KINDS, wire_bytes
 from bdlm_jax.analysis.step_report import attention_traffic, context_traffic
 from bdlm_jax.config import Config, ModelConfig
 from bdlm_jax.configure import replace
 from bdlm_jax.metrics import linear_flops_per_row, model_flops_per_step, param_count
 from bdlm_jax.models.drafter import drafter_model, target_depth, target_layer_ids
-from bdlm_jax.parallel.registry import SINGLE_DEVICE, get_strategy, strategy_names
+from bdlm_jax.parallel.registry import SINGLE_DEVICE, get_strategy, make_plan, strategy_names
 
 # Qwen3-8B as the frozen target, DFlash's Qwen3-8B drafter (5 layers of the target's width
 # and heads, d_ff 12288, blocks of 16; its context: 5 target layers' outputs -> fc -> RMSNorm).
@@ -37,12 +40,88 @@ ANCHORS = (("512 (SpecForge recipe)", lambda seq_len: 512),
            ("L/64 (sensitivity)", lambda seq_len: seq_len // 64))
 
 
+# The seed paper's baseline: every draft block on every rank (its `all_blocks` mode)
+PAPER_BASELINE = strategy_names(needs_drafter=True, baseline=True)[0]
+# Context pruning's K/V packets: padded to the largest owner's kept rows, in tiles of 256
+# rows (the seed's `compact_dflash_target_context`, model.py ~1053-1213)
+PRUNED_TILE = 256
+FEATURE_BYTES = 2  # the features are stored and copied in bf16 (the recipes' `dtype: bf16`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dflash2Recipe:
+  """A DFlash2 recipe of the seed (Turbo-dLLM 0.1.6, `recipes/runs/dflash2-*-1m.yaml`): a
+  drafter of every-layer sliding-window attention over target features read from disk
+  (`target_features: offline`); locality anchors; 1M tokens on 8 H100."""
+  target: ModelConfig  # the verifier: its width, vocabulary and head (the features' width)
+  drafter: dict  # drafter.* (layers, widths, window, the target layers read)
+  block_size: int
+  anchors: int
+
+
+DFLASH2_RECIPES = {
+    # Muse-Glimmer-30B-DFlash2 (recipe: B 16, 512 anchors, layers [2, 14, 26, 38, 50]);
+    # widths from the seed's dflash2.py defaults for it (notes/dflash2.md): 5 layers, all
+    # sliding, W 2048, H 6656, I 19968, 32 / 8 heads x 128, vocabulary 202,048, fc 33,280 ->
+    # 6,656 (5 target layers of width 6656), rope 5e5. The verifier's depth only needs
+    # to reach layer 50; its own d_ff is unused (its layers never run).
+    "muse-glimmer-30b": Dflash2Recipe(
+        ModelConfig(vocab_size=202048, d_model=6656, n_layers=51, n_heads=32, n_kv_heads=8,
+                    head_dim=128, d_ff=19968, rope_theta=5e5, qk_norm=True,
+                    tie_embeddings=False, compute_dtype="bfloat16"),
+        dict(n_layers=5, d_ff=19968, window=2048, target_layers="2,14,26,38,50",
+             features="offline"), block_size=16, anchors=512),
+    # Qwen3.8-27B-DFlash2 (recipe: B 8, 2048 anchors, layers [6, 20, 34, 48, 62], W 2048: its
+    # ~18.4K kept rows of 1M are 2048 anchors x stride 8 + W). The verifier's dims are not in
+    # the seed (loaded from its Hugging Face config): ASSUMED Qwen3.5-27B-class, width 5120,
+    # 64 layers (notes/gated-deltanet.md), 24 / 4 heads x 256, d_ff 17408, vocabulary
+    # 248,320; the drafter 5 layers of that width, as the Muse one.
+    "qwen3.8-27b": Dflash2Recipe(
+        ModelConfig(vocab_size=248320, d_model=5120, n_layers=64, n_heads=24, n_kv_heads=4,
+                    head_dim=256, d_ff=17408, rope_theta=1e7, qk_norm=True,
+                    tie_embeddings=False, compute_dtype="bfloat16"),
+        dict(n_layers=5, window=2048, target_layers="6,20,34,48,62", features="offline"),
+        block_size=8, anchors=2048),
+}
+
+
 def dflash_config(seq_len: int, anchors: int, target: ModelConfig = TARGET,
-                  draft_layers: int = DRAFT_LAYERS, block_size: int = BLOCK) -> Config:
-  """The bdlm_jax config of a dflash run: `model` the target, `drafter` its widths' defaults."""
+                  draft_layers: int = DRAFT_LAYERS, block_size: int = BLOCK,
+                  drafter: dict | None = None) -> Config:
+  """The bdlm_jax config of a dflash run: `model` the target, `drafter` its widths' defaults
+  (or `drafter`'s fields)."""
   return replace(Config(), model=dataclasses.asdict(target), data=dict(seq_len=seq_len),
                  objective=dict(name="dflash", block_size=block_size, max_anchors=anchors),
-                 drafter=dict(n_layers=draft_layers), train=dict(batch_size=1))
+                 drafter=drafter or dict(n_layers=draft_layers), train=dict(batch_size=1))
+
+
+def recipe_config(recipe: Dflash2Recipe, seq_len: int) -> Config:
+  cfg = dflash_config(seq_len, recipe.anchors, recipe.target, block_size=recipe.block_size,
+                      drafter=recipe.drafter)
+  return replace(cfg, objective=dict(anchors="locality"))
+
+
+def locality_anchors(seq_len: int, anchors: int, block_size: int) -> np.ndarray:
+  """Where the seed's `locality` rule (core/objectives/dflash.py ~450-510) puts A anchors
+  among the n = L - 1 candidates of one supervised document: a run of stride B, bumped until
+  coprime with n; its start, uniform there, is taken mid-sequence (no wrap)."""
+  n, stride = seq_len - 1, block_size
+  while math.gcd(stride, n) != 1:
+    stride += 1
+  start = (n - anchors * stride) // 2
+  return np.sort((start + np.arange(anchors) * stride) % n)
+
+
+def kept_context_rows(plan, window: int) -> np.ndarray:
+  """int64 [P]: each rank's context rows inside the union of the anchors' windows
+  [a - W + 1, a): what context pruning projects (the rest no draft query sees)."""
+  starts = plan.block_starts()
+  edges = np.zeros(plan.seq_len + 1, np.int64)
+  np.add.at(edges, np.maximum(starts - window + 1, 0), 1)
+  np.add.at(edges, starts, -1)
+  keep = np.cumsum(edges)[:plan.seq_len] > 0
+  pos = plan.rows[:, plan.n_noisy:] - plan.noisy_len
+  return (keep[np.maximum(pos, 0)] & (pos >= 0)).sum(axis=1)
 
 
 def drafter_params(cfg: Config) -> int:
@@ -56,12 +135,44 @@ def drafter_params(cfg: Config) -> int:
 def dflash_works(strategy: str, cfg: Config, num_gpus: int) -> tuple[PlanWork, PlanWork]:
   """(drafter, target) work of one sequence: over every GPU, or one GPU when the strategy
   does not split sequences (`none`: data parallel). The drafter's pairs are its draft
-  queries' (own block's draft rows, context before the anchor), split by whose K/V they
-  read."""
+  queries' (own block's draft rows, context before the anchor, within the window of a
+  sliding-window drafter), split by whose K/V they read; anchors where `objective.anchors`
+  puts them (locality: `locality_anchors`; else uniform). A windowed drafter's context is
+  pruned (`kept_context_rows`): its K/V packets carry the largest owner's kept rows."""
   p = num_gpus if get_strategy(strategy).splits_sequences else 1
-  o = cfg.objective
-  return (plan_work(strategy, cfg.data.seq_len, o.block_size, p, draft_blocks=o.max_anchors),
-          context_work(strategy, cfg.data.seq_len, p))
+  o, window = cfg.objective, cfg.drafter.window or None
+  plan = make_plan(strategy, cfg.data.seq_len, o.block_size, p, draft_blocks=o.max_anchors)
+  if o.anchors == "locality":
+    plan = dataclasses.replace(plan, anchor_starts=locality_anchors(
+        cfg.data.seq_len, o.max_anchors, o.block_size))
+  drafter = work_of(plan, window)
+  if window and drafter.n_travel:
+    context = plan.rows_per_rank - plan.n_noisy
+    packet = min(context, -(-kept_context_rows(plan, window).max() // PRUNED_TILE) * PRUNED_TILE)
+    drafter = dataclasses.replace(drafter, n_travel=drafter.n_travel - context + packet)
+  return drafter, context_work(strategy, cfg.data.seq_len, p)
+
+
+def projected_context_rows(cfg: Config, plan) -> int:
+  """Context rows a GPU runs through fc and the drafter's k/v projections: its clean slot,
+  or with a sliding-window drafter only those some window reaches (context pruning)."""
+  if cfg.drafter.window:
+    return int(kept_context_rows(plan, cfg.drafter.window).max())
+  return plan.rows_per_rank - plan.n_noisy
+
+
+def feature_feed_s(cfg: Config, plan, hw: Hardware) -> tuple[float, float]:
+  """(host-to-device, disk) seconds of one step's precomputed target features
+  (`drafter.features`; 0 when the target runs in the step). Each GPU copies its own context
+  rows' features, all of them (pruning happens on the device), over its host link
+  (`host_gb_s`); the node reads the sequence's features from its NVMe once (`disk_gb_s`:
+  a row several GPUs copy, as bp's replicated context, is read once into host memory)."""
+  if not cfg.drafter.features:
+    return 0.0, 0.0
+  row = len(target_layer_ids(cfg)) * cfg.model.d_model * FEATURE_BYTES
+  context = plan.rows_per_rank - plan.n_noisy
+  return (context * row / (hw.host_gb_s * GB),
+          cfg.data.seq_len * row / (hw.disk_gb_s * GB))
 
 
 def dflash_step_time(cfg: Config, drafter: PlanWork, target: PlanWork, hw: Hardware,
@@ -74,7 +185,7 @@ def dflash_step_time(cfg: Config, drafter: PlanWork, target: PlanWork, hw: Hardw
   m, d = cfg.model, drafter_model(cfg)
   n_feat = len(target_layer_ids(cfg))
   matmul = hw.matmul_tflops * 1e12
-  ctx_rows = drafter.plan.rows_per_rank - drafter.plan.n_noisy
+  ctx_rows = projected_context_rows(cfg, drafter.plan)
   draft_rows = drafter.plan.n_noisy
   t_attn, _, t_busy = attention_s(m, target, target.stay_pairs, target.travel_pairs, hw, a)
   depth = target_depth(cfg)  # the target layers a step runs
@@ -90,8 +201,13 @@ def dflash_step_time(cfg: Config, drafter: PlanWork, target: PlanWork, hw: Hardw
                target_attention_busy_s=depth * t_busy, drafter_linear_s=d_linear,
                drafter_attention_s=d.n_layers * (fwd + bwd),
                drafter_attention_busy_s=d.n_layers * (1 + a.attention_bwd_factor) * busy)
-  total = t_linear + parts["target_attention_s"] + d_linear + parts["drafter_attention_s"]
-  return dict(total_s=total, **parts, comm_bytes_per_step=dflash_comm_bytes(cfg, drafter, a))
+  compute = t_linear + parts["target_attention_s"] + d_linear + parts["drafter_attention_s"]
+  # Features from disk: a GPU waits for its own copy; the disk read is prefetched (the seed's
+  # loader thread, dflash/data.py ~325-335), exposed only where it outlasts the step.
+  h2d, disk = feature_feed_s(cfg, drafter.plan, hw)
+  total = max(compute + h2d, disk)
+  return dict(total_s=total, **parts, compute_s=compute, feature_copy_s=h2d, feature_read_s=disk,
+              comm_bytes_per_step=dflash_comm_bytes(cfg, drafter, a))
 
 
 def dflash_comm_bytes(cfg: Config, drafter: PlanWork, a: Assumptions) -> float:
@@ -103,6 +219,9 @@ def dflash_comm_bytes(cfg: Config, drafter: PlanWork, a: Assumptions) -> float:
   plan = drafter.plan
   traffic = attention_traffic(plan, kv_row(d) * a.compute_bytes, kv_row(d) * a.kv_grad_bytes,
                               a.meta_bytes_per_row, d.n_layers)
+  unpruned = plan.rows_per_rank - plan.n_stay
+  if unpruned and plan.travel != "none":  # context pruning shrinks the travelling rows
+    traffic = {k: v * drafter.n_travel / unpruned for k, v in traffic.items()}
   context = context_traffic(plan, kv_row(m) * a.compute_bytes, a.meta_bytes_per_row,
                             target_depth(cfg))
   return wire_bytes({k: traffic[k] + context[k] for k in COLLECTIVE_KINDS}, plan.num_ranks)
@@ -118,26 +237,31 @@ def dflash_memory(cfg: Config, drafter: PlanWork, target: PlanWork, hw: Hardware
   one target layer's forward (two gathered layers' weights, its projections and MLP over the
   context rows, the K/V its transport holds), one drafter layer's backward (its context K/V
   recomputed with f32 grads, the travelling K/V buffers, the draft rows' linear layers), or
-  one loss chunk."""
+  one loss chunk. With features from disk (`drafter.features`) the target's layers are not
+  held and never run: its embedding and head stay, the features are [ctx rows, n, D] (the
+  GPU's whole context slot: pruning keeps only the projected rows' fc output)."""
   m, d, e = cfg.model, drafter_model(cfg), a.compute_bytes
   n_feat = len(target_layer_ids(cfg))
   g = hw.num_gpus
   ctx, q = drafter.plan.rows_per_rank - drafter.plan.n_noisy, drafter.plan.n_noisy
-  states = param_count(m) * e / g + drafter_params(cfg) * a.state_bytes_per_param / g
+  projected = projected_context_rows(cfg, drafter.plan)
+  runs_target = target_depth(cfg) > 0
+  frozen = param_count(m) if runs_target else m.vocab_size * m.d_model * 2
+  states = frozen * e / g + drafter_params(cfg) * a.state_bytes_per_param / g
   target_layer = (param_count(m) - m.vocab_size * m.d_model * 2 - m.d_model) / m.n_layers
-  held = (ctx * (n_feat + 1) * m.d_model * e + ctx * d.d_model * (e + 4)
+  held = (ctx * (n_feat + runs_target) * m.d_model * e + projected * d.d_model * (e + 4)
           + d.n_layers * q * ((d.d_model + d.n_heads * d.head_dim) * e + 4 * d.n_heads))
   kv_t, kv_d = kv_row(m), kv_row(d)
   t_kv = {"local": 0, "ring": 2 * target.n_travel * kv_t * e,
           "allgather": target.plan.num_ranks * target.n_travel * kv_t * e}[target.transport]
-  target_tmp = (2 * target_layer * e + t_kv + ctx * (3 * m.d_model + m.n_heads * m.head_dim
-                                                     + kv_t + 3 * m.d_ff) * e)
+  target_tmp = runs_target * (2 * target_layer * e + t_kv + ctx * (
+      3 * m.d_model + m.n_heads * m.head_dim + kv_t + 3 * m.d_ff) * e)
   d_kv = {"local": 0, "ring": 2 * drafter.n_travel * kv_d * (e + a.kv_grad_bytes),
           "allgather": (drafter.n_stay + drafter.plan.num_ranks * drafter.n_travel) * kv_d
           * (e + 4)}[drafter.transport]
   q_row = d.n_heads * d.head_dim
   d_linear = 2 * (q * 3 * d.d_ff + q * (d.d_model + q_row + kv_d // 2)) * e + q * q_row * 4
-  drafter_tmp = ctx * kv_d * (e + 4) + d_kv + d_linear
+  drafter_tmp = projected * kv_d * (e + 4) + d_kv + d_linear
   logits_tmp = 2 * min(m.logits_chunk or q, q) * m.vocab_size * 4
   transient = max(target_tmp, drafter_tmp, logits_tmp)
   return dict(total_bytes=states + held + transient, states_bytes=states, held_bytes=held,
@@ -157,21 +281,56 @@ def dflash_project(hw: Hardware, a: Assumptions, seq_lens=SEQ_LENS, anchors=ANCH
   for seq_len in seq_lens:
     for anchor_rule, count in anchors:
       cfg = dflash_config(seq_len, count(seq_len), target, draft_layers)
-      useful = model_flops_per_step(cfg)
-      names = strategies or distinct_plans(strategy_names(), seq_len, cfg.objective.block_size,
-                                            hw.num_gpus, count(seq_len))
-      for s in names:
-        drafter, target_work = dflash_works(s, cfg, hw.num_gpus)
-        row = dict(seq_len=seq_len, anchors=count(seq_len), anchor_rule=anchor_rule,
-                   strategy=s, **dflash_step_time(cfg, drafter, target_work, hw, a),
-                   **dflash_memory(cfg, drafter, target_work, hw, a))
-        row["seq_s"] = row["total_s"] / (1 if get_strategy(s).splits_sequences
-                                         else hw.num_gpus)
-        row["fits"] = row["total_bytes"] <= hw.usable_bytes
-        row["mfu"] = useful / (row["seq_s"] * hw.num_gpus * hw.peak_tflops * 1e12)
-        row["dominant"] = _dominant(row)
-        rows.append(row)
+      rows += strategy_rows(cfg, hw, a, strategies, anchor_rule=anchor_rule)
   return rows
+
+
+def strategy_rows(cfg: Config, hw: Hardware, a: Assumptions, strategies=None,
+                  **labels) -> list[dict]:
+  """One row per strategy (every one with a plan of its own unless given) of the dflash run
+  `cfg` on `hw`, each labelled with `labels`, its L and A."""
+  o, rows = cfg.objective, []
+  useful = model_flops_per_step(cfg)
+  names = strategies or distinct_plans(strategy_names(), cfg.data.seq_len, o.block_size,
+                                        hw.num_gpus, o.max_anchors)
+  for s in names:
+    drafter, target_work = dflash_works(s, cfg, hw.num_gpus)
+    row = dict(seq_len=cfg.data.seq_len, anchors=o.max_anchors, **labels, strategy=s,
+               **dflash_step_time(cfg, drafter, target_work, hw, a),
+               **dflash_memory(cfg, drafter, target_work, hw, a))
+    row["seq_s"] = row["total_s"] / (1 if get_strategy(s).splits_sequences else hw.num_gpus)
+    row["fits"] = row["total_bytes"] <= hw.usable_bytes
+    row["mfu"] = useful / (row["seq_s"] * hw.num_gpus * hw.peak_tflops * 1e12)
+    row["dominant"] = _dominant(row)
+    rows.append(row)
+  return rows
+
+
+def dflash2_project(hw: Hardware, a: Assumptions, recipes=DFLASH2_RECIPES,
+                    seq_lens=SEQ_LENS) -> list[dict]:
+  """`strategy_rows` of each DFlash2 recipe at each L, on `hw` (8 H100)."""
+  return [row for name, recipe in recipes.items() for seq_len in seq_lens
+          for row in strategy_rows(recipe_config(recipe, seq_len), hw, a, recipe=name)]
+
+
+def paper_comparison(rows: list[dict]) -> list[dict]:
+  """Per (recipe, L): the best fitting CSBP against the paper's baseline (every draft block
+  on every rank) and against our best fitting baseline (cp_*, bp), as the step with its
+  features fed (`seq_s`) and as its compute alone (`compute_s`: features already on the
+  GPU, as a profile with device-resident features measures)."""
+  out = []
+  for key in dict.fromkeys((r["recipe"], r["seq_len"]) for r in rows):
+    group = {r["strategy"]: r for r in rows if (r["recipe"], r["seq_len"]) == key}
+    best = lambda names, part: min((group[s] for s in names if s in group and group[s]["fits"]),
+                                   key=lambda r: r[part], default=None)
+    row = dict(recipe=key[0], seq_len=key[1], oom=[s for s, r in group.items() if not r["fits"]])
+    for part, suffix in (("seq_s", ""), ("compute_s", "_compute")):
+      csbp, ours, paper = best(CSBP, part), best(BASELINES, part), group.get(PAPER_BASELINE)
+      row.update({f"csbp{suffix}": csbp, f"paper{suffix}": paper, f"ours{suffix}": ours,
+                  f"over_paper{suffix}": paper[part] / csbp[part] if paper and csbp else None,
+                  f"over_ours{suffix}": ours[part] / csbp[part] if ours and csbp else None})
+    out.append(row)
+  return out
 
 
 def _dominant(row: dict) -> str:

@@ -14,6 +14,7 @@ every XLA:CPU compile.
 import csv
 import dataclasses
 
+from bdlm_jax.analysis.cost_model import gdn
 from bdlm_jax.analysis.cost_model.setting import MODELS, Assumptions, Hardware
 from bdlm_jax.analysis.cost_model.work import (PlanWork, attention_kinds, expert_slots, kv_row,
                                                moe_layers)
@@ -32,7 +33,8 @@ RAGGED_DISPATCH = "parallel.moe_dispatch=ragged_all_to_all"
 
 def peak_memory(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) -> dict:
   """Bytes per rank, assumed: states + saved activations + the largest transient buffer, of
-  the layer kind (global, local of window W) that needs the most."""
+  the layer kind (global, local of window W, Gated DeltaNet: the f32 states its chain
+  program keeps) that needs the most."""
   e = a.compute_bytes
   rows = work.plan.rows_per_rank
   kv = kv_row(m)
@@ -61,16 +63,27 @@ def peak_memory(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) ->
       layer_kv = (rows + received) * kv * 2 * e  # [own ; received] K/V and their dK/dV
     saved += n * saved_layer_bytes(m, work, window, a)
     transient = max(transient, linear_tmp + layer_kv)
+  if gdn.gdn_layers(m):
+    saved += gdn.gdn_layers(m) * layer_input_bytes(m, work, a)
+    transient = max(transient, linear_tmp
+                    + gdn.chain_layer(m, work.plan).state_bytes)
   chunk = min(m.logits_chunk or work.plan.n_noisy, work.plan.n_noisy)  # loss.chunked_loss
   logits_tmp = 2 * chunk * m.vocab_size * 4
   transient = max(transient, logits_tmp)
   host = 0.0
   if m.remat.startswith("offload"):  # in host memory, but for the layer streaming out or in
-    host, saved = saved, 2 * max(saved_layer_bytes(m, work, w, a) for w, _ in
-                                 attention_kinds(m))
+    host, saved = saved, 2 * max([saved_layer_bytes(m, work, w, a) for w, _ in
+                                  attention_kinds(m)] + [layer_input_bytes(m, work, a)])
   total = states + saved + transient
   return dict(total_bytes=total, states_bytes=states, saved_bytes=saved,
               transient_bytes=transient, host_bytes=host)
+
+
+def layer_input_bytes(m: ModelConfig, work: PlanWork, a: Assumptions) -> float:
+  """Bytes per rank of one layer's input with its row metadata: all that remat
+  `offload_input` saves of a layer, and any remat of a Gated DeltaNet layer (its stream is
+  recomputed: parallel/recurrence.py)."""
+  return work.plan.rows_per_rank * (m.d_model * a.compute_bytes + INPUT_META_BYTES_PER_ROW)
 
 
 def saved_layer_bytes(m: ModelConfig, work: PlanWork, window: int | None,
@@ -82,7 +95,7 @@ def saved_layer_bytes(m: ModelConfig, work: PlanWork, window: int | None,
   recomputed. Under `offload_input`, the layer input with its row metadata only."""
   rows = work.plan.rows_per_rank
   if reruns_attention(m.remat):
-    return rows * (m.d_model * a.compute_bytes + INPUT_META_BYTES_PER_ROW)
+    return layer_input_bytes(m, work, a)
   saved = rows * ((m.d_model + m.n_heads * m.head_dim) * a.compute_bytes
                   + INPUT_META_BYTES_PER_ROW + 4 * m.n_heads)
   if window is not None and window_transport(work.plan, window) == "exchange":

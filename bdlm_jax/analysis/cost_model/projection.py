@@ -10,8 +10,9 @@ from bdlm_jax.analysis.cost_model.timing import param_traffic_s, step_time
 from bdlm_jax.analysis.cost_model.work import plan_work, useful_flops
 from bdlm_jax.parallel.registry import strategy_names
 
-STRATEGIES = strategy_names(splits_sequences=True)
-CSBP = strategy_names(travels="clean")  # context-sharded BP: only the clean K/V travel
+STRATEGIES = strategy_names(splits_sequences=True, needs_drafter=False)
+# context-sharded BP: only the clean K/V travel (not a baseline that replicates the drafts)
+CSBP = strategy_names(travels="clean", baseline=False)
 BASELINES = tuple(s for s in STRATEGIES if s not in CSBP)  # what CSBP is measured against
 
 

@@ -7,6 +7,7 @@ import dataclasses
 from bdlm_jax.analysis.cost_model import dflash
 from bdlm_jax.analysis.cost_model.dflash import (dflash_config, dflash_project, dflash_speedups,
                                                  drafter_params, drafter_s)
+from bdlm_jax.analysis.cost_model.hybrid import hybrid_rows
 from bdlm_jax.analysis.cost_model.projection import (STRATEGIES, offload_on_both_links, project,
                                                      speedups)
 from bdlm_jax.analysis.cost_model.setting import (BLOCK_SIZES, GB, MODELS,
@@ -512,16 +513,75 @@ def _dflash_reading(spd: list[dict], rows: list[dict], hw: Hardware) -> str:
          else "it does not at these lengths."))
 
 
+def dflash2_section(hw: Hardware, rows: list[dict]) -> list[str]:
+  """The DFlash2 recipes (features from disk) next to the paper's 8 H100 figures: CSBP over
+  the paper's baseline and over our best fitting one, fed from disk and compute alone."""
+  figure = {seq_len: paper for seq_len, (paper, _) in _dflash_paper(
+      [dict(seq_len=r["seq_len"]) for r in rows]).items()}
+  lines = [f"### DFlash2 recipes, features from disk ({hw.name})", "",
+           f"Seconds per step and CSBP's speedup, *fed*: the step with its features read "
+           f"from NVMe ({hw.disk_gb_s:.0f} GB/s a node, prefetched) and copied to each GPU "
+           f"({hw.host_gb_s:.0f} GB/s, exposed); *compute*: the features already on the GPU. "
+           f"Paper baseline = {dflash.PAPER_BASELINE} (every draft block on every rank); ours "
+           f"= the best fitting of cp_*, bp.", "",
+           "| recipe | L | CSBP s (fed / compute) | paper baseline s | over it (fed / compute) "
+           "| paper's figure | our best baseline | over it (fed / compute) | OOM |",
+           "|" + "---|" * 9]
+  for c in dflash.paper_comparison(rows):
+    csbp, paper, ours = c["csbp"], c["paper"], c["ours_compute"]
+    lines.append(
+        f"| {c['recipe']} | {_k(c['seq_len'])} | {csbp['seq_s']:.3f} / {csbp['compute_s']:.3f} "
+        f"({csbp['strategy']}) | {paper['seq_s']:.3f} / {paper['compute_s']:.3f} | "
+        f"{_x(c['over_paper'])} / {_x(c['over_paper_compute'])} | "
+        f"{_x(figure.get(c['seq_len']))} | {ours['strategy']} {ours['compute_s']:.3f} | "
+        f"{_x(c['over_ours'])} / {_x(c['over_ours_compute'])} | {', '.join(c['oom']) or '—'} |")
+  return lines + [""]
+
+
+def hybrid_section(hw: Hardware, rows: list[dict]) -> list[str]:
+  """The Gated DeltaNet hybrid at the seed's conversion setting (`hybrid.hybrid_rows`): our
+  chain under csbp_ring and cp_ring, and the seed's head-parallel GDN."""
+  r0 = rows[0]
+  lines = [f"### Gated DeltaNet hybrid: {r0['model']}, {r0['objective']}, L = "
+           f"{_k(r0['seq_len'])}, B = {r0['block_size']} ({hw.name})", "",
+           "One step (both complementary copies) under full remat. *chain*: this package's "
+           "GDN program (segments, a chain of one-state hops, tails all-gathered, copies "
+           "fetched where blocks live elsewhere); *seed all-to-all*: the seed's head-parallel "
+           "GDN (q, k, v, z, b, a to head shards and back, boundary states to each block's "
+           "rank), with csbp_ring's attention. GDN s: the GDN layers' conv and delta rule at "
+           f"{hw.delta_rule_tflops:g} TFLOP/s plus what they wait for (*wait*), the "
+           "projections being timed with the linear layers. Sent: GB each rank sends a step "
+           "(the chain's hops at their one sender, averaged over ranks). State: f32 GDN "
+           "states one layer keeps for its backward (one copy).", "",
+           "| strategy | GDN | step s | csbp_ring + chain faster by | attention s | GDN s "
+           "(wait) | attention GB sent | GDN GB sent | GDN state MiB / layer |",
+           "|" + "---|" * 9]
+  for r in rows:
+    name = "chain" if r["gdn_transport"] == "chain" else "seed all-to-all"
+    lines.append(f"| {r['strategy']} | {name} | {r['total_s']:.2f} | {_x(r['csbp_speedup'])} | "
+                 f"{r['attention_s']:.2f} | {r['gdn_s']:.2f} ({r['gdn_wait_s']:.2f}) | "
+                 f"{r['attention_bytes_per_step'] / GB:.1f} | "
+                 f"{r['gdn_bytes_per_step'] / GB:.1f} | {r['gdn_state_bytes'] / 2 ** 20:.0f} |")
+  return lines + [""]
+
+
 def report(hw: Hardware, calibration: str, compiled=None, probe: str = "`scale_probe.csv`",
            dflash_rows: list[dict] | None = None,
-           offload: list[dict] | None = None) -> tuple[str, list[dict]]:
+           offload: list[dict] | None = None,
+           dflash2_rows: list[dict] | None = None,
+           gdn_rows: list[dict] | None = None) -> tuple[str, list[dict]]:
   """(markdown, the default scenario's rows). `dflash_rows`: `dflash_project` rows on
-  `h100(hw)`; `offload`: `offload_on_both_links(hw, compiled)` (each projected here when not
-  given)."""
+  `h100(hw)`; `offload`: `offload_on_both_links(hw, compiled)`; `dflash2_rows`:
+  `dflash2_project` rows on `h100(hw)`; `gdn_rows`: `hybrid_rows(hw)` (each projected here
+  when not given)."""
   if dflash_rows is None:
     dflash_rows = dflash_project(h100(hw), SCENARIOS["default"])
+  if dflash2_rows is None:
+    dflash2_rows = dflash.dflash2_project(h100(hw), SCENARIOS["default"])
   if offload is None:
     offload = offload_on_both_links(hw, compiled)
+  if gdn_rows is None:
+    gdn_rows = hybrid_rows(hw)
   dflash_spd = dflash_speedups(dflash_rows)
   rows_by = project(hw, SCENARIOS, compiled=compiled)
   results = {name: speedups(rows) for name, rows in rows_by.items()}
@@ -555,5 +615,7 @@ def report(hw: Hardware, calibration: str, compiled=None, probe: str = "`scale_p
             ""]
   lines += _paper_table(results, dflash_spd)
   lines += _dflash_section(h100(hw), default, dflash_rows, dflash_spd)
+  lines += dflash2_section(h100(hw), dflash2_rows)
+  lines += hybrid_section(hw, gdn_rows)
   return "\n".join(lines), rows_by["default"]
 

@@ -5,6 +5,8 @@ Every constant lives here and the report prints them all next to its results.
 
 import csv
 import dataclasses
+import os
+import runpy
 import statistics
 
 from bdlm_jax.analysis.step_report import GB, META_ROW_BYTES
@@ -28,6 +30,20 @@ class Hardware:
   # PCI-SIG PCIe 5.0 spec, ~55 GB/s achieved, one GPU per link (`host_link_c2c`: GH200's).
   host_gb_s: float = 55.0
   host_gb_per_node: float = 2048.0  # a node's system memory (DGX H200: 2 TB)
+  # A node's local NVMe, sequential read, what a DFlash run's precomputed target features
+  # stream from (an assumption): 8 x 3.84 TB U.2 data drives per DGX H100/H200 (NVIDIA DGX
+  # H100 datasheet), ~7 GB/s each for PCIe Gen4 x4 drives of that class (Samsung PM1733
+  # datasheet: 7,000 MB/s), ~90% of 56 GB/s achieved across the RAID-0 array.
+  disk_gb_s: float = 50.0
+  # The chunked gated delta rule (conv included), fwd and bwd: an assumption, not measured
+  # here nor fitted: flash-linear-attention-class kernels run 64-row tiles (K, V = 128) and a
+  # serial state pass between chunks, well short of a GEMM; a quarter of `matmul_tflops`.
+  delta_rule_tflops: float = 150.0
+  # One chain step's cost beside its state's trip over the link (`nvlink_alpha_us` or
+  # `ib_alpha_us` + 3 MiB at the link's bandwidth, as every hop of this model): the dependent
+  # apply S = M S_in + N, one small kernel the next hop waits for. An assumption: CUDA's
+  # launch-to-launch latency of dependent kernels is a few microseconds.
+  chain_apply_us: float = 5.0
   hbm_gb: float = 141.0
   usable_fraction: float = 0.95  # what the allocator may use
 
@@ -117,6 +133,14 @@ MODELS = {
                                  moe_drop_tokens=True, moe_capacity_factor=1.25,
                                  rope_theta=1e6, qk_norm=True, tie_embeddings=False,
                                  compute_dtype="bfloat16"),
+}
+# Gated DeltaNet hybrids, projected apart from `MODELS` (cost_model.hybrid): Qwen3.5-27B's
+# dimensions, as configs/qwen3_5_27b_fast_dllm_v2_256k.py gives them and sources them.
+QWEN3_5_RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), *[os.pardir] * 3,
+                              "configs", "qwen3_5_27b_fast_dllm_v2_256k.py")
+GDN_MODELS = {
+    "qwen3.5-27b": ModelConfig(**runpy.run_path(QWEN3_5_RECIPE)["QWEN3_5_27B"],
+                               compute_dtype="bfloat16"),
 }
 SEQ_LENS = (128 * 1024, 256 * 1024, 512 * 1024, 1024 * 1024)
 BLOCK_SIZES = (16, 64, 256)

@@ -13,7 +13,8 @@ ring's hops and an exchange's too; an all-gather's gather there is the backward'
 
 import numpy as np
 
-from bdlm_jax.analysis.cost_model.memory import saved_layer_bytes
+from bdlm_jax.analysis.cost_model import gdn
+from bdlm_jax.analysis.cost_model.memory import layer_input_bytes, saved_layer_bytes
 from bdlm_jax.analysis.cost_model.setting import GB, Assumptions, Hardware
 from bdlm_jax.analysis.cost_model.work import (PlanWork, attention_kinds, expert_params,
                                                kv_row, moe_layers, step_comm_bytes)
@@ -33,9 +34,25 @@ def hop_s(nbytes: float, hw: Hardware, num_ranks: int) -> float:
   """One ring hop, at the slowest link's pace (InfiniBand once the ring leaves a node)."""
   if num_ranks == 1:
     return 0.0  # a one-rank ring keeps everything in place
-  if num_ranks > hw.gpus_per_node:
+  return link_s(nbytes, hw, across_nodes=num_ranks > hw.gpus_per_node)
+
+
+def link_s(nbytes: float, hw: Hardware, across_nodes: bool) -> float:
+  """One message over NVLink, or InfiniBand `across_nodes`: latency + bytes at bandwidth."""
+  if across_nodes:
     return hw.ib_alpha_us * 1e-6 + nbytes / (hw.ib_gb_s * GB)
   return hw.nvlink_alpha_us * 1e-6 + nbytes / (hw.nvlink_gb_s * GB)
+
+
+def all_to_all_s(one_way: float, hw: Hardware) -> float:
+  """One all-to-all in which each GPU sends `one_way` bytes spread evenly over every GPU (a
+  1/G share staying on its GPU), exposed: its NVLink and InfiniBand shares in parallel."""
+  g = hw.num_gpus
+  nvlink = one_way * (min(g, hw.gpus_per_node) - 1) / g / (hw.nvlink_gb_s * GB)
+  if g > hw.gpus_per_node:
+    return hw.ib_alpha_us * 1e-6 + max(
+        nvlink, one_way * (g - hw.gpus_per_node) / g / (hw.ib_gb_s * GB))
+  return hw.nvlink_alpha_us * 1e-6 + nvlink
 
 
 def ring_s(start: np.ndarray, compute: np.ndarray, kv_hop: float, grad_hop: float,
@@ -72,18 +89,11 @@ def moe_exchange(m: ModelConfig, rows: int, hw: Hardware, a: Assumptions) -> tup
   remat's forward, and in the backward (the gradients, the reverse way). The router is taken
   as balanced (every pair kept, a 1/G share staying on its GPU); the exchange is exposed,
   its inter-node share on InfiniBand alongside the NVLink share."""
-  g = hw.num_gpus
-  if not moe_layers(m) or g == 1:
+  if not moe_layers(m) or hw.num_gpus == 1:
     return 0.0, 0.0
   one_way = rows * m.moe_top_k * m.d_model * a.compute_bytes
   exchanges = moe_layers(m) * 2 * (2 + a.remat_forward)
-  nvlink = one_way * (min(g, hw.gpus_per_node) - 1) / g / (hw.nvlink_gb_s * GB)
-  if g > hw.gpus_per_node:
-    seconds = hw.ib_alpha_us * 1e-6 + max(
-        nvlink, one_way * (g - hw.gpus_per_node) / g / (hw.ib_gb_s * GB))
-  else:
-    seconds = hw.nvlink_alpha_us * 1e-6 + nvlink
-  return exchanges * one_way, exchanges * seconds
+  return exchanges * one_way, exchanges * all_to_all_s(one_way, hw)
 
 
 def attention_s(m: ModelConfig, work: PlanWork, stay: np.ndarray, travel: np.ndarray,
@@ -144,10 +154,49 @@ def local_attention_s(m: ModelConfig, work: PlanWork, window: int, hw: Hardware,
           bwd * busy + hops(kv_row(m) * a.compute_bytes), busy)
 
 
-def step_time(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) -> dict:
+def chain_latency_s(m: ModelConfig, plan, hw: Hardware) -> float:
+  """Seconds of one pass of the chain (2P - 1 serial steps on a zigzag): each step a
+  dependent apply (`hw.chain_apply_us`) and, where the next segment is on another rank, one
+  state sent over its link (NVLink inside a node, InfiniBand across)."""
+  node = lambda rank: rank // hw.gpus_per_node
+  hops = gdn.chain_hops(m, plan)
+  return (len(hops) * hw.chain_apply_us * 1e-6
+          + sum(link_s(gdn.state_bytes(m), hw, node(q) != node(r)) for q, r in hops if q != r))
+
+
+def gdn_comm_s(m: ModelConfig, plan, hw: Hardware, transport: str) -> float:
+  """Seconds one pass (forward, or backward) of a GDN layer waits on other devices, exposed:
+  the rerun needs its entry state and conv rows, a head shard its rows. Chain: the tails'
+  all-gather (P-1 ring hops), the chain, and the fetched copies (one hop); seed: its three
+  all-to-alls."""
+  if plan.num_ranks == 1:
+    return 0.0
+  if transport == gdn.ULYSSES:
+    return sum(all_to_all_s(nbytes, hw) for nbytes in gdn.ulysses_bytes(m, plan))
+  tails, fetched = gdn.chain_pass_bytes(m, plan)
+  p = plan.num_ranks
+  return ((p - 1) * hop_s(tails, hw, p) if tails else 0.0) + chain_latency_s(m, plan, hw) + (
+      hop_s(fetched, hw, p) if fetched else 0.0)
+
+
+def gdn_layer_s(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions,
+                transport: str = gdn.CHAIN) -> tuple[float, float, float]:
+  """(forward, backward, busiest rank's compute) seconds of one GDN layer beside its
+  projections (timed with the linear layers): conv and delta rule at `hw.delta_rule_tflops`,
+  and `gdn_comm_s`. The backward computes twice the forward (as a linear layer: an
+  assumption) and waits as long; it first re-runs the forward, sends included, where remat
+  does (`a.remat_forward`: parallel/recurrence.py recomputes under any remat)."""
+  busy = gdn.layer_work(m, work.plan, transport).core / (hw.delta_rule_tflops * 1e12)
+  fwd = busy + gdn_comm_s(m, work.plan, hw, transport)
+  return fwd, fwd + busy + a.remat_forward * fwd, busy
+
+
+def step_time(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions,
+              gdn_transport: str = gdn.CHAIN) -> dict:
   """Seconds of one step (one sequence over the seq ranks), and where they go; each layer
-  kind (global, local of window W) timed on its own transport; under `model.remat=offload`
-  the host copies that do not hide under their layers (`host_transfer`)."""
+  kind (global, local of window W) timed on its own transport, Gated DeltaNet layers on
+  `gdn_transport` (`cost_model.gdn`); under `model.remat=offload` the host copies that do
+  not hide under their layers (`host_transfer`)."""
   rows = work.plan.rows_per_rank  # padding rows run through the linear layers too
   matmul = hw.matmul_tflops * 1e12
   layer_linear = rows * linear_flops_per_row(m) / m.n_layers / matmul  # a mean layer's forward
@@ -167,14 +216,25 @@ def step_time(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) -> d
     busy += n * (1 + a.attention_bwd_factor + reruns_attention(m.remat)) * layer_busy
     layers.append((n, saved_layer_bytes(m, work, window, a), layer_linear + attn_fwd,
                    (2 + a.remat_forward) * layer_linear + attn_bwd + rerun))
+  n_gdn = gdn.gdn_layers(m)
+  gdn_fwd, gdn_bwd, gdn_busy = (gdn_layer_s(m, work, hw, a, gdn_transport) if n_gdn
+                                else (0.0, 0.0, 0.0))
+  if n_gdn:
+    layers.append((n_gdn, layer_input_bytes(m, work, a), layer_linear + gdn_fwd,
+                   (2 + a.remat_forward) * layer_linear + gdn_bwd))
   linear = m.n_layers * layer_linear * (3 + a.remat_forward)
   logits = 3 * 2 * work.plan.n_noisy * m.d_model * m.vocab_size / matmul
   moe_bytes, moe_s = moe_exchange(m, rows, hw, a)
   host_bytes, host_copy, host_exposed = (host_transfer(layers, hw)
                                          if m.remat.startswith("offload") else (0.0, 0.0, 0.0))
-  return dict(total_s=linear + logits + attention + moe_s + host_exposed,
+  return dict(total_s=linear + logits + attention + n_gdn * (gdn_fwd + gdn_bwd) + moe_s
+              + host_exposed,
               attention_s=attention, linear_s=linear + logits, attention_busy_s=busy,
               comm_bytes_per_step=step_comm_bytes(work, m, a),
+              gdn_s=n_gdn * (gdn_fwd + gdn_bwd),
+              gdn_busy_s=n_gdn * (3 + a.remat_forward) * gdn_busy,
+              gdn_comm_bytes_per_step=gdn.gdn_wire_bytes(m, work.plan, gdn_transport,
+                                                         a.remat_forward),
               moe_exchange_s=moe_s, moe_exchange_bytes=moe_bytes,
               host_bytes_per_step=host_bytes, host_copy_s=host_copy,
               host_exposed_s=host_exposed)

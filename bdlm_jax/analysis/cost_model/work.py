@@ -55,13 +55,13 @@ class PlanWork:
             np.where(self.travel_pairs > 0, rows * self.n_travel, 0))
 
 
-def work_of(plan: LayoutPlan) -> PlanWork:
+def work_of(plan: LayoutPlan, window: int | None = None) -> PlanWork:
   """`PlanWork` of any plan ([x_t ; x_0], a drafter's, an autoregressive one): its K/V rows
   split into the part that stays (everything, when nothing travels) and the part that
-  travels, and `attention_work` counted against each."""
+  travels, and `attention_work` (on a layer of `window`, if given) counted against each."""
   split = plan.rows_per_rank if plan.travel == "none" else plan.n_stay
-  stay = np.diagonal(plan.attention_work(keys=plan.rows[:, :split]))
-  return PlanWork(plan, stay, plan.attention_work(keys=plan.rows[:, split:]), split,
+  stay = np.diagonal(plan.attention_work(window, keys=plan.rows[:, :split]))
+  return PlanWork(plan, stay, plan.attention_work(window, keys=plan.rows[:, split:]), split,
                   plan.rows_per_rank - split)
 
 

@@ -1,0 +1,104 @@
+"""DFlash2, the seed paper's Muse-Glimmer-30B recipe (docs/dflash.md, "DFlash2"): the
+Muse-Glimmer-30B-DFlash2 drafter (5 layers, every one sliding-window, W = 2048, width 6656,
+block convolutions, the candidate selector, D-PACE weights with the LK lambda loss) trained on
+the verifier's features read from disk, one 1,048,576-token sequence a step on 8 devices,
+context-sharded block parallelism (csbp_ring).
+
+  python run.py --config configs/dflash2_muse_1m.py --set mode=plan
+
+`mode=plan` compiles the step (never runs it) with XLA:TPU ahead of time for 8 TPU v5p chips
+(`plan.target`; `pip install -r requirements-tpu.txt`, no TPU) under every strategy and prints
+each one's per-device peak; docs/dflash.md holds the table (csbp_ring: 46.28 GB a chip of
+95.74 GiB; bp does not fit). It needs no features: the batch is abstract.
+
+Features from disk (the seed's `target_features: offline`): `drafter.features` names a folder
+in the layout of bdlm_jax/data/features.py (tokens, segment ids, protected flags and the
+verifier's hidden states at layers 2, 14, 26, 38, 50 of every position, bf16: 1M x 5 x 6656 x
+2 B = 70 GB a sequence), as experiments/dflash_features.py writes it (that script runs the
+verifier through this package, so only for a verifier it can import). The step
+reads them from the batch (`Batch.context`, each rank its own context rows), the verifier's
+layers are neither loaded nor run (`params.py`: the target keeps only the embedding, final
+norm and LM head the drafter shares), so nothing of the target's forward is in the step. To
+train, point `drafter.target` at the verifier's Hugging Face folder (for that embedding and
+head) and `drafter.features` at the folder.
+
+What this package does not do of the seed's recipe: context pruning (the seed projects only
+the ~10.2K context rows inside the union of the anchors' windows; here every context row goes
+through `fc` and the K/V projections and is masked), the selector's unary `output_multiplier`
+(0.19612), and the seed's CP 4 / BP 4 x DP 2 layout (here one `seq` axis of 8).
+"""
+
+from bdlm_jax.config import (Config, DataConfig, DrafterConfig, ModelConfig, ObjectiveConfig,
+                             ParallelConfig, PlanConfig, TrainConfig)
+
+# The seed: Turbo-dLLM 0.1.6 (`pip download turbo-dllm==0.1.6 --no-deps`); RECIPE is its
+# dllm_parallel/recipes/runs/dflash2-muse-glimmer-30b-1m.yaml (the GitHub repository's
+# benchmarks/recipes/dflash2_*.yaml), line numbers of that file. CKPT: the widths are in
+# neither the wheel nor the recipe but in the checkpoints' Hugging Face configs (RECIPE lines
+# 8-11: incoai/Muse-Glimmer-30B-DFlash2 @ 8336acb8, verifier meta-models/Muse-Glimmer-30B @
+# a4e59da5), which the seed loads at run time: 5 layers, all sliding, W 2048, H 6656, I 19968,
+# 32 / 8 heads x 128, vocabulary 202,048, fc 33,280 -> 6,656, rope 5e5, conv taps 2 / group
+# 16, selector rank 256 / top-K 16, softcap 20 (docs/dflash.md, "The Muse recipe compiled";
+# the same numbers as analysis/cost_model/dflash.py's DFLASH2_RECIPES["muse-glimmer-30b"]).
+
+# The verifier (the frozen target): only its width, vocabulary and head matter here (its layers
+# are replaced by the features); its depth need only reach layer 50 (RECIPE line 13), and its
+# d_ff is unused. Width 6656: the drafter's `fc` maps 5 x 6656 = 33,280 -> 6,656 (CKPT).
+MUSE_GLIMMER_30B = dict(
+    vocab_size=202048,  # CKPT: vocabulary 202,048
+    d_model=6656,  # CKPT: H 6656 (and fc 33,280 = 5 target layers x 6656)
+    n_layers=51,  # reaches target layer 50 (RECIPE line 13); the verifier's own depth unused
+    n_heads=32, n_kv_heads=8, head_dim=128,  # CKPT: 32 / 8 heads x 128
+    d_ff=19968,  # CKPT: I 19968 (the drafter's; the verifier's MLPs never run)
+    rope_theta=5e5,  # CKPT: rope 5e5
+    qk_norm=True, tie_embeddings=False,  # as DFLASH2_RECIPES (the drafter is Qwen3-style)
+    # The frozen head's final_logit_softcapping, which the seed's streamed CE / top-K pass
+    # applies (core/models/backbones/dflash/dflash2.py ~596-604; CKPT: 20). Its
+    # output_multiplier (0.19612) has no counterpart here.
+    logit_softcap=20.0)
+
+
+def get_config() -> Config:
+  return Config(
+      # RECIPE line 15 `dtype: bf16`: bf16 compute; the trained weights keep f32 masters (this
+      # package's choice; the Adam state is what ZeRO-3 shards over the 8 devices).
+      # remat full over the drafter's 5 scanned layers and the loss in 1024-row chunks: cheap
+      # (the seed runs `activation_checkpointing: false`, RECIPE line 38).
+      model=ModelConfig(**MUSE_GLIMMER_30B, param_dtype="float32", compute_dtype="bfloat16",
+                        remat="full", attention_chunk=512, logits_chunk=1024),
+      drafter=DrafterConfig(
+          target="",  # the verifier's Hugging Face folder, for its embedding and LM head
+          n_layers=5,  # CKPT: 5 layers
+          n_heads=32, n_kv_heads=8, head_dim=128, d_ff=19968,  # CKPT
+          target_layers="2,14,26,38,50",  # RECIPE line 13 `target_layer_ids`
+          # RECIPE lines 32-33: `target_features: offline`, `target_feature_path:
+          # /data/dflash-features` (write ours there with experiments/dflash_features.py).
+          features="/data/dflash-features",
+          conv_taps=2, conv_group_size=16,  # CKPT: Muse taps 2, group size 16
+          window=2048),  # CKPT: every layer sliding, W = 2048
+      data=DataConfig(seq_len=1 << 20),  # RECIPE line 14 `seq_len: 1048576`
+      objective=ObjectiveConfig(
+          name="dflash",  # RECIPE line 17 `dflash_distillation`
+          block_size=16,  # RECIPE line 18
+          max_anchors=512,  # RECIPE line 19
+          anchors="locality",  # RECIPE line 20 `anchor_sampling: locality`
+          dflash_loss="dpace",  # RECIPE line 22
+          gamma=7.0,  # RECIPE line 23 `decay_gamma`
+          dpace_alpha=0.5,  # RECIPE line 24
+          lk_loss="lambda", kl_scale=1.0, kl_decay=1.0,  # RECIPE lines 25-27
+          selector_loss_alpha=1.0,  # RECIPE line 28
+          selector_rank=256, selector_top_k=16,  # CKPT: Muse r = 256, top-K = 16
+          # ASSUMED: the drafter's mask_token_id is in its checkpoint's config (the seed reads
+          # it there, core/models/backbones/dflash/model.py ~267-271), not in the wheel; the
+          # last id keeps any real token out of it.
+          mask_token_id=202047),
+      parallel=ParallelConfig(strategy="csbp_ring", seq=8),  # 8 devices (RECIPE line 1)
+      # RECIPE lines 35-37, 43-45: batch 1, no accumulation, lr 1e-6, clip 1.0; the seed's
+      # defaults (training/run_spec.py ~157-176): weight decay 0.01, a constant schedule with
+      # no warmup (min_lr_ratio 1), betas (0.9, 0.999). Checkpoints every 100 steps, the last 3
+      # (RECIPE lines 48-49). No held-out evaluation: the features hold training sequences only.
+      train=TrainConfig(steps=1000, batch_size=1, grad_accum=1, lr=1e-6, warmup_steps=0,
+                        min_lr_ratio=1.0, weight_decay=0.01, b1=0.9, b2=0.999, grad_clip=1.0,
+                        log_every=1, ckpt_every=100, max_to_keep=3, eval_every=0),
+      plan=PlanConfig(target="tpu:v5p:2x2x2"),  # 8 TPU v5p chips, 95.74 GiB each
+  )

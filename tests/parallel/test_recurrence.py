@@ -1,0 +1,114 @@
+"""Gated DeltaNet hybrids under every strategy give the single-device loss and gradients
+(parallel/recurrence.py): the segments' affine state maps, the chain of entry states over the
+`seq` axis, the conv halos, and the fetched copies where a rank's blocks are not on its own
+clean rows. Block counts that divide 2P (each rank's blocks on its own clean chunks) and
+that do not (greedy blocks, whole-stream zigzag)."""
+
+import functools
+
+import numpy as np
+import pytest
+
+from bdlm_jax import make_mesh
+from bdlm_jax.config import Config
+from bdlm_jax.configure import replace
+from bdlm_jax.errors import ConfigError
+from bdlm_jax.analysis.step_report import step_report
+from bdlm_jax.parallel.recurrence import stream_program
+from bdlm_jax.parallel.registry import get_strategy, make_plan, strategy_names
+from tests.parallel.test_strategies import _loss_and_grads as strategies_loss_and_grads
+from tests.parallel.test_strategies import assert_close
+
+MODEL = dict(vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8,
+             d_ff=32, layer_pattern="gdn,global", gdn_key_heads=1, gdn_value_heads=2,
+             gdn_key_dim=4, gdn_value_dim=4, attention_gate=True, partial_rotary_factor=0.5,
+             attention_chunk=16)
+# (seq_len, block_size, seq): N = 2P blocks on seq4 (local segments, a chain of 8), N = 6
+# on seq4 (greedy blocks on 3-row zigzag chunks: fetched copies, halos across two segments),
+# N = P on seq8 (cp runs a whole block a rank, csbp greedy blocks; csbp_ring and cp_ring
+# only, for time)
+CASES = {"N=2P": (32, 4, 4), "P<N<2P": (24, 4, 4), "seq8": (48, 6, 8)}
+
+
+def _cfg(strategy, seq_len, block_size, seq, objective="bd3lm"):
+  return replace(Config(), model=MODEL, data=dict(seq_len=seq_len),
+                 objective=dict(name=objective, block_size=block_size, mask_token_id=63),
+                 parallel=dict(strategy=strategy, seq=seq), train=dict(batch_size=2))
+
+
+def _loss_and_grads(cfg):
+  """One document a row (a GDN layer runs one recurrence per sequence), one padded at the end."""
+  rng = np.random.default_rng(cfg.data.seq_len)
+  tokens = rng.integers(0, 60, (2, cfg.data.seq_len))
+  seg = np.ones_like(tokens)
+  seg[1, -5:] = 0
+  mesh = make_mesh(cfg) if cfg.parallel.strategy != "none" else None
+  return strategies_loss_and_grads(cfg, mesh, (tokens, seg), seed=3)
+
+
+@functools.cache
+def _reference(seq_len, block_size, objective="bd3lm"):
+  return _loss_and_grads(_cfg("none", seq_len, block_size, 1, objective))
+
+
+def _laid_out(strategy, case):
+  """Whether `strategy` lays out `case` at all (e.g. cp_ring_balanced needs whole blocks in
+  each of 2P chunks; cp_replicated_drafts a drafter)."""
+  try:
+    make_plan(strategy, *CASES[case])
+    return True
+  except ConfigError:
+    return False
+
+
+def _one_per_layout():
+  """A strategy per layout builder: the streams depend on the layout, not on how attention
+  moves K/V (cp_allgather runs cp_ring's, csbp_allgather csbp_ring's)."""
+  seen = {get_strategy(name).plan: name for name in strategy_names(splits_sequences=True)}
+  return list(seen.values())  # the last registered of each: the rings
+
+
+@pytest.mark.parametrize("strategy, case", [
+    (s, c) for s in _one_per_layout() for c in CASES
+    if _laid_out(s, c) and (c != "seq8" or s in ("cp_ring", "csbp_ring"))])
+def test_gdn_hybrid_loss_and_grads_equal_single_device(strategy, case):
+  seq_len, block_size, seq = CASES[case]
+  try:  # cp's zigzag of the whole stream needs L / P rows to be whole blocks
+    stream_program(make_plan(strategy, seq_len, block_size, seq), 3)
+  except ConfigError:
+    with pytest.raises(ConfigError, match="cannot run Gated DeltaNet"):
+      _cfg(strategy, seq_len, block_size, seq)
+    return
+  cfg = _cfg(strategy, seq_len, block_size, seq)
+  assert_close(*_loss_and_grads(cfg), *_reference(seq_len, block_size))
+
+
+def test_gdn_hybrid_autoregressive_under_context_parallelism():
+  cfg = _cfg("cp_ring", 32, 4, 4, objective="ar")
+  assert_close(*_loss_and_grads(cfg), *_reference(32, 4, "ar"))
+
+
+def test_csbp_blocks_that_divide_2p_need_no_copies_and_chain_every_segment():
+  program = stream_program(make_plan("csbp_ring", 256, 8, 8), 3)
+  assert program.fetch.shape[1] == 0  # every block's state is on its own rank
+  assert len(program.chain) == 2 * 8 - 1  # the zigzag's 16 segments, one hop each
+  bp = stream_program(make_plan("bp", 256, 8, 8), 3)
+  assert not bp.chain and not bp.shares_tails  # replicated prefixes start from zeros
+
+
+def test_whole_stream_zigzag_fetches_one_copy_a_rank():
+  program = stream_program(make_plan("cp_ring", 256, 8, 8), 3)
+  assert program.fetch.shape[1] == 1
+  # rank r's corrupted chunk r is the clean chunk that rank P - 1 - r holds
+  assert (program.fetch[:, 0, 0] == np.arange(8)[::-1]).all()
+
+
+@pytest.mark.parametrize("strategy, seq_len, remat", [
+    ("csbp_ring", 24, "none"),  # greedy blocks: chain, tails, fetched copies
+    ("cp_ring", 32, "full"),  # the whole-stream zigzag's copy; the backward's re-run
+])
+def test_compiled_recurrence_collectives_are_the_programs(strategy, seq_len, remat):
+  cfg = replace(_cfg(strategy, seq_len, 4, 4), model=dict(remat=remat))
+  report = step_report(cfg)
+  assert report.recurrence_check == pytest.approx(1.0, abs=0.01)  # 28 B of other gradients
+  assert report.recurrence_collective_bytes["collective-permute"] > 0
