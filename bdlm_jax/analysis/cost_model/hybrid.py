@@ -11,10 +11,18 @@ from bdlm_jax.analysis.cost_model.work import work_of
 from bdlm_jax.analysis.plan_mode import batched, sequences
 from bdlm_jax.config import Config, ModelConfig
 from bdlm_jax.configure import replace
-from bdlm_jax.parallel.registry import plan_for
+from bdlm_jax.parallel.registry import STRATEGIES, plan_for
+
+
+def _ring(travels: str) -> str:
+  """The first registered ring strategy of a block-diffusion layout moving `travels` K/V:
+  csbp_ring for "clean", cp_ring for "all"."""
+  return next(s.name for s in STRATEGIES.values()
+              if s.transport == "ring" and s.travels == travels and not s.needs_drafter)
+
 
 # (attention strategy, GDN transport) of each row: ours, CP's, the seed's.
-VARIANTS = (("csbp_ring", gdn.CHAIN), ("cp_ring", gdn.CHAIN), ("csbp_ring", gdn.ULYSSES))
+VARIANTS = ((_ring("clean"), gdn.CHAIN), (_ring("all"), gdn.CHAIN), (_ring("clean"), gdn.ULYSSES))
 SEQ_LEN, BLOCK_SIZE = 256 * 1024, 256  # the seed's conversion recipe (fast_dllm_v2)
 
 
