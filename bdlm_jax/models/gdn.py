@@ -63,18 +63,14 @@ class Cell:
       s_BHKV = jnp.zeros((pre_BTC.shape[0], hv, dk, dv), jnp.float32)
     return delta_rule.chunked(q, k, v, g_BTH, beta_BTH, s_BHKV)
 
-  def transfer(self, pre_BTC, left_BJC, g_BTH, beta_BTH, mn_BHKW=None):
+  def transfer(self, pre_BTC, left_BJC, g_BTH, beta_BTH, mn_BHKW):
     """The rows' effect on the state, which is affine: S_out = M S_in + N, as [N | M]
-    [B, Hv, K, V + K], after the effect `mn` of the rows before (None: none, [0 | I]). One
-    delta-rule pass with v_aug = [v | 0] from [N | M] ends in the composed [N' | M']
+    [B, Hv, K, V + K], composed after the effect `mn` of the rows before ([0 | I] for none).
+    One delta-rule pass with v_aug = [v | 0] from [N | M] ends in the composed [N' | M']
     (M = A_T ... A_1, A_t = e^g_t (I - beta_t k_t k_t^T); N the state from zeros)."""
     q, k, v = self._qkv(pre_BTC, left_BJC)
-    b, t, hv, dv = v.shape
-    dk = k.shape[-1]
-    v_aug = jnp.concatenate([v.astype(jnp.float32), jnp.zeros((b, t, hv, dk))], axis=-1)
-    if mn_BHKW is None:
-      mn_BHKW = jnp.broadcast_to(jnp.concatenate([jnp.zeros((dk, dv)), jnp.eye(dk)], axis=-1),
-                                 (b, hv, dk, dv + dk))
+    b, t, hv, _ = v.shape
+    v_aug = jnp.concatenate([v.astype(jnp.float32), jnp.zeros((b, t, hv, k.shape[-1]))], -1)
     return delta_rule.chunked(q, k, v_aug, g_BTH, beta_BTH, mn_BHKW)[1]
 
 
