@@ -17,6 +17,7 @@ from bdlm_jax.objectives import get_objective, reserved_mask_id
 from bdlm_jax.objectives.streams import PAD_VALUES
 from bdlm_jax.parallel.layout import apply_layout
 from bdlm_jax.parallel.mesh import row_sharding
+from bdlm_jax.parallel.prune import check_capacity
 from bdlm_jax.parallel.registry import plan_for
 
 
@@ -81,6 +82,8 @@ def make_batch(cfg: Config, tokens, segment_ids=None, protected=None, context=No
   plan = plan_for(cfg)
   rows = apply_layout(plan, rows, PAD_VALUES)
   rows["labels"] = np.where(plan.first_copies[None], rows["labels"], -1)
+  if get_objective(cfg.objective.name).DRAFTER:
+    check_capacity(cfg, plan, rows)
   if context is not None or reads_features(cfg):
     rows["context"] = _layout_context(cfg, rows, context)
   return Batch(**{f: rows[f] for f in Batch._fields if f in rows})

@@ -385,8 +385,13 @@ class DrafterConfig(Section):
   conv_taps: int = 0
   conv_group_size: int = 16
   window: int = 0
+  # Context pruning: each rank keeps this many of its context rows, those some draft slot's
+  # window reaches, and drops the rest before `fc` (0: keeps them all); `make_batch` refuses
+  # a batch whose anchors reach more (docs/dflash.md).
+  kept_context_rows: int = 0
 
   RULES = dict(conv_taps=AT_LEAST_0, conv_group_size=AT_LEAST_1, window=AT_LEAST_0,
+               kept_context_rows=AT_LEAST_0,
                n_layers=AT_LEAST_1, n_heads=Holds(">= 0 (0: the target's)", lambda x: x >= 0),
                n_kv_heads=Holds(">= 0 (0: the target's)", lambda x: x >= 0),
                head_dim=Holds(">= 0 (0: the target's)", lambda x: x >= 0),

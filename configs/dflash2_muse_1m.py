@@ -8,8 +8,8 @@ context-sharded block parallelism (csbp_ring).
 
 `mode=plan` compiles the step (never runs it) with XLA:TPU ahead of time for 8 TPU v5p chips
 (`plan.target`; `pip install -r requirements-tpu.txt`, no TPU) under every strategy and prints
-each one's per-device peak; docs/dflash.md holds the table (csbp_ring: 46.28 GB a chip of
-95.74 GiB; bp does not fit). It needs no features: the batch is abstract.
+each one's per-device peak; docs/dflash.md holds the table (csbp_ring: 29.79 GB a chip of
+95.74 GiB with context pruning; bp does not fit). It needs no features: the batch is abstract.
 
 Features from disk (the seed's `target_features: offline`): `drafter.features` names a folder
 in the layout of bdlm_jax/data/features.py (tokens, segment ids, protected flags and the
@@ -22,10 +22,10 @@ norm and LM head the drafter shares), so nothing of the target's forward is in t
 train, point `drafter.target` at the verifier's Hugging Face folder (for that embedding and
 head) and `drafter.features` at the folder.
 
-What this package does not do of the seed's recipe: context pruning (the seed projects only
-the ~10.2K context rows inside the union of the anchors' windows; here every context row goes
-through `fc` and the K/V projections and is masked), the selector's unary `output_multiplier`
-(0.19612), and the seed's CP 4 / BP 4 x DP 2 layout (here one `seq` axis of 8).
+Context pruning as the seed's: each rank keeps only the context rows inside the union of the
+anchors' windows (`drafter.kept_context_rows` of its 131,072), before `fc`. What this package
+does not do of the seed's recipe: the selector's unary `output_multiplier` (0.19612), and the
+seed's CP 4 / BP 4 x DP 2 layout (here one `seq` axis of 8).
 """
 
 from bdlm_jax.config import (Config, DataConfig, DrafterConfig, ModelConfig, ObjectiveConfig,
@@ -75,7 +75,12 @@ def get_config() -> Config:
           # /data/dflash-features` (write ours there with experiments/dflash_features.py).
           features="/data/dflash-features",
           conv_taps=2, conv_group_size=16,  # CKPT: Muse taps 2, group size 16
-          window=2048),  # CKPT: every layer sliding, W = 2048
+          window=2048,  # CKPT: every layer sliding, W = 2048
+          # Context pruning (the seed's ~10.2K rows): 512 locality anchors 16 candidates apart
+          # (17 where 16 is not coprime with their count) reach 511 x 16 + 2047 = 10,223 rows
+          # (10,734), up to 12,764 where the run wraps to the sequence's start (both zigzag
+          # ends are rank 0's); 26 attention chunks of 512 hold that.
+          kept_context_rows=13312),
       data=DataConfig(seq_len=1 << 20),  # RECIPE line 14 `seq_len: 1048576`
       objective=ObjectiveConfig(
           name="dflash",  # RECIPE line 17 `dflash_distillation`

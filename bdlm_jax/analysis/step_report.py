@@ -63,6 +63,7 @@ from bdlm_jax.analysis import hlo_stats, targets
 from bdlm_jax.parallel import query_ring, recurrence
 from bdlm_jax.parallel.layout import LayoutPlan
 from bdlm_jax.parallel.mesh import make_mesh
+from bdlm_jax.parallel.prune import context_rows, sees_every_anchor
 from bdlm_jax.parallel.registry import get_strategy, plan_for, strategy_names_for
 from bdlm_jax.parallel.recurrence import RECURRENCE_SCOPE
 from bdlm_jax.parallel.strategies import (ATTENTION_SCOPE, draft_transport, exchange_for,
@@ -78,7 +79,8 @@ META_ROW_BYTES = query_ring.META_ROW_BYTES
 def attention_traffic(plan: LayoutPlan, kv_row_bytes: float, grad_row_bytes: float,
                       meta_row_bytes: float, n_layers: int, window: int | None = None,
                       last_grad_row_bytes: float | None = None,
-                      first_passes: int = 0, reruns: int = 0) -> dict[str, float]:
+                      first_passes: int = 0, reruns: int = 0,
+                      pruned_rows: int = 0) -> dict[str, float]:
   """Operand bytes per device and step (hlo_stats convention), by kind, that the plan's
   transport issues on `n_layers` global layers, or local ones of window W. `*_row_bytes`:
   K and V (their gradients, their metadata) of one travelling row, summed over the
@@ -86,7 +88,8 @@ def attention_traffic(plan: LayoutPlan, kv_row_bytes: float, grad_row_bytes: flo
   compiler narrows it (default `grad_row_bytes`); `first_passes`, forward passes the step
   runs beyond the differentiated one and its backward (the objective's no-gradient
   `first_passes`); `reruns`, the backward's re-runs of each layer's forward (remat
-  `offload_input`), which send again only where `rerun_sends` says so."""
+  `offload_input`), which send again only where `rerun_sends` says so; `pruned_rows`, a
+  drafter's context rows each rank drops before they could travel (parallel/prune.py)."""
   out = dict.fromkeys(hlo_stats.COLLECTIVE_KINDS, 0.0)
   p = plan.num_ranks
   transport = layer_transport(plan, window)
@@ -99,7 +102,7 @@ def attention_traffic(plan: LayoutPlan, kv_row_bytes: float, grad_row_bytes: flo
     out["collective-permute"] = n_layers * rows * (
         2 * kv_row_bytes + meta_row_bytes + first_passes * (kv_row_bytes + meta_row_bytes))
     return out
-  travel = plan.rows_per_rank - plan.n_stay
+  travel = plan.rows_per_rank - plan.n_stay - pruned_rows
   kv, grads = travel * (kv_row_bytes + meta_row_bytes), travel * grad_row_bytes
   if transport == "ring":
     last = grads if last_grad_row_bytes is None else travel * last_grad_row_bytes
@@ -152,6 +155,17 @@ def context_traffic(plan: LayoutPlan, kv_row_bytes: float, meta_row_bytes: float
   return out
 
 
+def pruning_traffic(cfg: Config, plan: LayoutPlan, sequences: int) -> dict[str, float]:
+  """What a drafter's context pruning issues (parallel/prune.py): once a step, an all-gather
+  of each rank's draft rows' anchors and documents (int32), where a rank's context serves
+  every rank's queries."""
+  out = dict.fromkeys(hlo_stats.COLLECTIVE_KINDS, 0.0)
+  pruned = context_rows(cfg, plan) < plan.rows_per_rank - plan.n_noisy
+  if plan.num_ranks > 1 and pruned and sees_every_anchor(plan):
+    out["all-gather"] = 2 * 4 * sequences * plan.n_noisy
+  return out
+
+
 def query_rotation_traffic(plan: LayoutPlan, drafter: ModelConfig, sequences: int, itemsize,
                            grad_dtype) -> dict[str, float]:
   """What a drafter's layers issue where its draft queries rotate (parallel/query_ring.py):
@@ -196,10 +210,12 @@ def config_attention_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype
     if draft_transport(cfg, plan) == "query":
       totals = [query_rotation_traffic(plan, drafter, sequences, itemsize, p.kv_grad_dtype)]
     else:
+      pruned = plan.rows_per_rank - plan.n_noisy - context_rows(cfg, plan)
       totals = [attention_traffic(plan, *row_bytes(drafter), drafter.n_layers,
                                   reruns=reruns_attention(drafter.remat),
-                                  **last_hop(drafter))]
+                                  pruned_rows=pruned, **last_hop(drafter))]
     totals.append(context_traffic(plan, kv, meta, target_depth(cfg)))
+    totals.append(pruning_traffic(cfg, plan, sequences))
   else:
     kinds = layer_types(m)
     by_kind = [("global", None), ("local", m.sliding_window)]

@@ -60,10 +60,8 @@ def chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, s_BHKV, chunk: int = CHUNK)
   # applied to v_beta and to the decayed k_beta gives the chunk's WY factors u and w.
   system = jnp.where(jnp.tril(lower, -1), (k_beta @ jnp.swapaxes(k, -1, -2)) * decay_CC, 0.0)
   system = system + jnp.eye(c, dtype=system.dtype)
-  solve = lambda rhs: jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True,
-                                                      unit_diagonal=True)
-  u = solve(v * beta[..., None])
-  w = solve(k_beta * jnp.exp(cum)[..., None])
+  rhs = (v * beta[..., None], k_beta * jnp.exp(cum)[..., None])
+  u, w = jax.lax.platform_dependent(system, rhs, cpu=_solve_by_inverse, default=_solve)
   attn = (q @ jnp.swapaxes(k, -1, -2)) * decay_CC  # intra-chunk, diagonal included
   q_decayed = q * jnp.exp(cum)[..., None]
   k_decayed = k * jnp.exp(seg_CC[..., -1, :])[..., None]  # decay from row i to the chunk's end
@@ -80,3 +78,38 @@ def chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, s_BHKV, chunk: int = CHUNK)
   o = jnp.moveaxis(o, 0, 1)  # [B, N, H, C, V]
   o = jnp.moveaxis(o, 2, 3).reshape(b, n * c, h, -1)
   return o[:, :t], s
+
+
+def _solve(system, rhs):
+  """system^-1 r for each r in `rhs`, `system` unit lower triangular."""
+  return tuple(jax.lax.linalg.triangular_solve(system, r, left_side=True, lower=True,
+                                               unit_diagonal=True) for r in rhs)
+
+
+def _solve_by_inverse(system, rhs):
+  """`_solve` in matmuls, for XLA:CPU: jaxlib 0.10's LAPACK kernel splits a large batch into
+  tasks on XLA:CPU's intra-op pool and holds its pool thread until they ran, so when every
+  pool thread runs one (simulated devices in lockstep) none runs and the step hangs
+  (docs/gdn.md)."""
+  inv = _unit_lower_inverse(system)
+  return tuple(inv @ r for r in rhs)
+
+
+def _unit_lower_inverse(a):
+  """The inverse of unit lower triangular `a` [..., C, C] by doubling the diagonal blocks: the
+  inverse of [[A, 0], [L, B]] is [[A^-1, 0], [-B^-1 L A^-1, B^-1]] (C padded to a power of two
+  with the identity)."""
+  c = a.shape[-1]
+  n = 1 << (c - 1).bit_length()
+  a = jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, n - c)] * 2) + jnp.diag(
+      (jnp.arange(n) >= c).astype(a.dtype))
+  inv = jnp.ones((*a.shape[:-2], n, 1, 1), a.dtype)  # the inverses of blocks of s = 1 rows
+  s = 1
+  while s < n:
+    blocks = jnp.moveaxis(a.reshape(*a.shape[:-2], n // s, s, n // s, s), -3, -2)
+    lower = jnp.moveaxis(jnp.diagonal(blocks, -1, -4, -3)[..., ::2], -1, -3)  # (2j + 1, 2j)
+    top, bottom = inv[..., ::2, :, :], inv[..., 1::2, :, :]
+    inv = jnp.concatenate([jnp.concatenate([top, jnp.zeros_like(top)], -1),
+                           jnp.concatenate([-bottom @ lower @ top, bottom], -1)], -2)
+    s *= 2
+  return inv[..., 0, :c, :c]

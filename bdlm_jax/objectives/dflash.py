@@ -123,9 +123,9 @@ def hidden(spec, model, batch, inputs, layer_weights):
   draft = functools.partial(plan.slot_rows, slot="noisy")
   ctx = functools.partial(plan.slot_rows, slot="clean")
   draft_meta, ctx_meta = jax.tree.map(draft, batch.meta), jax.tree.map(ctx, batch.meta)
-  target = model.target
-  if batch.context is not None:
-    feats = ctx(batch.context)
+  target, attend = model.target, spec.attend["draft"]
+  if batch.context is not None:  # a rank's rows: its draft rows' zeros, then its context's
+    feats, skip = batch.context, plan.n_noisy
   elif cfg.drafter.features:
     raise ConfigError(f"drafter.features={cfg.drafter.features!r}: the target has no layers "
                       f"here, so the batch must bring its features (make_batch(..., context=))")
@@ -133,10 +133,15 @@ def hidden(spec, model, batch, inputs, layer_weights):
     feats, final = target.features(ctx(inputs), ctx(batch.pos), ctx_meta, spec.attend["clean"],
                                    target_layer_ids(cfg), target_depth(cfg), layer_weights,
                                    spec.rows)
+    skip = 0
   if cfg.drafter.conv_taps:
     _check_whole_blocks(plan)
+  if attend.prune is not None:  # only the context rows some draft window reaches
+    ctx_meta, feats = attend.prune(draft_meta, ctx_meta, feats, skip=skip)
+  elif skip:
+    feats = ctx(feats)
   out = model.drafter(target.embed_tokens(draft(inputs)), draft(batch.pos), draft_meta,
-                      feats, ctx(batch.pos), ctx_meta, spec.attend["draft"], layer_weights,
+                      feats, ctx_meta.pos, ctx_meta, attend, layer_weights,
                       spec.rows)
   if cfg.objective.draft_loss != "kl":
     return out, (), {}

@@ -26,6 +26,7 @@ from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel import query_ring
 from bdlm_jax.parallel.allgather import allgather_attend
 from bdlm_jax.parallel.layout import LayoutPlan
+from bdlm_jax.parallel.prune import context_rows, make_prune
 from bdlm_jax.parallel.mesh import BATCH_AXES
 from bdlm_jax.parallel.recurrence import make_recur
 from bdlm_jax.parallel.registry import get_strategy, plan_for
@@ -113,7 +114,7 @@ def make_attend(cfg: Config, mesh=None, rows: str = "all", plan: LayoutPlan | No
     raise ConfigError(f"strategy {cfg.parallel.strategy!r} with parallel.seq="
                       f"{cfg.parallel.seq} needs a mesh: pass mesh=make_mesh(cfg)")
   if rows == "draft":
-    return _draft_attend(cfg, mesh, global_body)
+    return _draft_attend(cfg, mesh, global_body, make_prune(cfg, plan, mesh))
   bodies = {None: _sharded(cfg, mesh, global_body, n_kv=1)}
   block_unit = plan.block_size if get_objective(cfg.objective.name).BLOCK_IDS == "index" else 1
 
@@ -159,18 +160,20 @@ def draft_transport(cfg: Config, plan: LayoutPlan) -> str:
   sizes = jnp.dtype(d.compute_dtype).itemsize, jnp.dtype(cfg.parallel.kv_grad_dtype).itemsize
   query = plan.n_noisy * query_ring.query_hop_bytes(
       d.n_heads * d.head_dim, d.n_heads, *sizes, query_ring.META_ROW_BYTES)
-  kv = (plan.rows_per_rank - plan.n_stay) * query_ring.kv_hop_bytes(
+  kv = context_rows(cfg, plan) * query_ring.kv_hop_bytes(
       2 * d.n_kv_heads * d.head_dim, *sizes, query_ring.META_ROW_BYTES)
   return "query" if query_ring.prefers_query_rotation(plan.num_ranks, query, kv) else "kv"
 
 
-def _draft_attend(cfg: Config, mesh, global_body):
+def _draft_attend(cfg: Config, mesh, global_body, prune):
   """`attend(q, k, v, q_meta, k_meta, k_ctx, v_ctx, ctx_meta) -> (out, lse)` of a drafter's
   layer: queries are each rank's draft rows (its noisy slot), keys its draft rows and the
   context rows (its clean slot) given apart, as the drafter computes them. Each rank joins
   them into its layout's rows, so the strategy's transport moves what it always moves:
   nothing (none, bp), the context (csbp), or both (cp); or, where `draft_transport` says
-  "query", the draft queries move past a context that stays."""
+  "query", the draft queries move past a context that stays. `attend.prune` cuts the context
+  rows down to those the draft windows reach before the drafter projects them (`prune`,
+  parallel/prune.py; None where it keeps them all)."""
   def body(q, k, v, q_meta, k_meta, k_ctx, v_ctx, ctx_meta):
     join = lambda a, b: jnp.concatenate([a, b], axis=1)
     return global_body(q, join(k, k_ctx), join(v, v_ctx), q_meta, k_meta.concat(ctx_meta))
@@ -181,4 +184,9 @@ def _draft_attend(cfg: Config, mesh, global_body):
     with jax.named_scope(ATTENTION_SCOPE):
       return sharded(*args)
 
+  def scoped_prune(*args, **kwargs):
+    with jax.named_scope(ATTENTION_SCOPE):  # its all-gather of the anchors is attention's
+      return prune(*args, **kwargs)
+
+  attend.prune = None if prune is None else scoped_prune
   return attend

@@ -282,6 +282,18 @@ def test_rotating_draft_queries_sends_the_plans_bytes():
   assert f"{r.attention_check:.2f}" == "1.00"
 
 
+def test_a_pruned_context_sends_its_kept_rows_and_the_anchors():
+  """With 4 of each rank's 8 context rows kept (drafter.kept_context_rows), the drafter's
+  ring sends those 4 (by hand, as below: 2 (P-1) 4 (128 + 16) + P 4 128) and one all-gather
+  of the rank's 4 draft rows' anchors and documents (2 x 4 x 4 B); compiled and planned agree."""
+  drafter = dict(DFLASH["drafter"], features="f", window=4, kept_context_rows=4)
+  cfg = config("csbp_ring", **{**DFLASH, "drafter": drafter})
+  want = dict.fromkeys(sr.hlo_stats.COLLECTIVE_KINDS, 0.0)
+  want.update({"collective-permute": 2 * 7 * 4 * 144 + 8 * 4 * 128, "all-gather": 32})
+  assert sr.config_attention_traffic(cfg) == want
+  assert sr.step_report(cfg).attention_collective_bytes == want
+
+
 def test_dflash_traffic_is_the_targets_forward_plus_the_drafters_layers():
   """By hand, per device (P = 8, f32): 8 context rows and 4 draft rows per rank; K+V per row
   2*2*16*4 = 256 B for the target, 2*1*16*4 = 128 B for the drafter; 16 B of metadata.

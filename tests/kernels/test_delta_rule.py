@@ -38,3 +38,21 @@ def test_chunked_equals_the_recurrence_values_and_gradients(decay):
   for name, got, want in zip("q k v g beta s0".split(), grads, grads_ref):
     err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
     assert err < 1e-5, f"d{name}: relative error {err}"
+
+
+def test_chunked_calls_no_lapack_kernel_on_cpu():
+  """jaxlib 0.10's CPU LAPACK kernels can deadlock XLA:CPU's intra-op pool (docs/gdn.md, "Try
+  it"): on CPU the chunk's system is inverted in matmuls, here 24 rows padded to 32, values and
+  gradients as the recurrence's; other platforms keep XLA's triangular solve."""
+  args = inputs(1.0, t=24)
+  o_ref, s_ref = delta_rule.recurrent(*args)
+  o, s = jax.jit(delta_rule.chunked)(*args)
+  np.testing.assert_allclose(o, o_ref, atol=2e-6)
+  np.testing.assert_allclose(s, s_ref, atol=2e-6)
+  loss = lambda fn: lambda *a: jnp.sum(fn(*a)[0] ** 2)
+  grads = jax.jit(jax.grad(loss(delta_rule.chunked), argnums=range(6)))
+  for got, want in zip(grads(*args), jax.grad(loss(delta_rule.recurrent), argnums=range(6))(*args)):
+    assert float(jnp.abs(got - want).max() / jnp.abs(want).max()) < 1e-5
+  program = lambda platform: grads.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  assert "lapack" not in program("cpu") and "triangular_solve" not in program("cpu")
+  assert "triangular_solve" in program("cuda")

@@ -270,3 +270,37 @@ def test_the_convolution_refuses_a_layout_that_splits_draft_blocks():
   with pytest.raises(ConfigError, match="whole draft blocks"):
     dflash._check_whole_blocks(plan_for(cfg))
   dflash._check_whole_blocks(plan_for(_cfg2("cp_ring", seq=4)))  # 8 blocks: 1 per chunk
+
+
+PRUNED = dict(drafter=dict(window=4))  # windows of 4 over 64 positions: most rows unreached
+
+
+@functools.cache
+def _unpruned_single_device():
+  cfg = replace(_cfg2(), **PRUNED)
+  params = _params(cfg)
+  step = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, None, cfg)[0]))
+  loss, grads = step(params, make_batch(cfg, *_logical_batch()))
+  return params, float(loss), jax.tree.map(np.asarray, grads["drafter"])
+
+
+@pytest.mark.parametrize("strategy,parallel", [
+    ("csbp_ring", dict(seq=4, draft_transport="query")), ("bp", dict(seq=2, data=2))])
+def test_context_pruning_keeps_the_loss_and_gradients_of_every_row(strategy, parallel):
+  """12 context rows a rank (of 16, whose rows serve every rank's rotating queries; of 32
+  under bp, which prunes to its own anchors) give the loss and gradients of one device that
+  keeps all 64."""
+  cfg = replace(_cfg2(strategy, **parallel), drafter=dict(window=4, kept_context_rows=12))
+  mesh = make_mesh(cfg)
+  params, ref_loss, ref_grads = _unpruned_single_device()
+  prune = resolve(cfg, mesh).attend["draft"].prune
+  assert prune is not None
+  step = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, None, cfg, mesh)[0]))
+  loss, grads = step(params, make_batch(cfg, *_logical_batch()))
+  assert_close(float(loss), jax.tree.map(np.asarray, grads["drafter"]), ref_loss, ref_grads)
+
+
+def test_a_batch_whose_windows_reach_more_rows_than_are_kept_is_refused():
+  cfg = replace(_cfg2("csbp_ring", seq=4), drafter=dict(window=4, kept_context_rows=8))
+  with pytest.raises(ConfigError, match=r"kept_context_rows=8 is too few .* at least 9"):
+    make_batch(cfg, *_logical_batch())

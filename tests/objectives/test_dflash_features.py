@@ -49,10 +49,15 @@ def _cohosted(folder):
   return _loss_and_grads(_cfg(), None, batch)
 
 
-@pytest.mark.parametrize("strategy,parallel", [("none", {}), ("csbp_ring", dict(seq=4))])
+@pytest.mark.parametrize("strategy,parallel,kept", [
+    ("none", {}, 0), ("csbp_ring", dict(seq=4), 0),
+    # Context pruning reads the kept rows from the batch's features in place: 58 of 64 (every
+    # row before the last anchor, 57 at most here).
+    ("bp", dict(seq=2, data=2), 58)])
 def test_features_from_disk_give_the_cohosted_loss_and_drafter_gradients(folder, strategy,
-                                                                          parallel):
-  cfg = replace(_cfg(strategy, **parallel), drafter=dict(features=folder))
+                                                                          parallel, kept):
+  cfg = replace(_cfg(strategy, **parallel),
+                drafter=dict(features=folder, kept_context_rows=kept))
   mesh = make_mesh(cfg)
   cohosted = init_params(_cfg(), jax.random.key(0))  # the reference's drafter and target
   params = jax.tree.map(np.asarray, dict(drafter=cohosted["drafter"],
