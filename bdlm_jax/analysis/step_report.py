@@ -63,7 +63,7 @@ from bdlm_jax.analysis import hlo_stats, targets
 from bdlm_jax.parallel import query_ring, recurrence
 from bdlm_jax.parallel.layout import LayoutPlan
 from bdlm_jax.parallel.mesh import make_mesh
-from bdlm_jax.parallel.prune import context_rows, sees_every_anchor
+from bdlm_jax.parallel.prune import pruned_rows, sees_every_anchor
 from bdlm_jax.parallel.registry import get_strategy, plan_for, strategy_names_for
 from bdlm_jax.parallel.recurrence import RECURRENCE_SCOPE
 from bdlm_jax.parallel.strategies import (ATTENTION_SCOPE, draft_transport, exchange_for,
@@ -160,8 +160,7 @@ def pruning_traffic(cfg: Config, plan: LayoutPlan, sequences: int) -> dict[str, 
   of each rank's draft rows' anchors and documents (int32), where a rank's context serves
   every rank's queries."""
   out = dict.fromkeys(hlo_stats.COLLECTIVE_KINDS, 0.0)
-  pruned = context_rows(cfg, plan) < plan.rows_per_rank - plan.n_noisy
-  if plan.num_ranks > 1 and pruned and sees_every_anchor(plan):
+  if plan.num_ranks > 1 and pruned_rows(cfg, plan) and sees_every_anchor(plan):
     out["all-gather"] = 2 * 4 * sequences * plan.n_noisy
   return out
 
@@ -210,10 +209,9 @@ def config_attention_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype
     if draft_transport(cfg, plan) == "query":
       totals = [query_rotation_traffic(plan, drafter, sequences, itemsize, p.kv_grad_dtype)]
     else:
-      pruned = plan.rows_per_rank - plan.n_noisy - context_rows(cfg, plan)
       totals = [attention_traffic(plan, *row_bytes(drafter), drafter.n_layers,
                                   reruns=reruns_attention(drafter.remat),
-                                  pruned_rows=pruned, **last_hop(drafter))]
+                                  pruned_rows=pruned_rows(cfg, plan), **last_hop(drafter))]
     totals.append(context_traffic(plan, kv, meta, target_depth(cfg)))
     totals.append(pruning_traffic(cfg, plan, sequences))
   else:

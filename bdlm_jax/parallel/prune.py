@@ -54,6 +54,11 @@ def context_rows(cfg: Config, plan: LayoutPlan) -> int:
   return min(cap, whole) if cap else whole
 
 
+def pruned_rows(cfg: Config, plan: LayoutPlan) -> int:
+  """Context rows each rank drops (0: pruning is off, or keeps the whole slot)."""
+  return plan.rows_per_rank - plan.n_noisy - context_rows(cfg, plan)
+
+
 def sees_every_anchor(plan: LayoutPlan) -> bool:
   """Whether a rank's context rows serve every rank's draft queries (they travel, or the
   queries do), not only its own (`bp` replicates the context: each rank prunes its copy to
@@ -64,16 +69,16 @@ def sees_every_anchor(plan: LayoutPlan) -> bool:
 def check_capacity(cfg: Config, plan: LayoutPlan, rows: dict) -> None:
   """Refuse a batch (`rows`: layout-ordered [S, P*R] fields) whose anchors' windows reach more
   of a rank's context rows than `drafter.kept_context_rows` keeps."""
-  cap = context_rows(cfg, plan)
-  if cap == plan.rows_per_rank - plan.n_noisy:
+  if not pruned_rows(cfg, plan):
     return
+  cap, every = context_rows(cfg, plan), sees_every_anchor(plan)
   stream, seg, pos, block = (np.asarray(rows[k]).reshape(-1, plan.num_ranks,
                                                           plan.rows_per_rank)
                              for k in ("stream", "seg", "pos", "block"))
   draft, context = stream == NOISY, (stream == CLEAN) & (seg > 0)
   need = np.zeros(stream.shape[:2], np.int64)
   for s, r in np.ndindex(need.shape):
-    sees = slice(None) if sees_every_anchor(plan) else r  # whose anchors reach rank r's rows
+    sees = slice(None) if every else r  # whose anchors reach rank r's rows
     anchors = sorted_anchors(block[s, sees][draft[s, sees]], seg[s, sees][draft[s, sees]], np)
     need[s, r] = (reached(anchors, pos[s, r], cfg.drafter.window, np) & context[s, r]).sum()
   if need.max() > cap:
@@ -87,11 +92,12 @@ def make_prune(cfg: Config, plan: LayoutPlan, mesh):
   """`prune(draft_meta, ctx_meta, feats, skip) -> (ctx_meta, feats)`: each rank's context
   rows cut to its `context_rows`; None where nothing is pruned. A rank's `feats` rows are
   `skip` rows, then its context rows: the batch's features (`Batch.context`) enter whole, and
-  the kept rows are read from them in place, never through a sliced copy of the context. Each rank reads every
-  rank's anchors (one all-gather of its draft rows' anchors and documents, int32)."""
-  cap = context_rows(cfg, plan)
-  if cap == plan.rows_per_rank - plan.n_noisy:
+  the kept rows are read from them in place, never through a sliced copy of the context.
+  Where its rows serve every rank's queries, a rank reads every rank's anchors (one
+  all-gather of its draft rows' anchors and documents, int32)."""
+  if not pruned_rows(cfg, plan):
     return None
+  cap = context_rows(cfg, plan)
   window, gather = cfg.drafter.window, plan.num_ranks > 1 and sees_every_anchor(plan)
 
   def body(block, seg, ctx_meta: RowMeta, feats, skip):
