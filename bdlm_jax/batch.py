@@ -62,10 +62,12 @@ def check_token_ids(cfg: Config, tokens: np.ndarray, where: str) -> None:
                       f"reserved for [MASK], and appears in {where}")
 
 
-def make_batch(cfg: Config, tokens, segment_ids=None, protected=None, context=None) -> Batch:
+def make_batch(cfg: Config, tokens, segment_ids=None, protected=None, context=None,
+               key=None) -> Batch:
   """Logical `tokens` int [S, L] (+ document ids, + True where a token must stay clean,
   + a drafter's precomputed target features [S, L, K, D]) -> a `Batch` in the layout of
-  `cfg.parallel.strategy`."""
+  `cfg.parallel.strategy`. `key`: the step's key, from which a drafter's anchors are drawn
+  (objectives/dflash.py; None: from the tokens, the same every time); others ignore it."""
   tokens = np.asarray(tokens)
   _check_tokens(cfg, tokens)
   seg = np.ones_like(tokens, np.int32) if segment_ids is None else np.asarray(segment_ids)
@@ -73,12 +75,9 @@ def make_batch(cfg: Config, tokens, segment_ids=None, protected=None, context=No
   for name, arr in (("segment_ids", seg), ("protected", prot)):
     if arr.shape != tokens.shape:
       raise ConfigError(f"{name} shape {arr.shape} must equal tokens shape {tokens.shape}")
-  if "gdn" in cfg.model.layer_period and (
-      (seg[:, 1:] != seg[:, :-1]) & (seg[:, 1:] > 0)).any():
-    raise ConfigError("Gated DeltaNet layers (model.layer_pattern) run one recurrence per "
-                      "sequence: segment_ids may end in padding (0) but not start a new "
-                      "document; give one document a row (data.pack=false; docs/gdn.md)")
-  rows = get_objective(cfg.objective.name).logical_rows(tokens, seg, prot, cfg.objective)
+  drafter = get_objective(cfg.objective.name).DRAFTER
+  rows = get_objective(cfg.objective.name).logical_rows(tokens, seg, prot, cfg.objective,
+                                                        **(dict(key=key) if drafter else {}))
   plan = plan_for(cfg)
   rows = apply_layout(plan, rows, PAD_VALUES)
   rows["labels"] = np.where(plan.first_copies[None], rows["labels"], -1)

@@ -143,6 +143,9 @@ class ModelConfig(Section):
   query_pre_attn_scalar: int = 0  # attention logits scaled by its ** -0.5; 0: head_dim
   mlp_activation: str = "silu"  # of the gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
   logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
+  # The head's logits times this before the soft cap (a verifier's `output_multiplier` in its
+  # config.json, e.g. Muse's 0.19612): cap * tanh(m * logits / cap), or m * logits.
+  output_multiplier: float = 1.0
   # Gemma 4's departures (docs/gemma4.md), all off elsewhere. Global layers with their own
   # head dim and K/V heads (0: head_dim, n_kv_heads), their keys and values from one
   # projection (attention_k_eq_v), and RoPE on only the first `global_partial_rotary_factor`
@@ -198,6 +201,7 @@ class ModelConfig(Section):
       norm_eps=Holds("in (0, 1)", lambda x: 0 < x < 1),
       query_pre_attn_scalar=Holds(">= 0 (0: head_dim)", lambda x: x >= 0),
       logit_softcap=Holds(">= 0 (0: no soft cap)", lambda x: x >= 0),
+      output_multiplier=ABOVE_0,
       logits_chunk=Holds(">= 0 (0: no chunking)", lambda x: x >= 0),
       global_head_dim=Holds(">= 0 (0: model.head_dim)", lambda x: x >= 0),
       global_n_kv_heads=Holds(">= 0 (0: model.n_kv_heads)", lambda x: x >= 0),
@@ -280,9 +284,14 @@ class DataConfig(Section):
   chat_template: str = "plain"
   seq_len: int = 128  # L
   # True: documents are packed several to a row (segment ids 1, 2, ...). False: one document
-  # a row, padded at the end (a document longer than L: one row per L-token piece), which is
-  # what Gated DeltaNet models need (docs/gdn.md).
+  # a row, padded at the end (a document longer than L: one row per L-token piece).
   pack: bool = True
+  # True: each packed document is its own (segment ids): attention never crosses documents and
+  # Gated DeltaNet layers restart their state and conv at each start (docs/gdn.md). False: the
+  # row's documents are one continuous stream (segment id 1 up to the row's end padding), as
+  # the seed's packed pretraining stream: attention and state cross documents. Only differs
+  # from True with data.pack=true; text only (the seed packs chat records aligned to rows).
+  segment_ids: bool = True
   shuffle: bool = True
   num_threads: int = 2  # grain read threads (2-core friendly)
   # The held-out split (evaluation). The embedded source draws it from another seed; file
@@ -296,6 +305,10 @@ class DataConfig(Section):
                num_threads=AT_LEAST_0, holdout=Holds("in [0, 1)", lambda x: 0 <= x < 1))
 
   def check(self) -> None:
+    if not self.segment_ids and self.format == "chat":
+      raise ConfigError("data.segment_ids=false (one continuous stream a row, the seed's "
+                        "pretraining packing) reads text documents; data.format='chat' keeps "
+                        "each conversation its own (prompt and response): leave it true")
     if self.format == "chat" and self.source not in ("jsonl", "tokens", "arithmetic"):
       raise ConfigError(f"data.format='chat' reads JSONL records with 'messages' "
                         f"(data.source=jsonl) or the embedded arithmetic as conversations "
@@ -316,6 +329,17 @@ class ObjectiveConfig(Section):
   eps_max: float = 1.0
   loss_weight: str = "inv_t"  # or "unit"
   mask_token_id: int = 259
+  # t of each (sequence, block): antithetic over the batch's blocks (BD3-LM; diffusiongemma:
+  # its response blocks), or independent uniforms (the seed's Fast-dLLM v2 runtime); either
+  # way clipped to [eps_min, eps_max].
+  antithetic: bool = True
+  # Keep the [MASK] logit in the softmax of the masked-token CE (the seed's Fast-dLLM v2);
+  # False removes it (SUBS). bd3lm and fast_dllm_v2.
+  keep_mask_logit: bool = False
+  # fast_dllm_v2: the row that scores the first token of block b+1. "clean": the clean row at
+  # the end of block b (what the sampler reads); "noisy": the last noisy row of block b, every
+  # label on the noisy copies, as the seed trains (docs/conversion_sft.md).
+  boundary_row: str = "clean"
   # dflash (docs/dflash.md): up to `max_anchors` draft blocks [x_a, MASK x (B-1)] per
   # sequence, anchors drawn uniformly or strided over the supervised positions; draft slot
   # k >= 1 predicts x_{a+k} with weight exp(-(k-1)/gamma), by cross-entropy to the data
@@ -344,6 +368,7 @@ class ObjectiveConfig(Section):
   encoder_loss_weight: float = 1.0
 
   RULES = dict(block_size=AT_LEAST_1, max_anchors=AT_LEAST_1, gamma=ABOVE_0,
+               boundary_row=OneOf(("clean", "noisy")),
                loss_weight=OneOf(("inv_t", "unit")), anchors=OneOf(ANCHOR_SAMPLING),
                draft_loss=OneOf(("ce", "kl")), dflash_loss=OneOf(DFLASH_LOSSES),
                dpace_alpha=Holds("in [0, 1]", lambda x: 0 <= x <= 1),
@@ -389,6 +414,10 @@ class DrafterConfig(Section):
   # window reaches, and drops the rest before `fc` (0: keeps them all); `make_batch` refuses
   # a batch whose anchors reach more (docs/dflash.md).
   kept_context_rows: int = 0
+  # On sliding-window layers (`window` > 0), draft slot j sees only slots <= j of its own
+  # block (the seed's default: causal unless its checkpoint sets `sliding_window_non_causal`,
+  # core/models/backbones/dflash/model.py ~364-366); false: the whole block, bidirectionally.
+  sliding_causal: bool = False
 
   RULES = dict(conv_taps=AT_LEAST_0, conv_group_size=AT_LEAST_1, window=AT_LEAST_0,
                kept_context_rows=AT_LEAST_0,
@@ -452,9 +481,16 @@ class TrainConfig(Section):
   lr: float = 3e-3
   warmup_steps: int = 20
   min_lr_ratio: float = 0.1
+  # "cosine": linear warm-up from 0, cosine to lr * min_lr_ratio at the last step;
+  # "seed_cosine": the seed's (warm-up from the floor, cosine over `steps` after it).
+  schedule: str = "cosine"
   weight_decay: float = 0.01
   b1: float = 0.9
   b2: float = 0.95
+  eps: float = 1e-8  # Adam's epsilon (the seed's default: 1e-5)
+  # Weight decay on every parameter, as the seed's one parameter group; False exempts norm
+  # scales and other vectors (per layer, for stacked layer weights).
+  decay_vectors: bool = False
   grad_clip: float = 1.0
   log_every: int = 10
   ckpt_every: int = 100
@@ -470,12 +506,12 @@ class TrainConfig(Section):
   freeze: str = "auto"
 
   RULES = dict(
-      freeze=OneOf(("auto", "", "routers")),
+      freeze=OneOf(("auto", "", "routers")), schedule=OneOf(("cosine", "seed_cosine")),
       steps=AT_LEAST_1, batch_size=AT_LEAST_1, grad_accum=AT_LEAST_1, log_every=AT_LEAST_1,
       ckpt_every=AT_LEAST_1, max_to_keep=AT_LEAST_1, max_bad_steps=AT_LEAST_1, lr=ABOVE_0,
       warmup_steps=AT_LEAST_0, min_lr_ratio=Holds("in [0, 1]", lambda x: 0 <= x <= 1),
       weight_decay=AT_LEAST_0, b1=Holds("in [0, 1)", lambda x: 0 <= x < 1),
-      b2=Holds("in [0, 1)", lambda x: 0 <= x < 1),
+      b2=Holds("in [0, 1)", lambda x: 0 <= x < 1), eps=ABOVE_0,
       grad_clip=Holds("> 0 (the global-norm bound: 0 would zero every update)",
                       lambda x: x > 0),
       peak_tflops=Holds(">= 0 (0: guessed from the backend)", lambda x: x >= 0),

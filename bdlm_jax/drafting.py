@@ -22,7 +22,8 @@ from bdlm_jax.spec import resolve
 def draft_proposals(params, cfg: Config, tokens, segment_ids=None, protected=None,
                     selector: bool | None = None):
   """(int [S, A, B - 1] proposals for slots 1..B-1 of each anchor's block, the `Batch` of
-  its logical rows), on one device, at the anchors training would draw for `tokens`.
+  its logical rows), on one device, at the anchors `make_batch` draws for `tokens` without a
+  key (seeded by the tokens: the same every call).
 
   `selector` (default: when the drafter has one, `objective.selector_rank` > 0) decodes
   each block left to right with the selector over the head's top `objective.selector_top_k`
@@ -44,7 +45,8 @@ def draft_proposals(params, cfg: Config, tokens, segment_ids=None, protected=Non
     batch, inputs, _, _ = spec.objective.corrupt(None, batch, one)
     hidden, _, _ = spec.objective.hidden(spec, model, batch, inputs, None)
     h_SABD = hidden.reshape(s, -1, b, hidden.shape[-1])[:, :, 1:]
-    logits = head_logits(model.head, h_SABD, one.model.logit_softcap)
+    logits = head_logits(model.head, h_SABD, one.model.logit_softcap,
+                         one.model.output_multiplier)
     if not selector:
       return jnp.argmax(logits, -1)
     unary, ids = jax.lax.top_k(logits, o.selector_top_k)

@@ -3,6 +3,8 @@ strategy on the host and placed on the devices that hold them. Training and held
 evaluation read through the same feed, so they see data the same way. A drafter with
 precomputed target features (`drafter.features`) reads those records instead of text."""
 
+import jax
+
 from bdlm_jax.batch import Batch, make_batch, reads_features
 from bdlm_jax.config import Config
 from bdlm_jax.errors import ConfigError
@@ -33,9 +35,16 @@ class Feed:
     return self
 
   def __next__(self) -> Batch:
+    return self.next()
+
+  def next(self, key=None) -> Batch:
+    """The next batch; `key` (the step's) draws a drafter's anchors (`make_batch`), folded
+    with this process's first sequence so that processes draw apart."""
     raw = next(self._data)
+    if key is not None:
+      key = jax.random.fold_in(key, self._local.start)
     batch = make_batch(self._cfg, raw["tokens"], raw["segment_ids"], raw.get("protected"),
-                       raw.get("features"))
+                       raw.get("features"), key=key)
     return put_batch(batch, self._mesh, self._cfg.train.batch_size, self._local)
 
   def get_state(self) -> dict:

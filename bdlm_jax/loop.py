@@ -164,7 +164,8 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
     good_state = start > 0  # a restored checkpoint, or a state judged good (GOOD) since
     requests = handlers.enter_context(stop_requests())  # until the finally below
     for step in range(start, cfg.train.steps):
-      state, metrics = train_step(state, next(data), jax.random.fold_in(step_key, step))
+      key = jax.random.fold_in(step_key, step)  # also draws a drafter's anchors (make_batch)
+      state, metrics = train_step(state, data.next(key), key)
       done = step + 1
       skipped = int(metrics.pop("skipped"))  # waits for the step: its state may be saved below
       spikes = [] if skipped else [name for name in JUDGED  # each detector sees every step

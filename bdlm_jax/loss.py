@@ -41,10 +41,10 @@ def _check_batch(cfg, batch, plan):
 
 
 def chunked_loss(head, score_fn, chunk: int, softcap: float, h_SND, labels_SN, take_SN,
-                 weight_SN, *teacher_SND):
+                 weight_SN, *teacher_SND, multiplier: float = 1.0):
   """`score_fn(logits, labels, take, weight, *teacher_logits)` summed over chunks of `chunk`
-  rows; the logits are `head_logits(head, h, softcap)`, and so are those of any `teacher`
-  hidden states given (a drafter's target, for its KL loss).
+  rows; the logits are `head_logits(head, h, softcap, multiplier)`, and so are those of any
+  `teacher` hidden states given (a drafter's target, for its KL loss).
 
   Only one chunk's float32 logits [S, chunk, vocab] exist at a time, never [rows, vocab]:
   the chunks run as a `lax.scan` whose body is rematerialised, so the backward recomputes
@@ -62,7 +62,7 @@ def chunked_loss(head, score_fn, chunk: int, softcap: float, h_SND, labels_SN, t
   @jax.checkpoint
   def body(total, xs):
     h, labels, take, weight, *teacher = xs
-    logits = [head_logits(head, x, softcap) for x in (h, *teacher)]
+    logits = [head_logits(head, x, softcap, multiplier) for x in (h, *teacher)]
     return total + score_fn(logits[0], labels, take, weight, *logits[1:]), None
 
   xs = (split(h_SND, 0), split(labels_SN, -1), split(take_SN, False), split(weight_SN, 0),
@@ -71,7 +71,8 @@ def chunked_loss(head, score_fn, chunk: int, softcap: float, h_SND, labels_SN, t
   return jax.lax.scan(body, total, xs)[0]
 
 
-def _loss_on_every_device(head, score_fn, chunk: int, softcap: float, mesh, *rows):
+def _loss_on_every_device(head, score_fn, chunk: int, softcap: float, mesh, *rows,
+                          multiplier: float = 1.0):
   """`chunked_loss` run by every device on the rows it holds, summed over the mesh.
 
   Under `shard_map` each device accumulates the head's gradient over its own chunks and the
@@ -79,7 +80,7 @@ def _loss_on_every_device(head, score_fn, chunk: int, softcap: float, mesh, *row
   loop would all-reduce it once per chunk.
   """
   if mesh is None or mesh.size == 1:  # (XLA keeps a one-device psum as an all-reduce)
-    return chunked_loss(head, score_fn, chunk, softcap, *rows)
+    return chunked_loss(head, score_fn, chunk, softcap, *rows, multiplier=multiplier)
   graphdef, state = nnx.split(head)
   axes = tuple(mesh.axis_names)
 
@@ -87,7 +88,8 @@ def _loss_on_every_device(head, score_fn, chunk: int, softcap: float, mesh, *row
     # Varying from here on, so the transpose (the gradient's sum over devices) happens here,
     # once, and not inside the loop where each chunk would mark it varying again.
     state = jax.tree.map(lambda w: jax.lax.pcast(w, axes, to="varying"), state)
-    total = chunked_loss(nnx.merge(graphdef, state), score_fn, chunk, softcap, *rows)
+    total = chunked_loss(nnx.merge(graphdef, state), score_fn, chunk, softcap, *rows,
+                         multiplier=multiplier)
     return jax.lax.psum(total, axes)
 
   row_specs = [P(BATCH_AXES, "seq", *[None] * (x.ndim - 2)) for x in rows]
@@ -148,7 +150,8 @@ def spec_loss(spec: StepSpec, params, batch, key, counts=None):
     rows = [hidden] + [plan.slot_rows(x, objective.LOSS_SLOT)
                        for x in (batch.labels, scored, weight)] + list(teacher)
     total = _loss_on_every_device(model.head, score, cfg.model.logits_chunk,
-                                  cfg.model.logit_softcap, mesh, *rows)
+                                  cfg.model.logit_softcap, mesh, *rows,
+                                  multiplier=cfg.model.output_multiplier)
     loss = total / normalizer
   if cfg.model.moe_experts:
     router = router_losses(stats, cfg.model.moe_experts)
@@ -160,14 +163,16 @@ def spec_loss(spec: StepSpec, params, batch, key, counts=None):
   return loss, dict(metrics, loss=loss)
 
 
-def ar_logits(params, cfg: Config, tokens) -> jax.Array:
+def ar_logits(params, cfg: Config, tokens, segment_ids=None) -> jax.Array:
   """Plain causal forward of logical tokens [S, L] -> float32 logits [S, L, vocab].
 
-  For interop and evaluation: the layout is built on the host, so `tokens` is concrete
-  (jit the model inside, not this function over `tokens`)."""
+  `segment_ids` int [S, L] (None: each row one document): packed documents, 0 padding; each
+  document's logits are its own run's (attention masked to it, Gated DeltaNet restarted at
+  its first token). For interop and evaluation: the layout is built on the host, so `tokens`
+  is concrete (jit the model inside, not this function over `tokens`)."""
   ar_cfg = replace(cfg, objective=dict(name=ar.NAME), parallel=dict(strategy=SINGLE_DEVICE, seq=1),
                    data=dict(seq_len=int(np.shape(tokens)[1])))
-  batch = make_batch(ar_cfg, np.asarray(tokens))
+  batch = make_batch(ar_cfg, np.asarray(tokens), segment_ids)
   model = merge(ar_cfg, params)
   hidden = model(batch.tokens, batch.pos, batch.meta, resolve(ar_cfg).attend["all"])
   return model.logits(hidden)
@@ -215,8 +220,9 @@ def draft_logits(params, cfg: Config, tokens, segment_ids=None, protected=None):
   """A drafter's float32 logits at its draft rows, [S, A, B, vocab], and the `Batch` of its
   logical rows (`[draft ; context]`; draft row j*B + k is slot k of anchor j), on one device.
 
-  For evaluation (acceptance length): the anchors are the ones training would draw for these
-  tokens. `tokens` are logical [S, L], concrete (the layout is built on the host)."""
+  For evaluation (acceptance length): the anchors are drawn from the tokens (`make_batch`
+  without a key), the same every call. `tokens` are logical [S, L], concrete (the layout is
+  built on the host)."""
   one = replace(cfg, parallel=dict(strategy=SINGLE_DEVICE, seq=1, data=1, fsdp=1))
   batch = make_batch(one, np.asarray(tokens), segment_ids, protected)
   spec = resolve(one)
@@ -226,7 +232,7 @@ def draft_logits(params, cfg: Config, tokens, segment_ids=None, protected=None):
     model = merge(one, params)
     batch, inputs, _, _ = spec.objective.corrupt(None, batch, one)
     hidden, _, _ = spec.objective.hidden(spec, model, batch, inputs, None)
-    return head_logits(model.head, hidden, one.model.logit_softcap)
+    return head_logits(model.head, hidden, one.model.logit_softcap, one.model.output_multiplier)
 
   s, b = batch.tokens.shape[0], one.objective.block_size
   return run(params, batch).reshape(s, -1, b, one.model.vocab_size), batch

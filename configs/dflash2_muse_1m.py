@@ -23,9 +23,12 @@ train, point `drafter.target` at the verifier's Hugging Face folder (for that em
 head) and `drafter.features` at the folder.
 
 Context pruning as the seed's: each rank keeps only the context rows inside the union of the
-anchors' windows (`drafter.kept_context_rows` of its 131,072), before `fc`. What this package
-does not do of the seed's recipe: the selector's unary `output_multiplier` (0.19612), and the
-seed's CP 4 / BP 4 x DP 2 layout (here one `seq` axis of 8).
+anchors' windows (`drafter.kept_context_rows` of its 131,072), before `fc`. The verifier's
+`output_multiplier` (0.19612, `model.output_multiplier`) scales its head's logits before the
+soft cap everywhere the drafter's losses read them (the CE, p, D-PACE's weights, the LK lambda
+and the selector's candidates and unary scores), as the seed's streamed head pass does. What
+this package does not do of the seed's recipe: its CP 4 / BP 4 x DP 2 layout (here one `seq`
+axis of 8).
 """
 
 from bdlm_jax.config import (Config, DataConfig, DrafterConfig, ModelConfig, ObjectiveConfig,
@@ -52,9 +55,11 @@ MUSE_GLIMMER_30B = dict(
     d_ff=19968,  # CKPT: I 19968 (the drafter's; the verifier's MLPs never run)
     rope_theta=5e5,  # CKPT: rope 5e5
     qk_norm=True, tie_embeddings=False,  # as DFLASH2_RECIPES (the drafter is Qwen3-style)
-    # The frozen head's final_logit_softcapping, which the seed's streamed CE / top-K pass
-    # applies (core/models/backbones/dflash/dflash2.py ~596-604; CKPT: 20). Its
-    # output_multiplier (0.19612) has no counterpart here.
+    # The frozen head's output_multiplier and final_logit_softcapping, which the seed's
+    # streamed CE / top-K pass applies in that order, cap * tanh(m * logits / cap)
+    # (core/kernels/dflash_linear_topk.py ~126-147, core/models/backbones/dflash/dflash2.py
+    # ~596-604; CKPT: 0.19612 and 20).
+    output_multiplier=0.19612,
     logit_softcap=20.0)
 
 
@@ -76,6 +81,12 @@ def get_config() -> Config:
           features="/data/dflash-features",
           conv_taps=2, conv_group_size=16,  # CKPT: Muse taps 2, group size 16
           window=2048,  # CKPT: every layer sliding, W = 2048
+          # ASSUMED: the seed's default, a causal draft block on sliding layers
+          # (core/models/backbones/dflash/model.py ~364-366, ~1233-1255: causal unless the
+          # drafter's config sets sliding_window_non_causal / is_causal=false /
+          # dflash_config.causal=false). Muse's value is in its checkpoint's config, which is
+          # in neither the wheel nor the recipe: unverified.
+          sliding_causal=True,
           # Context pruning (the seed's ~10.2K rows): 512 locality anchors 16 candidates apart
           # (17 where 16 is not coprime with their count) reach 511 x 16 + 2047 = 10,223 rows
           # (10,734), up to 12,764 where the run wraps to the sequence's start (both zigzag

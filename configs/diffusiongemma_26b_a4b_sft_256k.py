@@ -1,7 +1,17 @@
-"""DiffusionGemma 26B-A4B, the seed paper's SFT recipe: one 262,144-token chat sequence a step
-on 16 devices, context-sharded block parallelism (csbp_ring), the 128 experts split over the
-16 devices, the diffusiongemma objective (canvases of 256 uniform-token-corrupted tokens,
-self-conditioning on half the sequences, the encoder's next-token loss).
+"""DiffusionGemma 26B-A4B SFT: the seed's recipe (Turbo-dLLM 0.1.6,
+`dllm_parallel/recipes/runs/diffusiongemma-26b-sft-256k.yaml`) on 16 TPU v5p chips. As the
+recipe: one conversation a row (`data.pack=false`, as the seed trains), one row of up to
+262,144 tokens a step, 1000 steps; the diffusiongemma objective with its settings (canvases
+of 256, t antithetic over the response canvases in [0.001, 1], uniform-token corruption
+with probability t, unit weights, self-conditioning on half the conversations, the
+encoder's next-token loss with weight 1.0, routers frozen, every token routed); AdamW with
+lr 1e-5, betas 0.95 / 0.99, eps 1e-8, weight decay 1e-4 on every parameter (the seed's one
+parameter group: `train.decay_vectors`), global-norm clip 1.0, and the seed's schedule
+(`train.schedule=seed_cosine`: 40 warm-up steps from 1e-6, then a cosine toward 1e-6,
+`min_lr_ratio` 0.1, over the 1000 steps after them); a checkpoint every 100 steps, the last
+3 kept.
+Ours, not the recipe's: the sharding, context-sharded block parallelism (csbp_ring) over
+the 16 devices with the 128 experts split over them (the differences are listed below).
 
   python run.py --config configs/diffusiongemma_26b_a4b_sft_256k.py --set mode=plan
   python experiments/scale_probe.py --target tpu:v5p:2x2x4 --models diffusiongemma-26b-a4b \
@@ -22,6 +32,39 @@ step dropping at 1.25x capacity read 90.63 GB:
       --objective diffusiongemma --lens 262144 --strategies csbp_ring --block-size 256 \
       --remat offload --set model.row_chunks=16 model.attention_chunk=512 \
       model.logits_chunk=1024 model.moe_drop_tokens=false --dispatch real --depth-check 0
+
+These figures were compiled before this file set `data.pack=false` and the recipe's
+optimiser settings, which should not move them (the plan compiles abstract batch shapes,
+`abstract_batch`, so how conversations fill rows does not enter, and AdamW keeps the same
+state); not recompiled since.
+
+Where this differs from the seed's recipe (files of the seed's package `dllm_parallel`):
+
+* Hardware and memory: the seed runs 2 nodes x 8 H200 (CP 8 x BP 8, EP 2), DeepSpeed ZeRO-2
+  and full activation checkpointing (the yaml's `topology`, `optimizer.backend`,
+  `training.activation_checkpointing*`); here 16 TPU v5p, csbp_ring, the experts over all
+  16 devices, remat offload with 16 row chunks. The loss is the same.
+* Precision: the seed holds the model in bf16 (the yaml's `model.dtype`; DeepSpeed's bf16
+  mode updates float32 master copies); here float32 parameters and optimiser state,
+  bfloat16 compute.
+* Encoder pairs (core/models/backbones/nemotron/model.py:1966-2030,
+  `_native_encoder_ar_loss`; core/objectives/training.py:471, the pair count): the seed
+  counts every next-token pair of the conversation; ours leaves out those whose first token
+  lies in the row's last canvas (docs/diffusiongemma.md), so only a conversation reaching
+  the row's last 256 positions loses any (at most 255 of 262,143).
+* Row layout (core/objectives/diffusiongemma.py:210-250; core/data.py:613-616, 715;
+  data/packing.py:64-71): the seed's row is one conversation of exactly its own length,
+  which preparation makes a multiple of 256 (`packing.alignment_policy`, default
+  `truncate_right`: data/schemas.py:87, cutting up to 255 of its last tokens), its canvases
+  starting at the response; a batch of several rows must share one response start and
+  length. Ours pads the prompt on the left to a multiple of 256 (so the response starts a
+  canvas, as the seed's), the response on the right and the row to 262,144, with padding
+  that no token sees: the same canvases, draws and loss (tests/objectives/
+  test_seed_diffusiongemma.py), no token cut, no shared-start rule, and a short
+  conversation still computes a full-length row.
+* Data and draws: the seed reads its prepared dataset (`data.dataset_path`, shuffled with
+  seed 2026) and draws with torch's generator; here the embedded arithmetic until `data`
+  points at chat JSONL, and jax's keys.
 
 Random weights and the embedded arithmetic conversations, so it compiles and runs from a fresh
 clone; for the real model, uncomment `init_from` (the Hugging Face folder: `import_hf` reads
@@ -59,12 +102,18 @@ def get_config() -> Config:
       model=ModelConfig(**DIFFUSIONGEMMA_26B_A4B, param_dtype="float32",
                         compute_dtype="bfloat16", remat="offload", row_chunks=16,
                         attention_chunk=512, logits_chunk=1024, moe_drop_tokens=False),
-      data=DataConfig(source="arithmetic", format="chat", seq_len=1 << 18),
-      objective=ObjectiveConfig(name="diffusiongemma", block_size=256, loss_weight="unit",
+      # one conversation a row, as the seed's native SFT (data/chat.py `chat_per_row`)
+      data=DataConfig(source="arithmetic", format="chat", seq_len=1 << 18, pack=False),
+      objective=ObjectiveConfig(name="diffusiongemma", block_size=256, eps_min=1e-3,
+                                eps_max=1.0, antithetic=True, loss_weight="unit",
                                 self_condition_p=0.5, encoder_loss_weight=1.0),
       parallel=ParallelConfig(strategy="csbp_ring", seq=16, expert_axes="seq"),
-      train=TrainConfig(steps=1000, batch_size=1, lr=1e-5, warmup_steps=50, log_every=1,
-                        ckpt_every=100),
+      # the recipe's optimizer and scheduler; decay_vectors: weight decay on every parameter
+      train=TrainConfig(steps=1000, batch_size=1, lr=1e-5, warmup_steps=40, min_lr_ratio=0.1,
+                        schedule="seed_cosine", b1=0.95, b2=0.99, eps=1e-8, weight_decay=1e-4,
+                        decay_vectors=True, grad_clip=1.0, log_every=1, ckpt_every=100,
+                        max_to_keep=3),
+      seed=2026,  # the recipe's launch seed
       plan=PlanConfig(target="tpu:v5p:2x2x4"),
       # init_from="/path/to/diffusiongemma-26B-A4B-it",
   )

@@ -1,7 +1,10 @@
 """Qwen3.5-style hybrid, tiny (docs/gdn.md): a random 4-layer model, three Gated DeltaNet
 layers then one gated full-attention layer (partial RoPE 0.25), trained with the Fast-dLLM v2
-conversion objective on the embedded arithmetic, one document a row (Gated DeltaNet runs one
-recurrence per row: `data.pack=false`). A 2-core CPU trains it in a couple of minutes.
+conversion objective on the embedded arithmetic, one document a row (`data.pack=false`). A
+2-core CPU trains it in a couple of minutes. `--set data.pack=true` packs several documents a
+row, each its own segment: attention stays inside it and the Gated DeltaNet state and conv
+restart at its start, under every strategy (docs/gdn.md; the seed's continuous stream, where
+both cross documents, is `--set data.segment_ids=false`).
 
   python run.py --config configs/qwen3_5_tiny.py
   JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES=4 python run.py --config configs/qwen3_5_tiny.py \

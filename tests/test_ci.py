@@ -50,6 +50,8 @@ def test_ci_installs_the_checkout_before_testing(tmp_path):
   install = commands.index("-m pip install -q -e .")
   assert commands.index("-m pip install -q -r requirements.txt") < install
   assert commands.index("-m pip install -q -r requirements-tpu.txt") < install  # XLA:TPU
+  # The seed's package, oracle of the test_seed_* files, without its dependencies
+  assert commands.index("-m pip install -q --no-deps -r requirements-seed.txt") < install
   assert install < commands.index(TESTS)
 
 

@@ -47,6 +47,9 @@ ELSEWHERE = {
                                             "test_window_traffic.py runs its smoke grid",
     "python experiments/block_size_sweep.py": "trains 12 models (~25 minutes); it runs the "
                                               "loop and eval that tests/test_evaluate.py tests",
+    "python experiments/conversion_forms.py": "trains 9 models (~40 minutes): the loop, export "
+                                              "and eval that other tests test; the forms' "
+                                              "losses: tests/objectives/test_seed_fast_dllm_v2.py",
 }
 
 

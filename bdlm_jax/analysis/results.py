@@ -48,6 +48,8 @@ PAGES = (
           f"python experiments/cost_model.py --scaling {KERNEL_CSV}")),
     Page("local_layers.md", "Local vs global layers: attention traffic",
          ("window_traffic.md",), ("python experiments/window_traffic.py",)),
+    Page("conversion.md", "AR -> BDLM conversion: Fast-dLLM v2 forms",
+         ("conversion_forms.md",), ("python experiments/conversion_forms.py",)),
     Page("block_sizes.md", "Block size: what the models learn",
          ("block_size_sweep.md",), ("python experiments/block_size_sweep.py",),
          (("held-out loss per block size", "block_size_sweep.png"),)),

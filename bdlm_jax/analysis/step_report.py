@@ -231,7 +231,9 @@ def recurrence_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype).item
   holds: the all-gather of segment tails (reduce-scatter back), the chain's one-pair permutes
   of a state [Hv, K, V] f32 (each compiles to one collective every rank runs, though only two
   ranks exchange: this counts what the compiled program counts), and the fetched copies'
-  rows (pre-conv rows, g, beta) and entry states. `reruns`: forward re-runs in the backward."""
+  rows (pre-conv rows, g, beta) and entry states; beside the tails and the copies' rows, their
+  document ids (int32, forward passes only: no gradient). `reruns`: forward re-runs in the
+  backward."""
   out = dict.fromkeys(hlo_stats.COLLECTIVE_KINDS, 0.0)
   m = cfg.model
   n_layers = layer_types(m).count("gdn")
@@ -245,14 +247,16 @@ def recurrence_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype).item
   row = (2 * hk * dk + hv * dv) * itemsize(m.compute_dtype)  # one pre-conv row
   state = hv * dk * dv * itemsize(jnp.float32)
   passes = 1 + reruns
+  doc_id = itemsize(jnp.int32)
   if program.shares_tails:
     tails = program.own * program.halo * row
-    out["all-gather"] += passes * tails
+    out["all-gather"] += passes * (tails + program.own * program.halo * doc_id)
     out["reduce-scatter"] += plan.num_ranks * tails
   hops = sum(q != r for r, _, q, _ in program.chain)
   fetches = len(program.fetch_permutes())
   copy = program.seg_len * (row + 2 * hv * itemsize(jnp.float32)) + state
-  out["collective-permute"] += (passes + 1) * (hops * state + fetches * copy)
+  out["collective-permute"] += ((passes + 1) * (hops * state + fetches * copy)
+                                + passes * fetches * program.seg_len * doc_id)
   out = {k: n_layers * sequences * v for k, v in out.items()}
   # The conv kernel enters the shard_map whole: its gradient is summed over `seq` there.
   out["all-reduce"] += n_layers * (2 * hk * dk + hv * dv) * m.gdn_conv * itemsize(m.param_dtype)

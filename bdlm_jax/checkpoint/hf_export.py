@@ -50,6 +50,10 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
   source = vision_from or cfg.init_from or None
   like = _source_type(source)
   hf_model_type(cfg.model, like)  # a model no family expresses is refused first
+  if cfg.model.output_multiplier != 1:
+    raise ConfigError(f"model.output_multiplier={cfg.model.output_multiplier} (a verifier's "
+                      f"logit multiplier, read on import) has no key in the Hugging Face "
+                      f"families export_hf writes, so their logits would differ: not exported")
   if cfg.model.self_conditioning and not source and not cfg.export.toy_vision:
     raise ConfigError(
         "a DiffusionGemma export needs the vision tower of the Hugging Face folder it was "

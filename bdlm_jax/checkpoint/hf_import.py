@@ -38,7 +38,7 @@ _BEHAVIOUR_KEYS = ("rope_theta", "rope_local_theta", "norm_eps", "layer_pattern"
                    "sliding_window", "scale_embeddings", "query_pre_attn_scalar",
                    "mlp_activation", "logit_softcap", "moe_top_k", "moe_norm_topk",
                    "global_partial_rotary_factor", "last_layer_global", "v_norm",
-                   "partial_rotary_factor")
+                   "partial_rotary_factor", "output_multiplier")
 
 
 def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dict]:

@@ -180,7 +180,19 @@ def set_path(tree: dict, path: tuple, value) -> None:
 
 
 def model_config_from_hf(hf: dict, where: str) -> dict:
-  """ModelConfig fields from an HF config.json dict; unsupported variants raise ConfigError."""
+  """ModelConfig fields from an HF config.json dict; unsupported variants raise ConfigError.
+  A verifier's `output_multiplier` (its head's logits times it before the soft cap, as the
+  seed reads it: core/models/backbones/nemotron/model.py ~4697-4710) is kept in every family."""
+  fields = _family_fields(hf, where)
+  multiplier = hf.get("output_multiplier")
+  if multiplier is not None:
+    if not float(multiplier) > 0:
+      raise ConfigError(f"{where}: output_multiplier={multiplier!r} must be > 0")
+    fields["output_multiplier"] = float(multiplier)
+  return fields
+
+
+def _family_fields(hf: dict, where: str) -> dict:
   model_type = hf.get("model_type")
   if model_type not in MODEL_TYPES:
     raise ConfigError(f"{where}: model_type={model_type!r} is not supported; bdlm_jax imports "

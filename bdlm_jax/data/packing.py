@@ -4,7 +4,8 @@ A document that fits in L stays whole: grain's first-fit packing pads a row rath
 a document across rows. Only a document longer than L is cut, into L-token pieces, each its
 own segment. Segment ids number the documents of a row 1, 2, 3, ...; padding is segment 0.
 `one_per_row` (data.pack=false) puts each document, or L-token piece of one, in a row of its
-own, padded at the end.
+own, padded at the end. `one_stream` (data.segment_ids=false) makes a packed row's documents
+one segment, the seed's continuous stream: everything before the row's end padding is id 1.
 """
 
 from __future__ import annotations
@@ -59,3 +60,9 @@ def one_per_row(docs: grain.IterDataset, *, seq_len: int, pad_id: int,
   del num_bins
   pieces = gx.FlatMapIterDataset(docs, _SplitLong(seq_len))
   return pieces.map(functools.partial(_padded, seq_len, pad_id))
+
+
+def one_stream(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """A packed row with its documents as one segment (id 1), padding still 0 (data.segment_ids=
+  false: attention and Gated DeltaNet state cross the documents, as in the seed's stream)."""
+  return {**row, "segment_ids": (row["segment_ids"] > 0).astype(np.int32)}

@@ -15,7 +15,7 @@ import grain
 from bdlm_jax.config import DataConfig
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.data import chat
-from bdlm_jax.data.packing import one_per_row, pack
+from bdlm_jax.data.packing import one_per_row, one_stream, pack
 from bdlm_jax.data.prepare import TokenSource, tokenize
 from bdlm_jax.data.sources import DataError, held_out, make_source, split_path
 from bdlm_jax.data.tokenizers import EOS_NAMES, Tokenizer, check_mask_id, make_tokenizer
@@ -71,7 +71,8 @@ def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size
 
   Process p reads documents p, p + P, p + 2P, ... of the source (disjoint shards); each
   epoch is reshuffled from `seed` when `data.shuffle`. Padding is `tokenizer.pad_id` with
-  segment 0. `mask_token_id`, the objective's [MASK] (None for `ar`), is checked against the
+  segment 0 (with `data.segment_ids=false`, every other token of a row is segment 1: one
+  stream). `mask_token_id`, the objective's [MASK] (None for `ar`), is checked against the
   tokenizer before anything is read, and dropped from documents that spell it out. `split`
   ("train" or "eval") picks the training documents or the held-out ones (sources.held_out).
   """
@@ -114,4 +115,6 @@ def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size
     to_rows = pack if data_cfg.pack else one_per_row
   rows = to_rows(
       docs, seq_len=data_cfg.seq_len, pad_id=tokenizer.pad_id, num_bins=batch_size)
+  if not data_cfg.segment_ids:  # the seed's continuous stream: a row is one document
+    rows = rows.map(one_stream)
   return iter(rows.batch(batch_size, drop_remainder=True))

@@ -12,12 +12,16 @@ import jax
 import jax.numpy as jnp
 
 NOISY, CLEAN = 0, 1
+# A noisy *query* whose own block is causal: it sees that block's keys at positions <= its
+# own only (a DFlash drafter's draft rows on sliding layers, `drafter.sliding_causal`). Only
+# query metadata carries it; as a key such a row is noisy.
+NOISY_CAUSAL = 2
 
 
 class RowMeta(NamedTuple):
   """Per-row metadata, each int32 [S, R].
 
-  stream: NOISY (x_t) or CLEAN (x_0).
+  stream: NOISY (x_t) or CLEAN (x_0); NOISY_CAUSAL on a query: noisy, own block causal.
   block:  block index (pos // B); for autoregressive attention block == pos.
   seg:    document id inside the packed sequence; 0 marks padding (never attends, never seen).
   pos:    position in the packed sequence (a token's noisy and clean rows share it).
@@ -65,19 +69,20 @@ def windowed(meta: RowMeta, window: int, block_size: int) -> RowMeta:
 def allowed(q_meta: RowMeta, k_meta: RowMeta) -> jnp.ndarray:
   """bool [S, Rq, Rk]: may query row q attend to key row k ([Rq, Rk] for 1-D metadata).
 
-  noisy->noisy: same block (bidirectional); noisy->clean: strictly earlier block;
-  clean->clean: same or earlier block; clean->noisy: never; always within one document and
-  never before the query's window start.
+  noisy->noisy: same block (bidirectional; a NOISY_CAUSAL query: keys at positions <= its
+  own); noisy->clean: strictly earlier block; clean->clean: same or earlier block;
+  clean->noisy: never; always within one document and never before the query's window start.
   """
-  qs, qb, qg, qlo = (x[..., :, None] for x in (q_meta.stream, q_meta.block, q_meta.seg,
-                                                 q_meta.lo))
+  qs, qb, qg, qp, qlo = (x[..., :, None] for x in (q_meta.stream, q_meta.block, q_meta.seg,
+                                                     q_meta.pos, q_meta.lo))
   ks, kb, kg, kp = (x[..., None, :] for x in (k_meta.stream, k_meta.block, k_meta.seg,
                                                 k_meta.pos))
   same_doc = (qg == kg) & (qg > 0)
-  noisy_q = qs == NOISY
+  noisy_q = qs != CLEAN
+  own = (kb == qb) & ((qs == NOISY) | (kp <= qp))
   rule = jnp.where(
       noisy_q,
-      jnp.where(ks == NOISY, kb == qb, kb < qb),
+      jnp.where(ks != CLEAN, own, kb < qb),
       (ks == CLEAN) & (kb <= qb),
   )
   return same_doc & rule & (kp >= qlo)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta, row_meta, windowed
+from bdlm_jax.kernels.mask import CLEAN, NOISY, NOISY_CAUSAL, RowMeta, row_meta, windowed
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 _BIG = 2**30  # sentinel for "no such row in this tile": larger than any block or document id
@@ -43,7 +43,7 @@ class TileSummary(NamedTuple):
   pos_hi: np.ndarray
   win_lo: np.ndarray  # window starts (RowMeta.lo) of the tile's rows as queries
   win_hi: np.ndarray
-  dense: np.ndarray  # bool: no padding row in the tile
+  dense: np.ndarray  # bool: no padding row (and no NOISY_CAUSAL query) in the tile
 
 
 class TileList(NamedTuple):
@@ -70,13 +70,14 @@ def summarize(meta: RowMeta, tile: int, xp) -> TileSummary:
   win = xp.zeros_like(meta.seg) if meta.lo is None else meta.lo  # keys: no window start
   stream, block, seg, pos, win = (x.reshape(s, r // tile, tile) for x in (*meta[:4], win))
   valid = seg > 0
-  noisy = valid & (stream == NOISY)
+  noisy = valid & (stream != CLEAN)  # NOISY_CAUSAL queries are noisy
   clean = valid & (stream == CLEAN)
   lo = lambda rows, x: xp.where(rows, x, _BIG).min(axis=-1)
   hi = lambda rows, x: xp.where(rows, x, -_BIG).max(axis=-1)
   return TileSummary(lo(noisy, block), hi(noisy, block), lo(clean, block), hi(clean, block),
                      lo(valid, seg), hi(valid, seg), lo(valid, pos), hi(valid, pos),
-                     lo(valid, win), hi(valid, win), valid.all(axis=-1))
+                     lo(valid, win), hi(valid, win),
+                     (valid & (stream != NOISY_CAUSAL)).all(axis=-1))  # causal: never FULL
 
 
 def classify(q: TileSummary, k: TileSummary, xp) -> np.ndarray:

@@ -19,7 +19,7 @@ from flax import nnx
 
 from bdlm_jax.config import Config, ModelConfig
 from bdlm_jax.errors import ConfigError
-from bdlm_jax.kernels.mask import RowMeta
+from bdlm_jax.kernels.mask import NOISY_CAUSAL, RowMeta
 from bdlm_jax.models.selector import CandidateSelector
 from bdlm_jax.models.transformer import (AttendFn, LayerStack, RMSNorm, RowsFn, Transformer,
                                          _linear, in_parts)
@@ -69,18 +69,23 @@ def drafter_model(cfg: Config) -> ModelConfig:
 
 def drafter_args(cfg: Config) -> dict:
   """JSON-able arguments of `DFlash`'s drafter: its layers' config and DFlash2's parts
-  (the block convolution's taps and groups, the candidate selector's rank)."""
+  (the block convolution's taps and groups, the candidate selector's rank, whether the own
+  block is causal on sliding layers)."""
   d = cfg.drafter
   return dict(model=dataclasses.asdict(drafter_model(cfg)), block_size=cfg.objective.block_size,
               conv_taps=d.conv_taps, conv_group_size=d.conv_group_size,
-              selector_rank=cfg.objective.selector_rank)
+              selector_rank=cfg.objective.selector_rank,
+              sliding_causal=bool(d.sliding_causal and d.window))
 
 
-def windowed_drafts(meta: RowMeta, window: int) -> RowMeta:
-  """Draft rows' metadata on a sliding-window drafter layer of window W: slot j of anchor a
-  (position a + j) sees context positions >= a + j - W + 1 (the seed's `dflash_fa4.py`
-  ~343-347, ~516-527); its own block stays whole for W >= B."""
-  return meta._replace(lo=meta.pos - (window - 1))
+def windowed_drafts(meta: RowMeta, window: int, causal: bool = False) -> RowMeta:
+  """Draft rows' metadata, as queries, on a sliding-window drafter layer of window W: slot j
+  of anchor a (position a + j) sees context positions >= a + j - W + 1 (the seed's
+  `dflash_fa4.py` ~343-347, ~516-527); its own block stays whole for W >= B, or with `causal`
+  (`drafter.sliding_causal`, the seed's `DFlashLocalBlockMask(causal=True)`, model.py
+  ~364-366) only its slots <= j."""
+  meta = meta._replace(lo=meta.pos - (window - 1))
+  return meta._replace(stream=jnp.full_like(meta.stream, NOISY_CAUSAL)) if causal else meta
 
 
 class GroupedConv(nnx.Module):
@@ -124,8 +129,9 @@ class Drafter(LayerStack):
   like the layers), and the candidate selector (`selector`)."""
 
   def __init__(self, cfg: ModelConfig, n_features: int, rngs: nnx.Rngs, block_size: int = 0,
-               conv_taps: int = 0, conv_group_size: int = 1, selector_rank: int = 0):
-    self.cfg = cfg
+               conv_taps: int = 0, conv_group_size: int = 1, selector_rank: int = 0,
+               sliding_causal: bool = False):
+    self.cfg, self.sliding_causal = cfg, sliding_causal
     param_dtype = jax.numpy.dtype(cfg.param_dtype)
     self.fc = _linear(n_features * cfg.d_model, cfg.d_model, cfg, rngs)
     self.hidden_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype)
@@ -150,31 +156,32 @@ class Drafter(LayerStack):
     `windowed_drafts`)."""
     b, c = feats_BCKD.shape[:2]
     ctx_BCD = self.hidden_norm(self.fc(feats_BCKD.reshape(b, c, -1)))
+    q_meta = meta  # as queries; `meta` stays the draft rows' metadata as keys
     if self.cfg.sliding_window:
-      meta = windowed_drafts(meta, self.cfg.sliding_window)
+      q_meta = windowed_drafts(meta, self.cfg.sliding_window, self.sliding_causal)
     convs = nnx.split(self.convs) if hasattr(self, "convs") else None
 
     def layer(block, carry, *conv_state_and_kind):
       # The context and the metadata ride in the carry, unchanged (see Transformer.forward).
       *conv_state, kind = conv_state_and_kind
-      x_BQD, ctx_BCD, pos_BQ, ctx_pos_BC, meta, ctx_meta = carry
+      x_BQD, ctx_BCD, pos_BQ, ctx_pos_BC, q_meta, meta, ctx_meta = carry
       k_ctx, v_ctx = block.attn.kv(ctx_BCD, ctx_pos_BC, kind)
       if not conv_state:
         q, k, v = block.project(x_BQD, pos_BQ, kind, rows)
-        out_BQHD, _ = attend(q, k, v, meta, meta, k_ctx, v_ctx, ctx_meta)
+        out_BQHD, _ = attend(q, k, v, q_meta, meta, k_ctx, v_ctx, ctx_meta)
         x_BQD, _ = block.finish(x_BQD, out_BQHD, rows=rows)
       else:  # DFlash2 (the seed's `DFlash2DecoderLayer.forward`, dflash2.py ~363-386)
         conv = nnx.merge(convs[0], conv_state[0])
         h_BQD, coef = conv["attn"].prepare(block.attn_norm(x_BQD))
         q, k, v = block.attn.qkv(h_BQD, pos_BQ, kind)
-        out_BQHD, _ = attend(q, k, v, meta, meta, k_ctx, v_ctx, ctx_meta)
+        out_BQHD, _ = attend(q, k, v, q_meta, meta, k_ctx, v_ctx, ctx_meta)
         out_BQD = block.attn.o_proj(out_BQHD.reshape(*out_BQHD.shape[:2], -1))
         x_BQD = x_BQD + conv["attn"].finish(out_BQD, coef)
         h_BQD, coef = conv["mlp"].prepare(block.mlp_norm(x_BQD))
         x_BQD = x_BQD + conv["mlp"].finish(block.mlp(h_BQD), coef)
-      return (x_BQD, ctx_BCD, pos_BQ, ctx_pos_BC, meta, ctx_meta), None
+      return (x_BQD, ctx_BCD, pos_BQ, ctx_pos_BC, q_meta, meta, ctx_meta), None
 
-    carry = (x_BQD, ctx_BCD, pos_BQ, ctx_pos_BC, meta, ctx_meta)
+    carry = (x_BQD, ctx_BCD, pos_BQ, ctx_pos_BC, q_meta, meta, ctx_meta)
     xs = () if convs is None else (convs[1],)
     (x_BQD, *_), _ = self.scan_layers(layer, carry, *xs, remat=self.cfg.remat,
                                       layer_weights=layer_weights)

@@ -9,6 +9,11 @@ and calls `cell` on contiguous pieces of it. `Cell` is the sequence math of one 
 causal depthwise conv (SiLU) over [q | k | v] from `left` context rows, q and k L2-normed
 (q also scaled by K^-1/2), key heads repeated to value heads, and the chunked gated delta
 rule (kernels/delta_rule.py) from state `s`.
+
+Packed documents: `starts` marks the rows that start a document. A conv tap never reads a row
+before its row's document start, and the state restarts at a document's first row (its decay
+set to `RESTART_G`: e^g = 0, the affine map's zero transition), so each document runs as if
+alone.
 """
 
 import dataclasses
@@ -22,6 +27,16 @@ from bdlm_jax.kernels import delta_rule
 from bdlm_jax.models.pattern import gdn_shape
 
 L2_EPS = 1e-6  # transformers' (and flash-linear-attention's) l2norm
+# The log decay of a row that starts a document: exp underflows to exactly 0 in float32 (the
+# state before it is forgotten), and finite, so the chunked kernel's sums stay NaN-free.
+RESTART_G = -1e4
+
+
+def restart(g_BTH, restart_BT):
+  """g with the rows that restart the state (bool [B, T]; None: none) at `RESTART_G`."""
+  if restart_BT is None:
+    return g_BTH
+  return jnp.where(restart_BT[..., None], RESTART_G, g_BTH)
 
 
 def _l2norm(x):
@@ -41,37 +56,54 @@ class Cell:
     """Pre-conv rows before a piece that its conv reads."""
     return self.conv_CK.shape[1] - 1
 
-  def _qkv(self, pre_BTC, left_BJC):
+  def _qkv(self, pre_BTC, left_BJC, starts_BJT=None):
     hk, hv, dk, dv = self.shape
     b, t, c = pre_BTC.shape
     if left_BJC is None:
       left_BJC = jnp.zeros((b, self.halo, c), pre_BTC.dtype)
     x = jnp.concatenate([left_BJC.astype(pre_BTC.dtype), pre_BTC], axis=1)
     w = self.conv_CK.astype(x.dtype)
-    conv = sum(x[:, i:i + t] * w[:, i] for i in range(self.halo + 1))  # depthwise, causal
+    tap = lambda i: x[:, i:i + t]
+    if starts_BJT is not None:  # tap i of row t reads x[t + i]: not across a document start
+      n = jnp.cumsum(starts_BJT.astype(jnp.int32), axis=1)  # starts in x[:j + 1]
+      tap = lambda i: jnp.where((n[:, i:i + t] == n[:, self.halo:])[..., None], x[:, i:i + t],
+                                0)
+    conv = sum(tap(i) * w[:, i] for i in range(self.halo + 1))  # depthwise, causal
     conv = jax.nn.silu(conv)
     q, k, v = jnp.split(conv, [hk * dk, 2 * hk * dk], axis=-1)
     rep = lambda x: jnp.repeat(x.reshape(b, t, hk, dk), hv // hk, axis=2)
     return _l2norm(rep(q)) * dk ** -0.5, _l2norm(rep(k)), v.reshape(b, t, hv, dv)
 
-  def __call__(self, pre_BTC, left_BJC, g_BTH, beta_BTH, s_BHKV):
+  def __call__(self, pre_BTC, left_BJC, g_BTH, beta_BTH, s_BHKV, starts_BJT=None,
+               restart_BT=None):
     """(o [B, T, Hv, V] float32, final state [B, Hv, K, V]) of T consecutive rows after
-    `left` [B, halo, C] pre-conv rows (None: zeros), from state `s` (None: zeros)."""
-    q, k, v = self._qkv(pre_BTC, left_BJC)
+    `left` [B, halo, C] pre-conv rows (None: zeros), from state `s` (None: zeros).
+
+    `starts` bool [B, halo + T]: the rows of [left | rows] that start a document (None: one
+    document), which no conv tap reads across; `restart` bool [B, T]: the rows whose state
+    restarts (default: `starts`' last T; a caller whose rows include placeholders that must
+    leave the state alone passes its own)."""
+    q, k, v = self._qkv(pre_BTC, left_BJC, starts_BJT)
+    if restart_BT is None and starts_BJT is not None:
+      restart_BT = starts_BJT[:, self.halo:]
     if s_BHKV is None:
       _, hv, dk, dv = self.shape
       s_BHKV = jnp.zeros((pre_BTC.shape[0], hv, dk, dv), jnp.float32)
-    return delta_rule.chunked(q, k, v, g_BTH, beta_BTH, s_BHKV)
+    return delta_rule.chunked(q, k, v, restart(g_BTH, restart_BT), beta_BTH, s_BHKV)
 
-  def transfer(self, pre_BTC, left_BJC, g_BTH, beta_BTH, mn_BHKW):
+  def transfer(self, pre_BTC, left_BJC, g_BTH, beta_BTH, mn_BHKW, starts_BJT=None,
+               restart_BT=None):
     """The rows' effect on the state, which is affine: S_out = M S_in + N, as [N | M]
     [B, Hv, K, V + K], composed after the effect `mn` of the rows before ([0 | I] for none).
     One delta-rule pass with v_aug = [v | 0] from [N | M] ends in the composed [N' | M']
-    (M = A_T ... A_1, A_t = e^g_t (I - beta_t k_t k_t^T); N the state from zeros)."""
-    q, k, v = self._qkv(pre_BTC, left_BJC)
+    (M = A_T ... A_1, A_t = e^g_t (I - beta_t k_t k_t^T); N the state from zeros). A restart
+    is A_t = 0: nothing of S_in crosses a document start. `starts`, `restart`: `__call__`'s."""
+    q, k, v = self._qkv(pre_BTC, left_BJC, starts_BJT)
+    if restart_BT is None and starts_BJT is not None:
+      restart_BT = starts_BJT[:, self.halo:]
     b, t, hv, _ = v.shape
     v_aug = jnp.concatenate([v.astype(jnp.float32), jnp.zeros((b, t, hv, k.shape[-1]))], -1)
-    return delta_rule.chunked(q, k, v_aug, g_BTH, beta_BTH, mn_BHKW)[1]
+    return delta_rule.chunked(q, k, v_aug, restart(g_BTH, restart_BT), beta_BTH, mn_BHKW)[1]
 
 
 class GatedDeltaNet(nnx.Module):

@@ -547,7 +547,7 @@ class Transformer(LayerStack):
 
   def logits(self, h_BRD) -> jax.Array:
     """Float32 logits [B, R, vocab]."""
-    return head_logits(self.head, h_BRD, self.cfg.logit_softcap)
+    return head_logits(self.head, h_BRD, self.cfg.logit_softcap, self.cfg.output_multiplier)
 
 
 def expected_embedding(embed: nnx.Embed, logits_BRV, scale: bool) -> jax.Array:
@@ -563,9 +563,12 @@ def expected_embedding(embed: nnx.Embed, logits_BRV, scale: bool) -> jax.Array:
   return soft_BRD
 
 
-def head_logits(head: nnx.Module, h_BRD, softcap: float) -> jax.Array:
+def head_logits(head: nnx.Module, h_BRD, softcap: float, multiplier: float = 1.0) -> jax.Array:
   """Float32 logits of `Transformer.head` (usable on the head alone, split from the model),
-  soft-capped to (-softcap, softcap) when `softcap` > 0 (`model.logit_softcap`)."""
+  times `multiplier` (`model.output_multiplier`), then soft-capped to (-softcap, softcap)
+  when `softcap` > 0 (`model.logit_softcap`)."""
   out = head.attend(h_BRD) if isinstance(head, nnx.Embed) else head(h_BRD)
   out = out.astype(jnp.float32)
+  if multiplier != 1.0:
+    out = out * jnp.float32(multiplier)
   return softcap * jnp.tanh(out / softcap) if softcap else out

@@ -33,6 +33,11 @@ def check_config(cfg: Config) -> None:
   if objective.MASK_TOKEN and not 0 <= o.mask_token_id < cfg.model.vocab_size:
     raise ConfigError(f"objective.mask_token_id={o.mask_token_id} must lie in "
                       f"[0, model.vocab_size={cfg.model.vocab_size})")
+  if o.boundary_row != "clean" and not objective.TOKEN_SHIFT:
+    raise ConfigError(f"objective.boundary_row={o.boundary_row!r} picks the row that scores a "
+                      f"block's first token when row i predicts token i+1 (fast_dllm_v2); "
+                      f"objective.name={o.name!r} scores each row on its own token: leave it "
+                      f"'clean'")
   objective.check_config(cfg)
 
 

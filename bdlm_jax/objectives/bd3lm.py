@@ -49,18 +49,23 @@ def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
   return rows
 
 
-def sample_t(key, num_seqs: int, num_blocks: int, eps_min: float, eps_max: float):
-  """Antithetic noise levels [S, N]: one uniform u, t_i = (u + i/(S*N)) mod 1, then clipped."""
+def sample_t(key, num_seqs: int, num_blocks: int, eps_min: float, eps_max: float,
+             antithetic: bool = True):
+  """Noise levels [S, N], clipped to [eps_min, eps_max]. Antithetic: one uniform u,
+  t_i = (u + i/(S*N)) mod 1 (lower variance); else one independent uniform each."""
   n = num_seqs * num_blocks
-  u = jax.random.uniform(key, ())
-  t = jnp.mod(u + jnp.arange(n, dtype=jnp.float32) / n, 1.0)
+  if antithetic:
+    t = jnp.mod(jax.random.uniform(key, ()) + jnp.arange(n, dtype=jnp.float32) / n, 1.0)
+  else:
+    t = jax.random.uniform(key, (n,))
   return (t * (eps_max - eps_min) + eps_min).reshape(num_seqs, num_blocks)
 
 
 def draw_noise(key, num_seqs: int, seq_len: int, cfg: ObjectiveConfig):
   """Logical noise tables: t [S, N] per (sequence, block), a uniform u [S, L] per position."""
   k_t, k_u = jax.random.split(key)
-  t_SN = sample_t(k_t, num_seqs, seq_len // cfg.block_size, cfg.eps_min, cfg.eps_max)
+  t_SN = sample_t(k_t, num_seqs, seq_len // cfg.block_size, cfg.eps_min, cfg.eps_max,
+                  cfg.antithetic)
   return t_SN, jax.random.uniform(k_u, (num_seqs, seq_len))
 
 
@@ -88,12 +93,16 @@ def token_nll(logits_SNV, labels_SN):
   return -jnp.take_along_axis(logp, jnp.maximum(labels_SN, 0)[..., None], axis=-1)[..., 0]
 
 
-def subs_loss(logits_SNV, labels_SN, masked_SN, weight_SN, mask_token_id: int):
-  """Sum over masked rows of w(t) * CE with the [MASK] logit removed (SUBS)."""
-  nll = token_nll(logits_SNV.at[..., mask_token_id].set(-jnp.inf), labels_SN)
+def subs_loss(logits_SNV, labels_SN, masked_SN, weight_SN, mask_token_id: int | None):
+  """Sum over masked rows of w(t) * CE with the [MASK] logit removed (SUBS), or kept where
+  `mask_token_id` is None."""
+  if mask_token_id is not None:
+    logits_SNV = logits_SNV.at[..., mask_token_id].set(-jnp.inf)
+  nll = token_nll(logits_SNV, labels_SN)
   take = masked_SN & (labels_SN >= 0)
   return jnp.sum(jnp.where(take, weight_SN * nll, 0.0))
 
 
 def score(logits_SNV, labels_SN, scored_SN, weight_SN, cfg: ObjectiveConfig):
-  return subs_loss(logits_SNV, labels_SN, scored_SN, weight_SN, cfg.mask_token_id)
+  removed = None if cfg.keep_mask_logit else cfg.mask_token_id
+  return subs_loss(logits_SNV, labels_SN, scored_SN, weight_SN, removed)

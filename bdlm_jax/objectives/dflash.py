@@ -12,10 +12,14 @@ Anchors are positions a where a and a + 1 are supervised tokens (not padding, no
 of one document; slot k >= 1 predicts x_{a+k} (when it is a supervised token of a's
 document) with weight exp(-(k-1)/gamma); slot 0 is not scored.
 
-Anchors are drawn on the host, in logical coordinates, sorted by position, from a generator
-seeded by the batch's own tokens: every layout and every process draws the same ones, and a
-batch always gets the same anchors. Sorted anchors make draft block j's context grow with
-j, which is what the layouts balance (dual-end pairs, as BD3-LM's blocks).
+Anchors are drawn on the host, in logical coordinates, sorted by position, from the step's
+key (`make_batch(..., key=)`, which the training loop passes: a sequence gets new anchors every
+step, as the seed's generator advances each batch, core/objectives/dflash.py ~116-117), or,
+without a key (held-out evaluation, `draft_logits`), from a generator seeded by the batch's own
+tokens, so a batch always gets the same anchors. Either way every layout, and every process
+that holds the batch, draws the same ones, and `make_batch` checks context pruning's capacity against the anchors
+drawn. Sorted anchors make draft block j's context grow with j, which is what the layouts
+balance (dual-end pairs, as BD3-LM's blocks).
 """
 
 import functools
@@ -96,6 +100,9 @@ def check_config(cfg: Config) -> None:
   if o.selector_rank and not 1 <= o.selector_top_k <= m.vocab_size:
     raise ConfigError(f"objective.selector_top_k={o.selector_top_k} must lie in [1, "
                       f"model.vocab_size={m.vocab_size}]")
+  if d.sliding_causal and not d.window:
+    raise ConfigError("drafter.sliding_causal=true makes the draft block causal on sliding-"
+                      "window layers, and the drafter has none: set drafter.window > 0")
   if d.window and d.window < o.block_size:
     raise ConfigError(f"drafter.window={d.window} must be >= objective.block_size="
                       f"{o.block_size}: a draft slot sees its whole block")
@@ -210,11 +217,26 @@ def pick_anchors(ok_SL, max_anchors: int, sampling: str, seed: int,
   return out
 
 
-def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
+ANCHOR_STREAM = 0x616E63  # "anc": the anchors' draw from a step's key, apart from its others
+
+
+def anchor_seed(tokens_SL, seg_SL, key=None):
+  """The anchors' generator seed: the step's `key` (its bits after ANCHOR_STREAM, on the
+  host), or without one a hash of the batch's tokens and documents (the same batch, the same
+  anchors)."""
+  if key is None:
+    return zlib.crc32(np.ascontiguousarray(tokens_SL, np.int32).tobytes()
+                      + np.ascontiguousarray(seg_SL, np.int32).tobytes())
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)  # else a raw uint32 key (jax.random.PRNGKey)
+  return [ANCHOR_STREAM, *(int(x) for x in np.asarray(key).ravel())]
+
+
+def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig, key=None) -> dict:
+  """The logical rows `[draft ; context]`; the anchors drawn from `key` (`anchor_seed`)."""
   s, l = tokens_SL.shape
   a_count, b = cfg.max_anchors, cfg.block_size
-  seed = zlib.crc32(np.ascontiguousarray(tokens_SL, np.int32).tobytes()
-                    + np.ascontiguousarray(seg_SL, np.int32).tobytes())
+  seed = anchor_seed(tokens_SL, seg_SL, key)
   anchors = pick_anchors(anchor_candidates(seg_SL, protected_SL), a_count, cfg.anchors, seed, b)
   valid_SA = np.zeros((s, a_count), bool)
   anchor_SA = np.zeros((s, a_count), np.int64)

@@ -39,13 +39,15 @@ def dpace_weights(p, supervised_mask, alpha, kind: str = "dpace"):
   raise ValueError(f"D-PACE kind {kind!r} is not one of {list(DPACE)}")
 
 
-def streamed_rows(head, softcap: float, chunk: int, top_k: int, h_SND, labels_SN):
+def streamed_rows(head, softcap: float, chunk: int, top_k: int, h_SND, labels_SN,
+                  multiplier: float = 1.0):
   """Per row, in one pass of the head over chunks of `chunk` rows: (ce [S, N], top-K ids
-  [S, N, K], top-K logits [S, N, K]); K = 0 gives empty candidates. Only one chunk's logits
+  [S, N, K], top-K logits [S, N, K]) of the logits times `multiplier`, soft-capped (the
+  seed's `dflash_linear_topk.py` ~126-147); K = 0 gives empty candidates. Only one chunk's logits
   exist at a time and the backward recomputes them (rematerialised chunks). The head is the
   frozen target's, so no weight gradient is summed over the chunks."""
   def per_row(h, labels):
-    logits = head_logits(head, h, softcap)
+    logits = head_logits(head, h, softcap, multiplier)
     gold = jnp.take_along_axis(logits, jnp.maximum(labels, 0)[..., None], -1)[..., 0]
     values, ids = jax.lax.top_k(logits, top_k)
     return (jax.nn.logsumexp(logits, axis=-1) - gold, ids, values), ()
@@ -90,7 +92,7 @@ def rows_loss(spec, model, batch, hidden_SND, scored_SR, weight_SR):
   top_k = o.selector_top_k if o.selector_rank else 0
 
   ce, ids, unary = streamed_rows(model.head, cfg.model.logit_softcap, cfg.model.logits_chunk,
-                                 top_k, hidden_SND, labels)
+                                 top_k, hidden_SND, labels, cfg.model.output_multiplier)
   p = jnp.exp(-ce)
   mf = m.astype(jnp.float32)
   if o.dflash_loss == "dflash":

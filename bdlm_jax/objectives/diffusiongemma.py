@@ -9,8 +9,9 @@ several conversations (segments); a block that ends one and starts the next hold
 of each.
 
 * Corruption: t is antithetic over the batch's response blocks (those with a supervised
-  token), in [eps_min, eps_max]; each supervised token of a block is replaced, with
-  probability t, by a token drawn uniformly from the vocabulary (which may be itself).
+  token; `objective.antithetic=false`: independent), in [eps_min, eps_max]; each
+  supervised token of a block is replaced, with probability t, by a token drawn uniformly
+  from the vocabulary (which may be itself).
 * Decoder loss: cross-entropy of *every* supervised canvas token (replaced or not), averaged
   in its canvas, over its conversation's canvases, then over the step's conversations.
 * Encoder loss: the clean stream's next-token cross-entropy, averaged over the step's pairs,
@@ -166,17 +167,21 @@ def corrupt(key, batch, cfg: Config, counts=None):
 
 def response_noise(key, batch, cfg: Config):
   """(t [S, N], u [S, L]): t antithetic over the batch's *response* blocks (those with a
-  supervised token, in (sequence, block) order) as the seed draws it, then clipped to
-  [eps_min, eps_max]; u uniform per position. Logical coordinates: the same under every
-  layout."""
+  supervised token, in (sequence, block) order) as the seed draws it (`objective.antithetic`;
+  false: one uniform per (sequence, block), the seed's `antithetic_sampling: false`), then
+  clipped to [eps_min, eps_max]; u uniform per position. Logical coordinates: the same under
+  every layout."""
   o, seq_len = cfg.objective, cfg.data.seq_len
   n_blocks = seq_len // o.block_size
   k_t, k_u = jax.random.split(key)
-  response_SN = jax.vmap(lambda b, m: jax.ops.segment_max(m, b, n_blocks))(
-      batch.pos // o.block_size, batch.maskable.astype(jnp.int32)) > 0
-  rank = (jnp.cumsum(response_SN.reshape(-1)) - 1).reshape(response_SN.shape)
-  n = jnp.maximum(jnp.sum(response_SN), 1)
-  t = jnp.mod(jax.random.uniform(k_t, ()) + rank / n, 1.0)
+  if o.antithetic:
+    response_SN = jax.vmap(lambda b, m: jax.ops.segment_max(m, b, n_blocks))(
+        batch.pos // o.block_size, batch.maskable.astype(jnp.int32)) > 0
+    rank = (jnp.cumsum(response_SN.reshape(-1)) - 1).reshape(response_SN.shape)
+    n = jnp.maximum(jnp.sum(response_SN), 1)
+    t = jnp.mod(jax.random.uniform(k_t, ()) + rank / n, 1.0)
+  else:
+    t = jax.random.uniform(k_t, (batch.tokens.shape[0], n_blocks))
   u_SL = jax.random.uniform(k_u, (batch.tokens.shape[0], seq_len))
   return t * (o.eps_max - o.eps_min) + o.eps_min, u_SL
 
@@ -238,7 +243,7 @@ def soft_embeddings(spec, model, h_SND) -> jax.Array:
 
   def fn(readout, h):
     head, embed = readout
-    logits = head_logits(head, h, m.logit_softcap)
+    logits = head_logits(head, h, m.logit_softcap, m.output_multiplier)
     return expected_embedding(embed, logits, m.scale_embeddings).astype(h.dtype), ()
 
   return spec.rows(fn, max(parts, 1), (model.head, model.embed), h_SND)[0]

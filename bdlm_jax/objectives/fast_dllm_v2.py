@@ -8,9 +8,11 @@ Same `[x_t ; x_0]` stream and block mask as BD3-LM (docs/objective.md), with two
   none masked, as the AR model did). That is exactly the row the sampler computes once
   block b is finished (sample.py), as the reference does: `generate` in the `modeling.py`
   of the Fast_dLLM_v2_7B release runs the finished block clean, block-causally, and takes
-  the next block's first token from its last row. Its training `forward` instead scores
-  that token on the last *noisy* row of block b, which sees block b partly masked: a
-  context sampling never produces.
+  the next block's first token from its last row. Its training `forward`, and the seed's
+  (Turbo-dLLM 0.1.6, `core/objectives/fast_dllm_v2.py` ~157-158: `labels[:, :-1] =
+  targets[:, 1:]` on the noisy copies), instead score that token on the last *noisy* row
+  of block b, which sees block b partly masked: a context sampling never produces.
+  `objective.boundary_row="noisy"` trains that way.
 * complementary masks: each sequence is run twice, once with mask m and once with its
   complement on the maskable tokens, so every supervised token is scored exactly once per
   step; weights are 1 and the sum is divided by the number of supervised tokens. A token
@@ -24,6 +26,12 @@ reads from the logical noise tables by its position (so the corruption is the sa
 every layout). Logits are taken on both streams (`LOSS_SLOT = "all"`).
 The batch is doubled inside `corrupt`, not by `make_batch`: the two copies must share one
 noise draw, and the host batch keeps the shape the data pipeline and `put_batch` expect.
+
+The seed's recipe (`objective.boundary_row="noisy"`, `keep_mask_logit=True`,
+`antithetic=False`): t independent per (sequence, block), clipped to [1e-3, 1] (~108-116;
+its recipe's `antithetic_sampling: true` only asserts the complementary pair,
+`training/run_spec.py` ~688-690), and the [MASK] logit kept in the softmax
+(`core/objectives/training.py` ~235). docs/conversion_sft.md compares the two forms.
 """
 
 import jax
@@ -77,18 +85,26 @@ def supervised_positions(seg_SL, protected_SL) -> np.ndarray:
 
 
 def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
-  """Noisy row i: maskable if position i is supervised. Label x_{i+1}, if i+1 is supervised,
-  on noisy row i inside a block and on clean row i at a block's last position."""
+  """Label x_{i+1}, if i+1 is supervised, on noisy row i inside a block; at a block's last
+  position on the clean row (`boundary_row="clean"`) or the noisy row ("noisy"). Noisy row
+  i is maskable if position i is supervised ("clean"), or if it is neither padding nor
+  protected ("noisy": the seed also masks a first token that nothing scores)."""
   rows = logical_stream(tokens_SL, seg_SL)
   sup_SL = supervised_positions(seg_SL, protected_SL)
   next_SL = np.full(tokens_SL.shape, -1, np.int32)
   next_SL[:, :-1] = np.where(sup_SL[:, 1:], tokens_SL[:, 1:], -1)
-  block_end_L = np.arange(tokens_SL.shape[1]) % cfg.block_size == cfg.block_size - 1
-  clean = np.zeros(tokens_SL.shape, bool)
+  none_SL = np.zeros(tokens_SL.shape, bool)
+  if cfg.boundary_row == "noisy":
+    maskable_SL, noisy_labels, clean_labels = (seg_SL > 0) & ~protected_SL, next_SL, -1
+  else:
+    block_end_L = np.arange(tokens_SL.shape[1]) % cfg.block_size == cfg.block_size - 1
+    maskable_SL = sup_SL
+    noisy_labels = np.where(block_end_L, -1, next_SL)
+    clean_labels = np.where(block_end_L, next_SL, -1)
   rows.update(block=rows["pos"] // cfg.block_size,
-              maskable=np.concatenate([sup_SL, clean], 1),
-              labels=np.concatenate([np.where(block_end_L, -1, next_SL),
-                                     np.where(block_end_L, next_SL, -1)], 1))
+              maskable=np.concatenate([maskable_SL, none_SL], 1),
+              labels=np.concatenate([noisy_labels, np.broadcast_to(clean_labels, next_SL.shape)],
+                                    1).astype(np.int32))
   return rows
 
 
@@ -107,8 +123,14 @@ def corrupt(key, batch, cfg: Config, counts=None):
   (a clean row's logit is the same in both copies: it is scored in one).
   """
   del counts  # the loss is divided by `normalizer`
+  return corrupt_with(*draw_noise(key, batch.tokens.shape[0], cfg.data.seq_len, cfg.objective),
+                      batch, cfg)
+
+
+def corrupt_with(t_SN, u_SL, batch, cfg: Config):
+  """`corrupt` from given logical noise tables (t [S, N], u [S, L]): position p is masked in
+  the first copy where u_p < t of its block."""
   o, seq_len = cfg.objective, cfg.data.seq_len
-  t_SN, u_SL = draw_noise(key, batch.tokens.shape[0], seq_len, o)
   hit_SL = u_SL < jnp.repeat(t_SN, o.block_size, axis=1)
   hit_here = jnp.take_along_axis(hit_SL, batch.pos, axis=1)
   nxt = jnp.minimum(batch.pos + 1, seq_len - 1)

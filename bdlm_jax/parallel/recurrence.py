@@ -8,6 +8,14 @@ bB as its conv context, and is causal inside (the block's bidirectionality comes
 attention layers). Equivalently: block b's output is the layer run on
 concat(clean[:bB], noisy block b), last B rows.
 
+Packed documents (segment ids, `meta.seg`): every document runs as if alone. A row whose
+document id differs from its position's predecessor's starts a document: the state restarts
+there (the affine map's zero transition, M = 0, so no chain hop carries anything across it) and
+no conv tap reads before it, in the clean stream and in every corrupted block (a block that
+a document starts inside restarts at that row; one that a document starts at, at its first).
+The document ids travel with the rows they label: each segment's tail rows' ids with the
+conv tails, a fetched copy's with its rows.
+
 Under any layout the same static program runs (`StreamProgram`, built once from the plan):
 
 1. Each rank cuts its clean slot into *segments* of consecutive positions. A segment's effect
@@ -19,7 +27,7 @@ Under any layout the same static program runs (`StreamProgram`, built once from 
    each on a zigzag: each rank sends about two states a layer, against (2P - 1) pairs (M, N)
    that an all-gather would deliver to every rank (docs/gdn.md weighs the choices).
 3. The conv's `halo` rows before each segment come from one all-gather of every segment's
-   last rows (a few rows a rank).
+   last rows (a few rows a rank), their document ids from one beside it.
 4. Each rank reruns its segments from their entry states in one `lax.scan` over steps of B
    rows, and runs each of its corrupted blocks beside the step that starts at the block's
    position: same state, same conv rows. Where a rank's blocks are not on its own clean rows
@@ -82,7 +90,7 @@ class StreamProgram:
   context, then `steps` scan steps of `unit` rows, step k starting at a multiple of the
   block size (a front pad of rows that leave the state alone aligns it).
   """
-  halo: int
+  halo: int  # the conv's left context rows; at least 1 (the document id before a segment)
   unit: int
   steps: int
   own: int
@@ -112,9 +120,10 @@ class StreamProgram:
 
 
 def stream_program(plan: LayoutPlan, halo: int) -> StreamProgram:
-  """The `StreamProgram` of `plan` (conv context `halo` rows); a ConfigError names why a
-  layout cannot run one."""
-  return _cached_program(plan, halo)
+  """The `StreamProgram` of `plan` (conv context `halo` rows, at least 1: a segment's first
+  row needs the document id of the row before it); a ConfigError names why a layout cannot
+  run one."""
+  return _cached_program(plan, max(halo, 1))
 
 
 @functools.lru_cache(maxsize=64)
@@ -246,26 +255,29 @@ def make_recur(plan: LayoutPlan, mesh=None):
     return refuse
 
   def recur(cell, pre_BRC, g_BRH, beta_BRH, meta):
-    del meta  # one sequence a row of the batch: positions come from the plan
+    # Positions come from the plan, documents from the rows' segment ids.
     program = stream_program(plan, cell.halo)
     body = functools.partial(_run_program, plan, program, cell, mesh is not None)
+    seg_BR = meta.seg.astype(jnp.int32)
     if mesh is None:
-      return body(cell.conv_CK, pre_BRC, g_BRH, beta_BRH)
+      return body(cell.conv_CK, pre_BRC, g_BRH, beta_BRH, seg_BR)
     rows = lambda *rest: P(BATCH_AXES, "seq", *rest)
     # Unchecked: the zero states that start the chain and the transfer's [0 | I] are the same
     # on every rank until rows meet them (check_vma would want each cast to varying).
     with jax.named_scope(RECURRENCE_SCOPE):
-      return jax.shard_map(body, mesh=mesh, in_specs=(P(), rows(None), rows(None), rows(None)),
+      return jax.shard_map(body, mesh=mesh,
+                           in_specs=(P(), rows(None), rows(None), rows(None), rows()),
                            out_specs=rows(None, None), check_vma=False)(
-                               cell.conv_CK, pre_BRC, g_BRH, beta_BRH)
+                               cell.conv_CK, pre_BRC, g_BRH, beta_BRH, seg_BR)
 
   return recur
 
 
 def _run_program(plan: LayoutPlan, program: StreamProgram, cell, sharded: bool, conv_CK,
-                 pre_BRC, g_BRH, beta_BRH):
+                 pre_BRC, g_BRH, beta_BRH, seg_BR):
   """One rank's part of `program` (all of it on one device): o [S, R, Hv, V] float32.
-  `cell`'s conv kernel comes in as `conv_CK`, an argument of the shard_map."""
+  `cell`'s conv kernel comes in as `conv_CK`, an argument of the shard_map; `seg` int32
+  [S, R] are the rows' document ids."""
   cell = dataclasses.replace(cell, conv_CK=conv_CK)
   shape = cell.shape
   rank = jax.lax.axis_index("seq") if sharded else 0
@@ -296,23 +308,39 @@ def _run_program(plan: LayoutPlan, program: StreamProgram, cell, sharded: bool, 
     return jnp.concatenate(parts, axis=1)
 
   tails_n = plan.num_ranks * own * halo
-  tails = jnp.zeros((s, tails_n, pre_BRC.shape[-1]), pre_BRC.dtype)
-  if program.shares_tails:
+
+  def gather_tails(x):  # [S, P * own * halo, ...]: every rank's segments' tail rows of x
+    if not program.shares_tails:
+      return jnp.zeros((s, tails_n, *x.shape[2:]), x.dtype)
     idx = table(program.tails).reshape(-1)
-    mine = jnp.where((idx >= 0)[None, :, None], jnp.take(slot(pre_BRC), jnp.maximum(idx, 0),
-                                                         axis=1), 0)
-    tails = (jax.lax.all_gather(mine, "seq", axis=1, tiled=True) if sharded else mine)
+    mine = jnp.where((idx >= 0).reshape(1, -1, *[1] * (x.ndim - 2)),
+                     jnp.take(slot(x), jnp.maximum(idx, 0), axis=1), 0)
+    return jax.lax.all_gather(mine, "seq", axis=1, tiled=True) if sharded else mine
+
   src, real = table(program.src), table(program.real)
-  x_pre = jnp.take(buffer(pre_BRC, tails), src, axis=1)  # [S, W, halo + T * unit, C]
+  x_pre = jnp.take(buffer(pre_BRC, gather_tails(pre_BRC)), src, axis=1)  # [S, W, halo+T*unit, C]
   zero_gb = lambda x: jnp.zeros((s, tails_n, *x.shape[2:]), x.dtype)
   x_g, x_beta = (jnp.where(real[..., None], jnp.take(buffer(x, zero_gb(x)), src, axis=1), 0)
                  for x in (g_BRH, beta_BRH))
   n_work = x_pre.shape[1]
 
+  # Document starts: a row whose id differs from the row before's (both rows of the stream;
+  # the zero row stands for positions outside it). The conv masks at every start; the state
+  # restarts only at real rows (a front pad row that copies a tail must leave it alone).
+  x_seg = jnp.take(buffer(seg_BR, gather_tails(seg_BR)), src, axis=1)  # [S, W, halo + T*unit]
+  in_stream = src < slot(pre_BRC).shape[1] + n_fetch * program.seg_len + tails_n  # [W, rows]
+  differs = (x_seg[..., 1:] != x_seg[..., :-1]) & in_stream[:, 1:] & in_stream[:, :-1]
+  x_starts = jnp.concatenate([jnp.zeros_like(differs[..., :1]), differs], -1)
+
   steps = lambda x: jnp.moveaxis(x.reshape(*x.shape[:2], program.steps, unit, *x.shape[3:]),
                                  2, 0)  # [T, S, W', unit, ...]
-  left = jnp.stack([x_pre[:, :, k * unit:k * unit + halo] for k in range(program.steps)])
-  xs = [steps(x[:, :, halo:]) for x in (x_pre, x_g, x_beta)] + [left]
+  off = halo - cell.halo  # the program's context rows beyond the conv's (halo >= 1)
+  window = lambda x, k: x[:, :, k * unit + off:k * unit + halo]  # step k's conv context
+  left = jnp.stack([window(x_pre, k) for k in range(program.steps)])
+  starts = jnp.stack([x_starts[:, :, k * unit + off:(k + 1) * unit + halo]
+                      for k in range(program.steps)])  # [T, S, W, conv halo + unit]
+  restarts = steps(x_starts[:, :, halo:] & real[:, halo:])
+  xs = [steps(x[:, :, halo:]) for x in (x_pre, x_g, x_beta)] + [left, starts, restarts]
 
   # Entry states: (M, N) of the segments the chain reads, then the chain in position order.
   entry = [jnp.zeros((s, hv, dk, dv), jnp.float32) for _ in range(own)]
@@ -322,8 +350,8 @@ def _run_program(plan: LayoutPlan, program: StreamProgram, cell, sharded: bool, 
 
     @jax.checkpoint  # the backward recomputes a step from its carry: one [N | M] a step
     def compose(mn, xs):
-      pre, g, beta, left = xs
-      return cell.transfer(pre, left, g, beta, mn), None
+      pre, g, beta, left, starts, restarts = xs
+      return cell.transfer(pre, left, g, beta, mn, starts, restarts), None
 
     mn0 = jnp.broadcast_to(jnp.concatenate([jnp.zeros((dk, dv)), jnp.eye(dk)], -1),
                            (s * len(segs), hv, dk, dv + dk))
@@ -344,17 +372,25 @@ def _run_program(plan: LayoutPlan, program: StreamProgram, cell, sharded: bool, 
       x[:, :n_noisy].reshape(s, n_noisy // unit, unit, *x.shape[2:]),
       [(0, 0), (0, 1)] + [(0, 0)] * (x.ndim - 1))  # a zero block for `pair` = -1
   pair = table(program.pair)
-  noisy = [jnp.take(blocks(x), jnp.where(pair >= 0, pair, n_noisy // unit), axis=1)
-           for x in (pre_BRC, g_BRH, beta_BRH)]
-  xs = xs[:3] + [jnp.moveaxis(x, 2, 0) for x in noisy] + xs[3:]
+  noisy = [jnp.moveaxis(jnp.take(blocks(x), jnp.where(pair >= 0, pair, n_noisy // unit),
+                                 axis=1), 2, 0) for x in (pre_BRC, g_BRH, beta_BRH, seg_BR)]
+  # A block's document starts: its rows' ids against the row before each (the clean row
+  # before the block for its first); its conv context's starts are the clean stream's.
+  before = jnp.stack([x_seg[:, :, k * unit + halo - 1] for k in range(program.steps)])
+  n_seg = jnp.concatenate([before[..., None], noisy[3]], -1)  # [T, S, W, 1 + unit]
+  n_restarts = n_seg[..., 1:] != n_seg[..., :-1]
+  n_restarts = n_restarts.at[..., 0].set(n_restarts[..., 0] & jnp.stack(
+      [in_stream[:, k * unit + halo - 1] for k in range(program.steps)])[:, None])
+  n_starts = jnp.concatenate([starts[..., :cell.halo], n_restarts], -1)
+  xs = xs[:3] + noisy[:3] + xs[3:] + [n_starts, n_restarts]
 
   @jax.checkpoint  # the backward recomputes a step from its carry: one state a step
   def step(state, xs):
-    pre, g, beta, n_pre, n_g, n_beta, left = xs
+    pre, g, beta, n_pre, n_g, n_beta, left, starts, restarts, n_starts, n_restarts = xs
     both = lambda c, n: jnp.concatenate([c, n]).reshape(2 * s * n_work, *c.shape[2:])
     state2 = jnp.concatenate([state, state]).reshape(2 * s * n_work, hv, dk, dv)
     o, last = cell(both(pre, n_pre), both(left, left), both(g, n_g), both(beta, n_beta),
-                   state2)
+                   state2, both(starts, n_starts), both(restarts, n_restarts))
     return last[:s * n_work].reshape(state.shape), o.reshape(2, s, n_work, *o.shape[1:])
 
   _, o = jax.lax.scan(step, entries, xs)  # [T, 2, S, W, unit, Hv, V]

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import numpy as np
@@ -77,6 +78,22 @@ def test_packed_rows_keep_documents_apart(tmp_path):
         piece = tokens[seg == s]
         assert not np.any(piece[:-1] == eos)  # EOS only ends a segment...
         assert piece[-1] == eos or len(piece) == L  # ...and ends it, unless cut from a long doc
+
+
+@pytest.mark.parametrize("source", ["arithmetic", "text"])
+def test_without_segment_ids_a_packed_row_is_one_stream(tmp_path, source):
+  """data.segment_ids=false (the seed's continuous stream): the same rows, their documents one
+  segment (1) up to the row's end padding (0)."""
+  cfg = text_cfg(tmp_path) if source == "text" else DataConfig(seq_len=L)
+  apart = take(dataset(cfg), 3)
+  stream = take(dataset(dataclasses.replace(cfg, segment_ids=False)), 3)
+  for a, b in zip(apart, stream):
+    np.testing.assert_array_equal(b["tokens"], a["tokens"])
+    np.testing.assert_array_equal(b["segment_ids"], (a["segment_ids"] > 0).astype(np.int32))
+    assert b["segment_ids"].dtype == np.int32
+  assert any(a["segment_ids"].max() > 1 for a in apart)  # several documents a row
+  with pytest.raises(ConfigError, match="segment_ids=false"):
+    DataConfig(format="chat", segment_ids=False).validate()
 
 
 def test_unshuffled_text_reads_documents_in_file_order(tmp_path):

@@ -56,3 +56,32 @@ def test_chunked_calls_no_lapack_kernel_on_cpu():
   program = lambda platform: grads.trace(*args).lower(lowering_platforms=(platform,)).as_text()
   assert "lapack" not in program("cpu") and "triangular_solve" not in program("cpu")
   assert "triangular_solve" in program("cuda")
+
+
+def test_a_restart_inside_a_chunk_runs_the_two_pieces_apart_values_and_gradients():
+  """g = RESTART_G (models/gdn.py, a packed document's first row) at rows 5 and 23 of 37 (chunks
+  of 16: mid-chunk, and in the next chunk): each piece is the recurrence alone from zeros
+  (the first from s0); the state before a restart gets no gradient through what follows."""
+  from bdlm_jax.models.gdn import RESTART_G
+  q, k, v, g, beta, s0 = inputs(20.0)
+  cuts = [0, 5, 23, 37]
+  g = g.at[:, jnp.array(cuts[1:-1])].set(RESTART_G)
+  chunked = jax.jit(lambda *a: delta_rule.chunked(*a, chunk=16))
+
+  def apart(q, k, v, g, beta, s0):
+    outs, s = [], s0
+    for i, (a, e) in enumerate(zip(cuts, cuts[1:])):
+      o, s = delta_rule.recurrent(q[:, a:e], k[:, a:e], v[:, a:e], g[:, a:e], beta[:, a:e],
+                                  s0 if i == 0 else jnp.zeros_like(s0))
+      outs.append(o)
+    return jnp.concatenate(outs, 1), s
+
+  args = (q, k, v, g, beta, s0)
+  for got, want in zip(chunked(*args), apart(*args)):
+    np.testing.assert_allclose(got, want, atol=2e-6)
+  w = jax.random.normal(jax.random.PRNGKey(9), v.shape)
+  loss = lambda fn: lambda *a: jnp.sum(fn(*a)[0] * w) + jnp.sum(fn(*a)[1] ** 2)
+  grads = jax.jit(jax.grad(loss(chunked), argnums=range(6)))(*args)
+  for got, want in zip(grads, jax.grad(loss(apart), argnums=range(6))(*args)):
+    err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
+    assert err < 1e-5, err

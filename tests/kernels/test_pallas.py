@@ -18,7 +18,7 @@ from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.kernels import get_kernel, pallas, tiles, xla
-from bdlm_jax.kernels.mask import RowMeta, allowed
+from bdlm_jax.kernels.mask import CLEAN, NOISY, NOISY_CAUSAL, RowMeta, allowed
 from bdlm_jax.kernels.xla import NEG_INF
 from bdlm_jax.parallel.registry import make_plan
 from bdlm_jax.parallel.registry import STRATEGIES, strategy_names
@@ -264,3 +264,29 @@ def test_importing_kernels_pulls_in_no_data_packages():
           "print(sorted(m for m in ('grain', 'tensorboardX', 'array_record') if m in sys.modules))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "[]"
+
+
+def test_causal_draft_queries_are_masked_by_position_in_their_block_and_never_full():
+  """NOISY_CAUSAL queries (a drafter's draft rows on causal sliding layers): own-block keys at
+  positions <= the query's only; their tiles are never FULL, and the kernel matches xla."""
+  q, k, v, rng = inputs(1, hkv=8)  # the shapes of test_packed_documents_..._in_f32[1]
+  q_meta, k_meta = random_meta(rng, 2, 40), random_meta(rng, 2, 56)
+  q_meta = q_meta._replace(stream=jnp.where(q_meta.stream == NOISY, NOISY_CAUSAL, q_meta.stream))
+  np_q, np_k = (RowMeta(*(np.asarray(x) for x in m)) for m in (q_meta, k_meta))
+  bidirectional = np.asarray(allowed(
+      np_q._replace(stream=np.where(np_q.stream == CLEAN, CLEAN, NOISY)), np_k))
+  causal_q = (np_q.stream == NOISY_CAUSAL)[..., None]
+  noisy_k = (np_k.stream == NOISY)[:, None, :]
+  later = np_k.pos[:, None, :] > np_q.pos[..., None]
+  want = bidirectional & ~(causal_q & noisy_k & later)
+  assert (np.asarray(allowed(np_q, np_k)) == want).all() and (want != bidirectional).any()
+  kinds = tiles.tile_kinds(np_q, np_k, 8, 16, np)
+  some, every = dense_tiles(np_q, np_k, 8, 16)
+  assert not (some & (kinds == tiles.EMPTY)).any()
+  assert not ((kinds == tiles.FULL) & ~every).any()
+  # One draft block, one document: bidirectional queries make a FULL tile, causal ones not.
+  ones, pos = np.ones((1, 16), np.int32), np.arange(16, dtype=np.int32)[None]
+  keys = RowMeta(ones * NOISY, ones * 0, ones, pos, pos * 0)
+  for stream, kind in ((NOISY, tiles.FULL), (NOISY_CAUSAL, tiles.PARTIAL)):
+    assert tiles.tile_kinds(keys._replace(stream=ones * stream), keys, 16, 16, np)[0, 0, 0] == kind
+  assert_matches_xla(q, k, v, q_meta, k_meta, tol=1e-5)

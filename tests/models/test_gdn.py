@@ -102,12 +102,74 @@ def test_an_objective_that_cannot_train_gdn_layers_refuses():
                                      self_condition_p=0.0))
 
 
-def test_packed_documents_are_refused(gdn_model):
-  cfg = gdn_model[0]
-  tokens = np.ones((1, L), np.int32)
-  make_batch(cfg, tokens, segment_ids=np.array([[1] * (L - 2) + [0, 0]]))  # padding at the end
-  with pytest.raises(ConfigError, match="one recurrence per sequence"):
-    make_batch(cfg, tokens, segment_ids=np.array([[1] * (L // 2) + [2] * (L // 2)]))
+def documents(seg_SL):
+  """[(row, first, end)] of each document (segment id > 0, a run of one id) in packed rows."""
+  out = []
+  for r, row in enumerate(np.asarray(seg_SL)):
+    cuts = [0, *np.flatnonzero(row[1:] != row[:-1]) + 1, len(row)]
+    out += [(r, a, e) for a, e in zip(cuts, cuts[1:]) if row[a] > 0]
+  return out
+
+
+def one_document_a_row(cfg, params, pieces):
+  """ar_logits of each token list in `pieces` as a row of its own (one batch, padded at the
+  end: causal, so the padding changes nothing before it)."""
+  n = max(map(len, pieces))
+  tokens = np.zeros((len(pieces), n), np.int64)
+  seg = np.zeros_like(tokens)
+  for i, p in enumerate(pieces):
+    tokens[i, :len(p)], seg[i, :len(p)] = p, 1
+  logits = np.asarray(ar_logits(params, cfg, tokens, seg))
+  return [logits[i, :len(p)] for i, p in enumerate(pieces)]
+
+
+# Packed rows: documents that start mid-block (3, 7), at a block start (8, 4), one of one
+# token, padding at the end.
+PACKED_L = 12
+PACKED_SEG = np.array([[1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 0, 0],
+                       [1, 2, 2, 2, 4, 4, 4, 5, 5, 5, 5, 5]])
+
+
+@pytest.mark.parametrize("pattern", ["gdn", "global", "gdn,global"])
+def test_ar_logits_of_packed_rows_equal_each_documents_own(pattern):
+  cfg = config(layer_pattern=pattern)
+  params = init_params(cfg, jax.random.PRNGKey(11))
+  tokens = np.random.default_rng(12).integers(0, 30, (2, PACKED_L))
+  got = np.asarray(ar_logits(params, cfg, tokens, PACKED_SEG))
+  docs = documents(PACKED_SEG)
+  want = one_document_a_row(cfg, params, [tokens[r, a:e] for r, a, e in docs])
+  for (r, a, e), ref in zip(docs, want):
+    np.testing.assert_allclose(got[r, a:e], ref, atol=1e-5, rtol=1e-5)
+  if pattern == "gdn":  # the old call: one document a row, all of it
+    np.testing.assert_allclose(ar_logits(params, cfg, tokens), one_document_a_row(
+        cfg, params, list(tokens)), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_bd3lm_stream_equals_each_documents_concat_reference():
+  """Packed rows: a noisy row of block b in document d reads d's clean rows before bB (none
+  if d starts in or at block b) and d's noisy rows of block b up to it: the layer run on
+  concat(clean[max(start, ..)..bB), noisy[max(bB, start)..]) of d alone; clean rows are d's
+  own causal stream."""
+  cfg = replace(config(), data=dict(seq_len=PACKED_L))
+  params = init_params(cfg, jax.random.PRNGKey(13))
+  tokens = np.random.default_rng(14).integers(0, 30, (2, PACKED_L))
+  batch = make_batch(cfg, tokens, PACKED_SEG)
+  logits, inputs = jax.jit(lambda p: stream_logits(cfg, p, batch, jax.random.PRNGKey(15)))(
+      params)
+  logits, inputs = np.asarray(logits), np.asarray(inputs)
+  noisy, clean = inputs[:, :PACKED_L], inputs[:, PACKED_L:]
+  assert (noisy == 31).any() and (noisy != 31).any()  # partly masked blocks
+  pieces, where = [], []  # (row, stream offset, first, end) each piece's logits go to
+  for r, a, e in documents(PACKED_SEG):
+    pieces.append(clean[r, a:e])
+    where.append((r, PACKED_L, a, e))
+    for b in range(a // B, -(-e // B)):
+      lo, hi = max(a, b * B), min(e, (b + 1) * B)
+      pieces.append(np.concatenate([clean[r, a:lo], noisy[r, lo:hi]]))
+      where.append((r, 0, lo, hi))
+  for (r, off, lo, hi), ref in zip(where, one_document_a_row(cfg, params, pieces)):
+    np.testing.assert_allclose(logits[r, off + lo:off + hi], ref[-(hi - lo):], atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_sampling_a_gdn_model_is_refused(gdn_model):

@@ -1,7 +1,10 @@
 """DFlash2 (docs/dflash.md, "DFlash2"): D-PACE and LK losses, the candidate selector, the
-block convolution, sliding-window drafts and locality anchors, each against a hand
-computation, and the whole loss and its gradients under the strategies."""
+block convolution, sliding-window drafts (causal own block), the verifier's output multiplier
+and soft cap, and locality anchors drawn from the step's key, each against a hand computation
+(the drafter's window and block mask against a mask written from the anchors, the proposals
+against a lattice built by hand), and the whole loss and its gradients under the strategies."""
 
+import dataclasses
 import functools
 
 import jax
@@ -13,6 +16,7 @@ from flax import nnx
 from bdlm_jax import (ConfigError, draft_proposals, init_params, loss_fn, make_batch,
                       make_mesh)
 from bdlm_jax.configure import replace
+from bdlm_jax.checkpoint.hf_names import model_config_from_hf
 from bdlm_jax.kernels.mask import allowed
 from bdlm_jax.models.drafter import GroupedConv, windowed_drafts
 from bdlm_jax.models.selector import CandidateSelector
@@ -25,9 +29,13 @@ from bdlm_jax.spec import resolve
 from tests.objectives.test_dflash import A, B, L, _cfg, _logical_batch
 from tests.parallel.test_strategies import assert_close
 
+# The verifier's output multiplier and soft cap (Muse: 0.19612, 20), and a causal own block on
+# the sliding layers (the seed's default), so that every test below runs them.
+MULTIPLIER, SOFTCAP = 0.6, 3.0
 DFLASH2 = dict(objective=dict(dflash_loss="dpace", lk_loss="lambda", kl_decay=2.0,
                               selector_rank=4, selector_top_k=64, selector_loss_alpha=0.7),
-               drafter=dict(conv_taps=2, conv_group_size=8, window=12))
+               drafter=dict(conv_taps=2, conv_group_size=8, window=12, sliding_causal=True),
+               model=dict(output_multiplier=MULTIPLIER, logit_softcap=SOFTCAP))
 
 
 def _cfg2(strategy="none", **parallel):
@@ -58,14 +66,17 @@ def test_dpace_weights_match_the_check_value_and_a_hand_computation():
                                rtol=1e-5)
 
 
-def _one_device(params, cfg, batch):
+def _one_device(params, cfg, batch, spec=None):
   """(the drafter's hidden states [S, A*B, D], their head logits [S, A, B, V]) on one
-  device, in logical order."""
-  spec = resolve(cfg)
+  device, in logical order (`spec`: resolve(cfg) unless given)."""
+  spec = resolve(cfg) if spec is None else spec
   model = merge(cfg, params)
   batch, inputs, _, _ = spec.objective.corrupt(None, batch, cfg)
   hidden = spec.objective.hidden(spec, model, batch, inputs, None)[0]
-  return hidden, head_logits(model.head, hidden, 0.0).reshape(hidden.shape[0], A, B, -1)
+  raw = head_logits(model.head, hidden, 0.0)  # the plain head; then by hand: m x, soft cap
+  m, cap = cfg.model.output_multiplier, cfg.model.logit_softcap
+  logits = cap * jnp.tanh(m * raw / cap) if cap else m * raw
+  return hidden, logits.reshape(hidden.shape[0], A, B, -1)
 
 
 def _reference_loss(params, cfg, batch, w, lam, ids):
@@ -95,7 +106,8 @@ def _reference_loss(params, cfg, batch, w, lam, ids):
 
 def _params(cfg):
   """Init params with the selector's successor codebook and the convolutions' coefficient
-  projections non-zero (both start at zero), so the test sees what they do."""
+  projections non-zero (both start at zero), and both sides of the convolutions' base kernels
+  apart from the identity they start as, so the test sees what they do."""
   params = init_params(cfg, jax.random.key(0))
   keys = iter(jax.random.split(jax.random.key(1), 8))
   d = params["drafter"]
@@ -104,6 +116,8 @@ def _params(cfg):
   for part in ("attn", "mlp"):
     k = d["convs"][part]["kernel_projection"]["kernel"]
     d["convs"][part]["kernel_projection"]["kernel"] = 0.05 * jax.random.normal(next(keys), k.shape)
+    base = d["convs"][part]["base_kernel"]
+    d["convs"][part]["base_kernel"] = base + 0.3 * jax.random.normal(next(keys), base.shape)
   return params
 
 
@@ -177,6 +191,14 @@ def test_the_block_convolution_is_causal_inside_each_block_and_never_crosses_one
           s, t - k, ch]
   np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(coef, dyn[:, :, 1], rtol=1e-5, atol=1e-5)
+  z = rng.normal(size=x.shape).astype(np.float32)  # `finish`: side 1 on another input
+  out = conv.finish(jnp.asarray(z), coef)
+  want = np.zeros_like(z)
+  for s, t, ch in np.ndindex(want.shape):
+    for k in range(min(taps, t % b + 1)):
+      want[s, t, ch] += (conv.base_kernel[...][1, k, ch] + dyn[s, t, 1, k, ch // group]) * z[
+          s, t - k, ch]
+  np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
 
 
 def test_a_windowed_draft_slot_sees_its_window_of_context_and_its_whole_block():
@@ -304,3 +326,130 @@ def test_a_batch_whose_windows_reach_more_rows_than_are_kept_is_refused():
   cfg = replace(_cfg2("csbp_ring", seq=4), drafter=dict(window=4, kept_context_rows=8))
   with pytest.raises(ConfigError, match=r"kept_context_rows=8 is too few .* at least 9"):
     make_batch(cfg, *_logical_batch())
+
+
+def _attend_by_hand(rows, window: int, causal: bool):
+  """A drafter layer's `attend` on one device whose mask is written from the logical rows
+  alone (anchors, slots, documents; never the row metadata it is handed): draft slot j of
+  anchor a sees its block's slots (those <= j if `causal`) and the context positions c of
+  a's document with max(a + j - W + 1, 0) <= c < a. GQA: query head h reads K/V head h // G."""
+  n = A * B
+  anchor, pos, doc = (rows[k][:, :n] for k in ("block", "pos", "seg"))
+  valid, slot = doc > 0, np.arange(n) % B
+  c = np.arange(L)
+  ctx = (valid[..., None] & (rows["seg"][:, None, n:] == doc[..., None])
+         & (c < anchor[..., None]) & (c >= pos[..., None] - window + 1))
+  same = (np.arange(n)[:, None] // B == np.arange(n)[None] // B)
+  if causal:
+    same &= slot[None] <= slot[:, None]
+  own = valid[..., None] & valid[:, None, :] & same
+  mask = jnp.asarray(np.concatenate([own, ctx], -1))  # [S, A*B, A*B + L]
+
+  def attend(q, k, v, q_meta, k_meta, k_ctx, v_ctx, ctx_meta):
+    del q_meta, k_meta, ctx_meta
+    g = q.shape[2] // k.shape[2]
+    keys = jnp.repeat(jnp.concatenate([k, k_ctx], 1), g, axis=2)
+    values = jnp.repeat(jnp.concatenate([v, v_ctx], 1), g, axis=2)
+    s = jnp.einsum("sqhd,skhd->shqk", q, keys, preferred_element_type=jnp.float32)
+    s = jnp.where(mask[:, None], s * q.shape[-1] ** -0.5, -jnp.inf)
+    lse = jax.nn.logsumexp(s, -1)
+    p = jnp.where(mask[:, None], jnp.exp(s - lse[..., None]), 0.0)
+    out = jnp.einsum("shqk,skhd->sqhd", p, values.astype(jnp.float32))
+    return out.astype(q.dtype), jnp.moveaxis(lse, 1, 2)
+
+  attend.prune = None
+  return attend
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_drafters_window_and_block_mask_equal_a_mask_written_from_the_anchors(causal):
+  """End to end: the drafter's hidden states under its own attention (metadata, windows,
+  kernels) equal those under `_attend_by_hand`, both convolution sides and the multiplier on."""
+  cfg = replace(_cfg2(), drafter=dict(sliding_causal=causal))
+  params, (tokens, seg, prot) = _params(cfg), _logical_batch()
+  batch = make_batch(cfg, tokens, seg, prot)
+  rows = dflash.logical_rows(tokens, seg, prot, cfg.objective)
+  spec = resolve(cfg)
+  by_hand = dataclasses.replace(spec, attend=dict(
+      spec.attend, draft=_attend_by_hand(rows, cfg.drafter.window, causal)))
+  run = lambda s: jax.jit(lambda p: _one_device(p, cfg, batch, s)[0])(params)
+  valid = rows["seg"][:, :A * B] > 0
+  got, want = np.asarray(run(spec))[valid], np.asarray(run(by_hand))[valid]
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  other = replace(cfg, drafter=dict(sliding_causal=not causal))  # and the flag matters
+  assert np.abs(np.asarray(jax.jit(lambda p: _one_device(p, other, batch)[0])(params))[valid]
+                - want).max() > 1e-3
+
+
+def test_draft_proposals_follow_a_lattice_built_by_hand():
+  """The selector's proposals: at each anchor's block, a lattice [B-1, K prev, K cur] of
+  scores unary(c) + pred[prev] . (W h) . succ[c], the anchor's token (read from the data) the
+  predecessor of slot 1, then the greedy path through it (the seed's `build_lattice` /
+  `greedy_path`, dflash2.py ~430-470)."""
+  cfg = _cfg2()
+  params = _single_device()[0]
+  params = jax.tree.map(lambda x: x, params)  # a copy: a stronger predecessor codebook
+  sel = params["drafter"]["selector"]
+  sel["predecessor_codebook"] = 50.0 * sel["predecessor_codebook"]
+  tokens, seg, prot = _logical_batch()
+  chosen = np.asarray(draft_proposals(params, cfg, tokens, seg, prot)[0])
+  rows = dflash.logical_rows(tokens, seg, prot, cfg.objective)
+  hidden, logits = (np.asarray(x, np.float64) for x in _one_device(params, cfg, make_batch(
+      cfg, tokens, seg, prot)))
+  k_top = cfg.objective.selector_top_k
+  pred, succ, proj = (np.asarray(x, np.float64) for x in (
+      sel["predecessor_codebook"], sel["successor_codebook"], sel["hidden_projection"]["kernel"]))
+  firsts = 0
+  for s, a in np.ndindex(4, A):
+    if rows["seg"][s, a * B] == 0:
+      continue
+    h = hidden[s, a * B + 1:(a + 1) * B] @ proj  # [B-1, r]
+    ids = np.argsort(-logits[s, a, 1:], -1, kind="stable")[:, :k_top]  # [B-1, K]
+    unary = np.take_along_axis(logits[s, a, 1:], ids, -1)
+    prev = np.concatenate([np.full((1, k_top), tokens[s, rows["block"][s, a * B]]), ids[:-1]])
+    lattice = unary[:, None, :] + np.einsum("tpr,tr,tcr->tpc", pred[prev], h, succ[ids])
+    at, path = 0, []
+    for t in range(B - 1):
+      at = int(np.argmax(lattice[t, at]))
+      path.append(ids[t, at])
+    assert (chosen[s, a] == path).all(), (s, a, chosen[s, a], path)
+    firsts += path[0] != ids[0, 0]
+  assert firsts > 0  # the anchor's token decides some first choices
+
+
+def test_anchors_are_drawn_from_the_steps_key_the_same_under_every_layout():
+  tokens, seg, prot = _logical_batch()
+  cfg = _cfg2()
+  anchors = lambda key, c=cfg: dflash.logical_rows(tokens, seg, prot, c.objective, key=key)[
+      "block"][:, :A * B]
+  k1, k2 = jax.random.key(1), jax.random.key(2)
+  assert (anchors(k1) == anchors(k1)).all() and not (anchors(k1) == anchors(k2)).all()
+  assert not (anchors(k1) == anchors(None)).all() and (anchors(None) == anchors(None)).all()
+  for name in ("uniform", "locality"):  # both samplers read the key
+    c = replace(cfg, objective=dict(anchors=name))
+    assert not (anchors(k1, c) == anchors(k2, c)).all()
+  batch = make_batch(cfg, tokens, seg, prot, key=k1)
+  spread = make_batch(_cfg2("csbp_ring", seq=4), tokens, seg, prot, key=k1)
+  for b in (batch, spread):  # the same anchors wherever the layout puts their blocks
+    draft = (np.asarray(b.stream) == 0) & (np.asarray(b.seg) > 0)
+    got = [sorted(set(np.asarray(b.block)[s][draft[s]])) for s in range(4)]
+    want = [sorted(set(anchors(k1)[s][rows_seg > 0])) for s, rows_seg in enumerate(
+        dflash.logical_rows(tokens, seg, prot, cfg.objective, key=k1)["seg"][:, :A * B])]
+    assert got == want
+
+
+def test_a_causal_block_needs_a_sliding_window():
+  with pytest.raises(ConfigError, match="sliding_causal=true .* drafter.window > 0"):
+    replace(_cfg(), drafter=dict(sliding_causal=True))
+  with pytest.raises(ConfigError, match="output_multiplier"):
+    replace(_cfg(), model=dict(output_multiplier=0.0))
+
+
+def test_the_verifiers_output_multiplier_is_imported_from_its_config():
+  hf = dict(model_type="llama", vocab_size=10, hidden_size=8, num_hidden_layers=1,
+            num_attention_heads=2, intermediate_size=16)
+  assert "output_multiplier" not in model_config_from_hf(hf, "x")  # 1: the default
+  assert model_config_from_hf(dict(hf, output_multiplier=0.19612), "x")[
+      "output_multiplier"] == 0.19612
+  with pytest.raises(ConfigError, match="output_multiplier=0 must be > 0"):
+    model_config_from_hf(dict(hf, output_multiplier=0), "x")

@@ -114,17 +114,22 @@ def test_a_blocks_first_token_is_scored_on_the_clean_row_that_sampling_uses():
   assert first == np.argmax(np.where(np.arange(row3.size) == MASK, -np.inf, row3))
 
 
-@pytest.mark.parametrize("strategy, parallel", [
-    ("cp_allgather", {}), ("cp_ring", {}), ("bp", {}), ("csbp_allgather", {}),
-    ("csbp_ring", {}), ("csbp_ring", dict(data=2, seq=4)), ("cp_ring", dict(data=2, seq=4))],
+SEED_FORM = dict(boundary_row="noisy", keep_mask_logit=True, antithetic=False)
+
+
+@pytest.mark.parametrize("strategy, parallel, form", [
+    ("cp_allgather", {}, {}), ("cp_ring", {}, {}), ("bp", {}, {}), ("csbp_allgather", {}, {}),
+    ("csbp_ring", {}, {}), ("csbp_ring", dict(data=2, seq=4), {}),
+    ("cp_ring", dict(data=2, seq=4), {}), ("csbp_ring", {}, SEED_FORM)],
     ids=lambda x: "-".join(f"{k}{v}" for k, v in x.items()) if isinstance(x, dict) else x)
-def test_loss_and_grads_equal_single_device(strategy, parallel):
+def test_loss_and_grads_equal_single_device(strategy, parallel, form):
   """bp replicates the clean prefix: a block's first token, labelled on a clean row, must
   still count once. With data=2 each data rank doubles its own sequences (the two
-  complementary copies must stay on the rank that holds the sequence)."""
+  complementary copies must stay on the rank that holds the sequence). The seed's form
+  (labels on the noisy copies only, independent t) is exact too."""
   arrays = _packed_sft_batch(64)
-  ref_loss, ref_grads = _loss_and_grads(_cfg(64, 4), None, arrays)
-  cfg = _cfg(64, 4, strategy, parallel)
+  ref_loss, ref_grads = _loss_and_grads(_cfg(64, 4, **form), None, arrays)
+  cfg = _cfg(64, 4, strategy, parallel, **form)
   loss, grads = _loss_and_grads(cfg, make_mesh(cfg), arrays)
   assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
   for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):

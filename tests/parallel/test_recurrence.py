@@ -2,7 +2,10 @@
 (parallel/recurrence.py): the segments' affine state maps, the chain of entry states over the
 `seq` axis, the conv halos, and the fetched copies where a rank's blocks are not on its own
 clean rows. Block counts that divide 2P (each rank's blocks on its own clean chunks) and
-that do not (greedy blocks, whole-stream zigzag)."""
+that do not (greedy blocks, whole-stream zigzag). Row 0 of every batch is packed documents
+(`packed_segments`), so each case also checks that the restarts at document starts (clean
+stream, blocks, chain hops, halos, fetched copies) are the single-device ones; the
+single-device packed rows equal each document's own run (tests/models/test_gdn.py)."""
 
 import functools
 
@@ -35,14 +38,28 @@ def _cfg(strategy, seq_len, block_size, seq, objective="bd3lm"):
                  parallel=dict(strategy=strategy, seq=seq), train=dict(batch_size=2))
 
 
+def packed_segments(seq_len):
+  """Row 0 packed (docs/gdn.md): documents that start mid-block (5, 9, 17, L - 3), at a block
+  start that is a rank's chunk start on N=2P (8, a 1-token document), and run across ranks;
+  padding between documents (16, a chunk start) and none at the end. Row 1 one document,
+  padded at the end."""
+  seg = np.ones((2, seq_len), np.int64)
+  bounds = [0, 5, 8, 9, 16, 17, seq_len - 3, seq_len]
+  for d, (a, b) in enumerate(zip(bounds, bounds[1:])):
+    seg[0, a:b] = d + 1
+  seg[0, 16:17] = 0  # padding between documents
+  seg[1, -5:] = 0
+  return seg
+
+
 def _loss_and_grads(cfg):
-  """One document a row (a GDN layer runs one recurrence per sequence), one padded at the end."""
+  """Packed documents in row 0, one document in row 1 (`packed_segments`): each document's
+  state and conv restart at its start, in the clean stream, the blocks and the chain."""
   rng = np.random.default_rng(cfg.data.seq_len)
   tokens = rng.integers(0, 60, (2, cfg.data.seq_len))
-  seg = np.ones_like(tokens)
-  seg[1, -5:] = 0
   mesh = make_mesh(cfg) if cfg.parallel.strategy != "none" else None
-  return strategies_loss_and_grads(cfg, mesh, (tokens, seg), seed=3)
+  return strategies_loss_and_grads(cfg, mesh, (tokens, packed_segments(cfg.data.seq_len)),
+                                   seed=3)
 
 
 @functools.cache
