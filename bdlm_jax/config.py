@@ -30,7 +30,7 @@ MLP_TYPES = ("dense", "moe")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama, Qwen3), GeGLU (Gemma 3)
 MOE_DISPATCHES = ("ragged_all_to_all", "all_gather")  # parallel.moe_dispatch
 DTYPES = ("float32", "bfloat16")
-DRAFT_TRANSPORTS = ("auto", "kv", "query")  # parallel.draft_transport
+DRAFT_TRANSPORTS = ("auto", "kv", "query", "seed")  # parallel.draft_transport
 REMAT = ("none", "full", "offload", "offload_input")
 MODES = ("train", "eval", "sample", "export", "plan", "prepare")
 # "tokens": a folder of token ids written by mode=prepare (bdlm_jax/data/prepare.py).
@@ -437,10 +437,14 @@ class ParallelConfig(Section):
   # themselves travel in model.compute_dtype.
   kv_grad_dtype: str = "float32"
   # What travels for a drafter's draft attention under a strategy that moves only the context
-  # (csbp_*): "kv", the context K/V around the ring (or all-gathered); "query", each rank's
-  # draft queries with their partial softmax state around the ring, the context K/V staying
-  # (parallel/query_ring.py); "auto", whichever sends fewer bytes (the seed's rule,
-  # `query_ring.prefers_query_rotation`). A strategy that moves nothing ignores it.
+  # (csbp_*, cp_replicated_drafts): "kv", the context K/V around the ring (or all-gathered);
+  # "query", each rank's draft queries with their partial softmax state around the ring, the
+  # context K/V staying (parallel/query_ring.py); "auto", our rule: the queries where, on a
+  # ring of more than two ranks, a hop of them sends fewer bytes than a hop of the context K/V
+  # the rank keeps after pruning (`query_ring.prefers_query_rotation`, `transport_bytes`);
+  # "seed", the seed's rule, which counts the K/V of the unpruned context and also asks that
+  # the query path's peak memory be the lower (`query_ring.seed_prefers_query_rotation`;
+  # docs/dflash.md). A strategy that moves nothing ignores it.
   draft_transport: str = "auto"
   # Expert parallelism: mesh axes (comma-separated, from data, fsdp, seq) whose devices split
   # the experts of each MoE layer; tokens travel to their experts' devices and back by

@@ -11,7 +11,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOTS = ("bdlm_jax", "experiments", "tests", "configs", "docs", "run.py", "README.md")
 # Built from pieces so that this file does not match its own checks.
-FORBIDDEN = ("DESIGN" + ".md", "shared" + "/")
+FORBIDDEN = ("DESIGN" + ".md", "shared" + "/", "notes" + "/")
 # docs/<page>.md, also as ./docs/..., but not inside another path (x/docs/..., mydocs/...)
 DOCS_PAGE = re.compile(r"(?<![\w.-])(?<!\w/)" + "docs" + r"/([\w-]+\.md)")
 LINK = re.compile(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")

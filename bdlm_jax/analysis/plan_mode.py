@@ -26,6 +26,7 @@ from bdlm_jax.analysis.cost_model.timing import step_time
 from bdlm_jax.analysis.cost_model.work import work_of
 from bdlm_jax.config import Config
 from bdlm_jax.configure import override
+from bdlm_jax.errors import ConfigError
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel.mesh import make_mesh
 from bdlm_jax.parallel.registry import SINGLE_DEVICE, plan_for, strategy_names_for
@@ -181,10 +182,27 @@ def plan_report(cfg: Config, progress=lambda _: None) -> str:
       f"Projected = the cost model's step time (analysis/cost_model) on {describe(hw, a)}; "
       f"{sequences(cfg)} sequences per device as one batch. It models H200s only: the memory "
       f"is {target.compiler}'s, the time an H200's{time_caveat}.", "",
+      *draft_transport_lines(cfg, strategies),
       *step_report.table(rows, device, keys=("strategy", "projected ms/step")), "",
       *verdict(rows, device, f"on {hw.name}, default assumptions{time_caveat}",
                target.compiler),
       *(breakdown_lines(cfg, rows, device, mesh) if cfg.plan.breakdown else [])])
+
+
+def draft_transport_lines(cfg: Config, strategies) -> list[str]:
+  """For a drafter, each strategy's draft transport under `parallel.draft_transport` and what
+  our rule (auto) and the seed's (seed) pick, with the bytes behind them
+  (`step_report.draft_transport_line`), then a blank line; none where no strategy moves only
+  the context."""
+  lines = []
+  for name in strategies:
+    try:
+      lines.append(step_report.draft_transport_line(
+          override(cfg, [f"parallel.strategy={name}"])))
+    except ConfigError:  # e.g. draft_transport=query under a strategy that moves the drafts
+      continue
+  lines = [line for line in lines if line]
+  return ["Draft transports:", *lines, ""] if lines else []
 
 
 def breakdown_lines(cfg: Config, rows: list[dict], device_bytes: float, mesh) -> list[str]:

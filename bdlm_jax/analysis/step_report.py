@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from bdlm_jax.batch import abstract_batch
-from bdlm_jax.config import Config, ModelConfig
+from bdlm_jax.config import Config, ModelConfig, updated
 from bdlm_jax.configure import override
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.models.drafter import drafter_model, target_depth
@@ -222,6 +222,36 @@ def config_attention_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype
                                 reruns=reruns_attention(m.remat), **last_hop(m, kind))
               for kind, window in by_kind if kinds.count(kind)]
   return {kind: sum(t[kind] for t in totals) for kind in hlo_stats.COLLECTIVE_KINDS}
+
+
+def draft_transport_choices(cfg: Config, plan: LayoutPlan | None = None) -> dict:
+  """Both rules' draft transport under `cfg`'s strategy and the bytes behind them, per
+  sequence a rank holds, for one hop of one drafter layer (`query_ring.transport_bytes`):
+  {"auto": ours' pick, "seed": the seed's pick, "compiled": `parallel.draft_transport`'s,
+  "bytes": {"query": , "kv": } as sent (ours), "seed_bytes": the same as the seed counts
+  them, "seed_peaks": its memory test's (`query_ring.seed_peaks`)}. Only where a drafter's
+  strategy moves only the context (else {}: nothing to choose)."""
+  plan = plan_for(cfg) if plan is None else plan
+  if not get_objective(cfg.objective.name).DRAFTER or plan.travel != "clean":
+    return {}
+  rule = lambda name: draft_transport(updated(cfg, parallel=dict(draft_transport=name)), plan)
+  return dict(auto=rule("auto"), seed=rule("seed"), compiled=draft_transport(cfg, plan),
+              bytes=query_ring.transport_bytes(cfg, plan),
+              seed_bytes=query_ring.transport_bytes(cfg, plan, "seed"),
+              seed_peaks=query_ring.seed_peaks(cfg, plan))
+
+
+def draft_transport_line(cfg: Config, plan: LayoutPlan | None = None) -> str:
+  """`draft_transport_choices` in one line ("" where there is nothing to choose)."""
+  c = draft_transport_choices(cfg, plan)
+  if not c:
+    return ""
+  pair = lambda d: f"query {d['query'] / 1e6:,.1f} / kv {d['kv'] / 1e6:,.1f} MB"
+  return (f"{cfg.parallel.strategy}: draft transport {c['compiled']} (parallel.draft_transport="
+          f"{cfg.parallel.draft_transport}; auto picks {c['auto']}, seed {c['seed']}); a hop "
+          f"of a drafter layer, per sequence: {pair(c['bytes'])} sent (kept context rows); the "
+          f"seed counts {pair(c['seed_bytes'])} (unpruned context), peaks "
+          f"{pair(c['seed_peaks'])}")
 
 
 def recurrence_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype).itemsize,

@@ -24,8 +24,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from bdlm_jax.config import Config
 from bdlm_jax.kernels import residuals
 from bdlm_jax.kernels.mask import RowMeta
+from bdlm_jax.models.drafter import drafter_model
+from bdlm_jax.parallel.layout import LayoutPlan
+from bdlm_jax.parallel.prune import context_rows
 from bdlm_jax.parallel.ring import merge, partial_attend, partial_grads, shift
 
 # The int32 metadata fields a row sends: a key's lack its window start (`mask.as_keys`), a
@@ -54,11 +58,86 @@ def kv_hop_bytes(kv_elems: float, itemsize: int, grad_itemsize: int, meta_bytes:
 
 
 def prefers_query_rotation(num_ranks: int, query_bytes: float, kv_bytes: float) -> bool:
-  """The seed's rule (dflash_attention.py ~96-104, ~125-189): rotate the queries where they
-  send fewer bytes per hop than the context K/V, on a ring of more than two ranks (at two,
-  the extra round of the partials' hop makes it latency-bound). The seed also asks that its
-  per-origin states fit under the K/V ring's peak; one travelling state always does here."""
+  """Our rule (`parallel.draft_transport=auto`): rotate the queries where they send fewer bytes
+  per hop than the context K/V actually sent (`transport_bytes`: the pruned rows, metadata and
+  dK/dV in kv_grad_dtype included), on a ring of more than two ranks (at two, the extra round
+  of the partials' hop makes it latency-bound). No memory test: one travelling state at a
+  time (the module docstring) holds less than the K/V ring's. The seed's rule differs:
+  `seed_prefers_query_rotation`."""
   return num_ranks > 2 and query_bytes < kv_bytes
+
+
+# Element bytes of config.DTYPES (no jax: a plan's rule is static NumPy/Python).
+_ITEMSIZE = {"float32": 4, "bfloat16": 2}
+# The seed's per-anchor metadata (DFlashGlobalContextMask, core/attention/masks.py ~247-271):
+# int32 context_starts and context_stops and a bool anchor_valid.
+SEED_META_ANCHOR_BYTES = 4 + 4 + 1
+
+
+def _drafter_sizes(cfg: Config):
+  """(query heads, K/V heads, head_dim, compute bytes, dK/dV bytes) of `cfg`'s drafter."""
+  d = drafter_model(cfg)
+  return (d.n_heads, d.n_kv_heads, d.head_dim, _ITEMSIZE[d.compute_dtype],
+          _ITEMSIZE[cfg.parallel.kv_grad_dtype])
+
+
+def transport_bytes(cfg: Config, plan: LayoutPlan, rule: str = "auto") -> dict[str, float]:
+  """{"query": bytes, "kv": bytes}: what one hop of one drafter layer sends for each sequence
+  a rank holds (forward and backward, one forward pass) under each draft transport, as
+  `rule` counts them: "auto" (ours) its real bytes, `query_hop_bytes` of the rank's draft
+  rows and `kv_hop_bytes` of the context rows it keeps (`prune.context_rows`, metadata and
+  dK/dV in kv_grad_dtype); "seed" (dflash_attention.py ~148-172) Q 4qs + 8q + 12 stat +
+  2 meta against K/V 6 kv s, with q and stat the draft rows' query elements and softmax
+  statistics, meta 9 B an anchor (`SEED_META_ANCHOR_BYTES`), kv the K elements of the
+  *unpruned* context slot and s the compute dtype's bytes."""
+  h, h_kv, dh, s, g = _drafter_sizes(cfg)
+  slot = plan.rows_per_rank - plan.n_noisy
+  if rule == "seed":
+    q, stat, kv = plan.n_noisy * h * dh, plan.n_noisy * h, slot * h_kv * dh
+    meta = SEED_META_ANCHOR_BYTES * plan.n_noisy // plan.block_size
+    return {"query": 4 * q * s + 8 * q + 12 * stat + 2 * meta, "kv": 6 * kv * s}
+  if rule != "auto":
+    raise ValueError(f"rule={rule!r} is not 'auto' or 'seed'")
+  return {"query": plan.n_noisy * query_hop_bytes(h * dh, h, s, g, META_ROW_BYTES),
+          "kv": context_rows(cfg, plan) * kv_hop_bytes(2 * h_kv * dh, s, g, META_ROW_BYTES)}
+
+
+def seed_peaks(cfg: Config, plan: LayoutPlan) -> dict[str, float]:
+  """The seed's memory test (dflash_attention.py ~174-189), bytes per sequence: "query" the
+  query path's peak, max of forward (P+1)(4q + 8 stat) + 2(q s + meta) (an f32 state per
+  origin, two packets) and backward (P+1) 4q + 8 kv + 2(3 q s + 4 stat + meta) (an f32 dQ
+  per origin, f32 dK/dV, two packets); "kv" the K/V ring's backward peak 12 kv s (terms as
+  `transport_bytes(rule="seed")`)."""
+  h, h_kv, dh, s, _ = _drafter_sizes(cfg)
+  p = plan.num_ranks
+  q, stat = plan.n_noisy * h * dh, plan.n_noisy * h
+  kv = (plan.rows_per_rank - plan.n_noisy) * h_kv * dh
+  meta = SEED_META_ANCHOR_BYTES * plan.n_noisy // plan.block_size
+  forward = (p + 1) * (4 * q + 8 * stat) + 2 * (q * s + meta)
+  backward = (p + 1) * 4 * q + 8 * kv + 2 * (3 * q * s + 4 * stat + meta)
+  return {"query": max(forward, backward), "kv": 12 * kv * s}
+
+
+def seed_prefers_query_rotation(cfg: Config, plan: LayoutPlan) -> bool:
+  """The seed's rule (`parallel.draft_transport=seed`; dflash_attention.py ~86-104 and
+  `_prefer_query_rotation` ~125-189): rotate the queries where only the context travels
+  (`plan.travel == "clean"`), on a ring of more than one rank, the anchors split equally
+  (each rank all of them where every rank holds every draft block, the seed's `all_blocks`,
+  our cp_replicated_drafts; else A / P each, its `dual_end`, our csbp), the seed's query
+  bytes under its K/V bytes (`transport_bytes(rule="seed")`) and the query path's peak under
+  the K/V ring's (`seed_peaks`); but never on a `dual_end` ring of two or fewer ranks."""
+  p, a = plan.num_ranks, plan.draft_blocks
+  if plan.travel != "clean" or p <= 1 or a <= 0:
+    return False
+  drafts = plan.rows[:, :plan.n_noisy]
+  dual_end = not (drafts == drafts[:1]).all()  # the ranks hold different draft blocks
+  owners = p if dual_end else 1
+  if a % owners or plan.n_noisy != a // owners * plan.block_size:
+    return False
+  if dual_end and p <= 2:
+    return False
+  sent, peak = transport_bytes(cfg, plan, "seed"), seed_peaks(cfg, plan)
+  return sent["query"] < sent["kv"] and peak["query"] < peak["kv"]
 
 
 def _travelling(meta: RowMeta) -> RowMeta:

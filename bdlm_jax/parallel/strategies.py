@@ -21,12 +21,11 @@ from bdlm_jax.config import Config
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.kernels import get_kernel, with_windows
 from bdlm_jax.kernels.mask import RowMeta, as_keys
-from bdlm_jax.models.drafter import drafter_model
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.parallel import query_ring
 from bdlm_jax.parallel.allgather import allgather_attend
 from bdlm_jax.parallel.layout import LayoutPlan
-from bdlm_jax.parallel.prune import context_rows, make_prune
+from bdlm_jax.parallel.prune import make_prune
 from bdlm_jax.parallel.mesh import BATCH_AXES
 from bdlm_jax.parallel.recurrence import make_recur
 from bdlm_jax.parallel.registry import get_strategy, plan_for
@@ -149,20 +148,20 @@ def _sharded(cfg: Config, mesh, body, n_kv: int):
 def draft_transport(cfg: Config, plan: LayoutPlan) -> str:
   """What a drafter's draft attention moves under `plan`: "query" (its draft queries rotate
   past the context, query_ring.py) or "kv" (the strategy's own transport: the context K/V,
-  or everything under cp, or nothing). `parallel.draft_transport`, whose "auto" is the
-  seed's rule by bytes per hop (`query_ring.prefers_query_rotation`)."""
+  or everything under cp, or nothing). `parallel.draft_transport`: "kv" or "query" as named
+  (where only the context travels); "auto" our rule, the fewer bytes a hop actually sent
+  (`query_ring.prefers_query_rotation`); "seed" the seed's rule
+  (`query_ring.seed_prefers_query_rotation`). Static: the config and the plan alone."""
   choice = cfg.parallel.draft_transport
   if plan.travel != "clean" or choice == "kv":
     return "kv"
   if choice == "query":
     return choice
-  d = drafter_model(cfg)
-  sizes = jnp.dtype(d.compute_dtype).itemsize, jnp.dtype(cfg.parallel.kv_grad_dtype).itemsize
-  query = plan.n_noisy * query_ring.query_hop_bytes(
-      d.n_heads * d.head_dim, d.n_heads, *sizes, query_ring.META_ROW_BYTES)
-  kv = context_rows(cfg, plan) * query_ring.kv_hop_bytes(
-      2 * d.n_kv_heads * d.head_dim, *sizes, query_ring.META_ROW_BYTES)
-  return "query" if query_ring.prefers_query_rotation(plan.num_ranks, query, kv) else "kv"
+  if choice == "seed":
+    return "query" if query_ring.seed_prefers_query_rotation(cfg, plan) else "kv"
+  sent = query_ring.transport_bytes(cfg, plan)
+  rotate = query_ring.prefers_query_rotation(plan.num_ranks, sent["query"], sent["kv"])
+  return "query" if rotate else "kv"
 
 
 def _draft_attend(cfg: Config, mesh, global_body, prune):

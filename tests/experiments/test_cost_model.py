@@ -568,3 +568,195 @@ def test_gdn_flops_equal_a_hand_count_and_the_projection_has_three_rows():
                             seq_len=128, block_size=16)
   assert [(r["strategy"], r["gdn_transport"]) for r in rows] == list(hybrid.VARIANTS)
   assert all(r["gdn_s"] > 0 and r["gdn_bytes_per_step"] > 0 for r in rows)
+
+
+# Hand-worked values of the seed's head-parallel GDN ("ulysses") and of the DFlash2
+# projection, on sizes small enough to follow: every figure below is written out from the
+# definitions in the modules' docstrings, not read back from their helpers.
+def _tiny_gdn():
+  """One GDN layer of width 32: 2 key heads of K = 8, 4 value heads of V = 8, conv 4, bf16."""
+  return _model(d_model=32, n_layers=1, layer_pattern="gdn", gdn_key_heads=2,
+                gdn_value_heads=4, gdn_key_dim=8, gdn_value_dim=8, gdn_conv=4,
+                compute_dtype="bfloat16")
+
+
+def test_gdn_ulysses_bytes_flops_and_seconds_equal_a_hand_count():
+  """csbp_ring, L = 128, B = 16, P = 2: each rank holds 4 corrupted blocks (64 rows) and a
+  64-row zigzag shard of the clean stream. Per layer and forward pass, a rank puts into the
+  seed's all-to-alls (bf16 activations, f32 states):
+    in     its 64 clean rows' q, k (2 x 2 x 8), v, z (2 x 4 x 8), b, a (2 x 4): 104 values
+           a row, 64 * 104 * 2 = 13312 bytes;
+    out    their outputs [Hv V], 64 * 32 * 2 = 4096 bytes;
+    states its 4 blocks' boundary states [4, 8, 8] f32 (1024 bytes) and 3 conv rows of the
+           64 pre-conv channels (3 * 64 * 2 = 384 bytes): 4 * 1408 = 5632 bytes.
+  A step sends (P-1)/P of them in the forward, the remat's rerun and the backward.
+  FLOPs: the full-length recurrence, 128 rows in 2 chunks of 64, on Hv/P = 2 heads; each
+  block's 16 rows (one chunk) on all 4 heads from its boundary state; the conv over 128 / 2
+  clean rows and the 64 block rows, of 64 channels x 4 taps."""
+  from bdlm_jax.analysis.cost_model import gdn
+  from bdlm_jax.analysis.cost_model.setting import GB
+  m, a = _tiny_gdn(), Assumptions()
+  work = plan_work("csbp_ring", 128, 16, 2)
+  plan = work.plan
+  assert (plan.rows_per_rank, plan.n_noisy) == (128, 64)
+  sends = (64 * (2 * 2 * 8 + 2 * 4 * 8 + 2 * 4) * 2, 64 * 4 * 8 * 2,
+           4 * (4 * 8 * 8 * 4 + (4 - 1) * 64 * 2))
+  assert sends == (13312, 4096, 5632)
+  assert gdn.ulysses_bytes(m, plan) == sends
+  assert gdn.gdn_wire_bytes(m, plan, gdn.ULYSSES, reruns=1) == 1 * 3 * sum(sends) / 2 == 34560
+  # Delta rule per value head and chunk of c rows: 4 c^2 K + c (c-1) (K + V) + 2 c^2 V in the
+  # chunk, 6 c K V across chunks (gdn.py's module docstring).
+  intra = lambda c: 4 * c * c * 8 + c * (c - 1) * 16 + 2 * c * c * 8
+  inter = lambda c: 6 * c * 8 * 8
+  assert (intra(64), intra(16)) == (261120, 16128)
+  layer = gdn.ulysses_layer(m, plan)
+  assert layer.intra == 2 * 2 * intra(64) + 4 * 4 * intra(16)  # (chunks x heads) + (blocks x heads)
+  assert layer.inter == 2 * 2 * inter(64) + 4 * 4 * inter(16)
+  assert (layer.transfer, layer.apply) == (0, 0)
+  assert layer.conv == (128 // 2 + 4 * 16) * 2 * 64 * 4
+  assert layer.projection == 128 * 2 * 32 * (2 * 2 * 8 + 4 * 8 + 4 * 8 + 4 + 4 + 4 * 8)
+  # kept for the backward: every block's boundary state on its 2 heads, and its own 4 blocks'
+  assert layer.state_bytes == (128 // 16 / 2 + 4) * 4 * 8 * 8 * 4
+  # Seconds: three exposed all-to-alls a pass (each 1/2 of its bytes over NVLink), the conv
+  # and rule at delta_rule_tflops; backward = forward + the forward's compute again, after the
+  # remat's rerun of the forward.
+  hw = setting.Hardware(nodes=1, gpus_per_node=2)
+  comm = sum(hw.nvlink_alpha_us * 1e-6 + x / 2 / (hw.nvlink_gb_s * GB) for x in sends)
+  busy = (layer.conv + layer.intra + layer.inter) / (hw.delta_rule_tflops * 1e12)
+  fwd = busy + comm
+  t = timing.step_time(m, work, hw, a, gdn.ULYSSES)
+  assert t["gdn_s"] == pytest.approx(fwd + (fwd + busy + fwd), rel=1e-12)
+  assert t["gdn_busy_s"] == pytest.approx(4 * busy, rel=1e-12)
+  assert t["gdn_comm_bytes_per_step"] == 34560
+  # head shards need P to divide both head counts
+  with pytest.raises(ConfigError, match=r"parallel.seq=4 to divide the key and value heads"):
+    gdn.ulysses_layer(m, make_plan("csbp_ring", 128, 16, 4))
+
+
+# DFlash2 at toy size: L = 64, B = 4, A = 4 locality anchors, W = 8, P = 2, features offline.
+TINY_DFLASH2 = dflash.Dflash2Recipe(
+    _model(n_layers=4, qk_norm=True, tie_embeddings=False, compute_dtype="bfloat16"),
+    dict(n_layers=2, d_ff=96, window=8, target_layers="1,3", features="offline"),
+    block_size=4, anchors=4)
+DFLASH2_HW = setting.Hardware(nodes=1, gpus_per_node=2, hbm_gb=80.0)
+
+
+def _two_rank_ring(stay, steps, kv_hop, grad_hop):
+  """timing.ring_s's rule written out for P = 2 (overlapped hops): each step waits for the
+  other rank; the forward shifts K/V once, the backward also passes dK/dV after each step."""
+  first = np.maximum(stay + steps[:, 0], stay.max() + kv_hop)
+  if not grad_hop:
+    return float((first + steps[:, 1]).max())
+  return float(first.max() + grad_hop + steps[:, 1].max() + grad_hop)
+
+
+def test_dflash2_project_equals_a_hand_count():
+  """The locality rule: n = L - 1 = 63 candidates, stride B = 4 (coprime with 63), start
+  (63 - 4 * 4) // 2 = 23: anchors 23, 27, 31, 35. Their windows [a - 7, a) cover context
+  positions 16..34: 19 kept rows, all on rank 1 of the context zigzag (rank 0 holds 0..15 and
+  48..63, rank 1 16..47), or the whole band where one rank holds the context. Per draft row,
+  drafter linear FLOPs: 2 layers x (q, k, v, o 2 * 64 * (64 + 32 + 32 + 64) + MLP
+  2 * 3 * 64 * 96) = 122880, forward, backward and the remat's rerun (x 4); LM head
+  2 * 64 * 260 three times. Per kept context row: fc 2 * (2 * 64) * 64 three times, each
+  layer's k/v 2 * 64 * 64 x 4. Draft rows a rank runs: A * B / P = 8 where the drafts are
+  split, 16 on one GPU (none), and under the paper's baseline A * B = 16 on every rank: the
+  draft work times max(1, CP/BP) = 2 (CP = 2, BP = 1). Features: 2 layers x 64 x 2 bytes a
+  row, a GPU copying its 32-row context slot (64 where it holds the whole context), the node
+  reading the 64 rows once a sequence (`none`: both GPUs' sequences a step). Attention: a
+  draft row sees its block's 4 rows and the 7 context rows before its anchor (the cost model's window rule), 32 (or 64) context K/V rows
+  travelling with their metadata where anything does."""
+  from bdlm_jax.analysis.cost_model.setting import GB
+  a, hw = Assumptions(), DFLASH2_HW
+  rows = dflash.dflash2_project(hw, a, recipes={"tiny": TINY_DFLASH2}, seq_lens=(64,))
+  at = {r["strategy"]: r for r in rows}
+  assert set(at) == {"none", "cp_allgather", "cp_ring", "bp", "csbp_allgather", "csbp_ring",
+                     "cp_replicated_drafts"}
+  np.testing.assert_array_equal(dflash.locality_anchors(64, 4, 4), [23, 27, 31, 35])
+  matmul = hw.matmul_tflops * 1e12
+  per_draft_row = 2 * (2 * 64 * (64 + 32 + 32 + 64) + 2 * 3 * 64 * 96) * 4 + 3 * 2 * 64 * 260
+  per_context_row = 3 * 2 * (2 * 64) * 64 + 2 * (2 * 64 * 64) * 4
+  draft_rows = dict(none=16, cp_allgather=8, cp_ring=8, bp=8, csbp_allgather=8, csbp_ring=8,
+                    cp_replicated_drafts=8 * max(1, 2 // 1))
+  context_slot = dict(none=64, bp=64)
+  pair = 4 * 64 / (hw.attention_tflops * 1e12)  # QK^T and PV over 4 heads of 16
+  f = a.attention_bwd_factor
+  kv = lambda rows: rows * 2 * 2 * 16 * a.compute_bytes + rows * a.meta_bytes_per_row
+  grad = lambda rows: rows * 2 * 2 * 16 * a.kv_grad_bytes
+  hop = lambda nbytes: hw.nvlink_alpha_us * 1e-6 + nbytes / (hw.nvlink_gb_s * GB)
+
+  def attention(s):
+    """(forward + backward) seconds of one drafter layer on s's transport."""
+    own, ctx = 4 * draft_rows[s], 7 * draft_rows[s]  # pairs of a rank's draft rows
+    if s in ("none", "bp"):  # nothing travels: the backward 2.5 x the forward
+      return (1 + f) * (own + ctx) * pair
+    # Drafts split: rank 0 holds draft blocks 0 and 3, rank 1 blocks 1 and 2 (dual-end pairs;
+    # cp_*'s zigzag of the 16 draft rows in 4-row chunks is the same); every kept context key
+    # is on rank 1. The ring's step 0 reads a rank's own K/V, step 1 the other's.
+    if s in ("cp_ring", "cp_allgather"):  # the 8 draft rows' K/V travel too: nothing stays
+      travel_rows, stay = 32 + 8, np.zeros(2)
+      steps = np.array([[own, ctx], [own + ctx, 0]]) * pair
+    else:  # csbp_*, and the paper's baseline (all 16 draft rows on each rank): context only
+      travel_rows, stay = 32, np.array([own, own]) * pair
+      steps = np.array([[0, ctx], [ctx, 0]]) * pair
+    kv_hop, grad_hop = hop(kv(travel_rows)), hop(grad(travel_rows))
+    if s.endswith("allgather"):  # one exposed hop each way on 2 ranks
+      busy = (stay + steps.sum(axis=1)).max()
+      return busy + kv_hop + f * busy + kv_hop + grad_hop
+    return (_two_rank_ring(stay, steps, kv_hop, 0.0)
+            + _two_rank_ring(f * stay, f * steps, kv_hop, grad_hop))
+
+  hand = {}
+  for s, r in at.items():
+    linear = (draft_rows[s] * per_draft_row + 19 * per_context_row) / matmul
+    assert r["drafter_linear_s"] == pytest.approx(linear, rel=1e-12), s
+    assert (r["target_linear_s"], r["target_attention_s"]) == (0, 0), s  # features offline
+    assert r["drafter_attention_s"] == pytest.approx(2 * attention(s), rel=1e-12), s
+    copy = context_slot.get(s, 32) * 2 * 64 * 2 / (hw.host_gb_s * GB)
+    # the node reads one sequence a step, or under `none` (a sequence per GPU) two
+    read = (2 if s == "none" else 1) * 64 * 2 * 64 * 2 / (hw.disk_gb_s * GB)
+    assert (r["feature_copy_s"], r["feature_read_s"]) == (pytest.approx(copy, rel=1e-12),
+                                                          pytest.approx(read, rel=1e-12)), s
+    compute = linear + 2 * attention(s)
+    assert r["compute_s"] == pytest.approx(compute, rel=1e-12), s
+    assert r["total_s"] == pytest.approx(max(compute + copy, read), rel=1e-12), s
+    hand[s] = dict(compute_s=compute,
+                   seq_s=max(compute + copy, read) / (2 if s == "none" else 1))
+    assert r["seq_s"] == pytest.approx(hand[s]["seq_s"], rel=1e-12), s
+  # The paper's baseline: the split layout's drafter linear FLOPs, its draft part doubled.
+  paper, csbp = at[dflash.PAPER_BASELINE], at["csbp_ring"]
+  assert (paper["drafter_linear_s"] - csbp["drafter_linear_s"]) * matmul == pytest.approx(
+      8 * per_draft_row, rel=1e-9)
+  # The ratio: the paper's baseline over the best fitting CSBP (the faster of csbp_ring and
+  # csbp_allgather: here csbp_allgather, whose backward waits one dK/dV hop, not two).
+  (c,) = dflash.paper_comparison(rows)
+  assert c["oom"] == []
+  for part, suffix in (("seq_s", ""), ("compute_s", "_compute")):
+    best = min(("csbp_ring", "csbp_allgather"), key=lambda s: hand[s][part])
+    assert best == "csbp_allgather" and c[f"csbp{suffix}"]["strategy"] == best
+    assert c[f"over_paper{suffix}"] == pytest.approx(
+        hand["cp_replicated_drafts"][part] / hand[best][part], rel=1e-12)
+
+
+@pytest.mark.xfail(strict=True, reason="LayoutPlan.attention_work(window) starts every draft "
+                   "slot's window at its anchor - (W-1); the drafter's mask (windowed_drafts) "
+                   "at anchor + j - (W-1), so the cost model counts B(B-1)/2 context pairs a "
+                   "block and layer too many")
+def test_dflash2_draft_pairs_equal_the_drafters_sliding_window_mask():
+  """Slot j of anchor a (position a + j) sees context positions >= a + j - (W-1)
+  (`models.drafter.windowed_drafts`, `drafter.window`): with W = 8 and anchors 23..35 each
+  block's 4 slots see 7, 6, 5 and 4 context rows and the block's 4 draft rows, 38 pairs;
+  four blocks 152, where the cost model counts 4 * (16 + 28) = 176."""
+  from bdlm_jax.models.drafter import windowed_drafts
+  cfg = dflash.recipe_config(TINY_DFLASH2, 64)
+  anchors = dflash.locality_anchors(64, 4, 4)
+  slot = np.tile(np.arange(4), 4)
+  draft = RowMeta(*(np.asarray(x, np.int32)[None] for x in (
+      np.full(16, NOISY), np.repeat(anchors, 4), np.ones(16), np.repeat(anchors, 4) + slot,
+      np.zeros(16))))
+  context = RowMeta(*(np.asarray(x, np.int32)[None] for x in (
+      np.full(64, CLEAN), np.arange(64), np.ones(64), np.arange(64), np.zeros(64))))
+  keys = jax.tree.map(lambda x, y: np.concatenate([x, y], axis=1), draft, context)
+  mask = np.asarray(allowed(windowed_drafts(draft, cfg.drafter.window), keys))
+  assert mask.sum() == 4 * (4 * 4 + 7 + 6 + 5 + 4) == 152
+  drafter, _ = dflash.dflash_works("none", cfg, 1)
+  assert drafter.stay_pairs.sum() + drafter.travel_pairs.sum() == 152

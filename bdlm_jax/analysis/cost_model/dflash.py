@@ -60,8 +60,9 @@ class Dflash2Recipe:
 
 
 DFLASH2_RECIPES = {
-    # Muse-Glimmer-30B-DFlash2 (recipe: B 16, 512 anchors, layers [2, 14, 26, 38, 50]);
-    # widths from the seed's dflash2.py defaults for it (notes/dflash2.md): 5 layers, all
+    # Muse-Glimmer-30B-DFlash2 (the seed's recipe, Turbo-dLLM 0.1.6
+    # recipes/runs/dflash2-muse-glimmer-30b-1m.yaml: B 16, 512 anchors, layers [2, 14, 26, 38,
+    # 50]); widths as configs/dflash2_muse_1m.py gives them: 5 layers, all
     # sliding, W 2048, H 6656, I 19968, 32 / 8 heads x 128, vocabulary 202,048, fc 33,280 ->
     # 6,656 (5 target layers of width 6656), rope 5e5. The verifier's depth only needs
     # to reach layer 50; its own d_ff is unused (its layers never run).
@@ -74,8 +75,8 @@ DFLASH2_RECIPES = {
     # Qwen3.8-27B-DFlash2 (recipe: B 8, 2048 anchors, layers [6, 20, 34, 48, 62], W 2048: its
     # ~18.4K kept rows of 1M are 2048 anchors x stride 8 + W). The verifier's dims are not in
     # the seed (loaded from its Hugging Face config): ASSUMED Qwen3.5-27B-class, width 5120,
-    # 64 layers (notes/gated-deltanet.md), 24 / 4 heads x 256, d_ff 17408, vocabulary
-    # 248,320; the drafter 5 layers of that width, as the Muse one.
+    # 64 layers (configs/qwen3_5_27b_fast_dllm_v2_256k.py), 24 / 4 heads x 256, d_ff 17408,
+    # vocabulary 248,320; the drafter 5 layers of that width, as the Muse one.
     "qwen3.8-27b": Dflash2Recipe(
         ModelConfig(vocab_size=248320, d_model=5120, n_layers=64, n_heads=24, n_kv_heads=4,
                     head_dim=256, d_ff=17408, rope_theta=1e7, qk_norm=True,
@@ -166,13 +167,16 @@ def feature_feed_s(cfg: Config, plan, hw: Hardware) -> tuple[float, float]:
   (`drafter.features`; 0 when the target runs in the step). Each GPU copies its own context
   rows' features, all of them (pruning happens on the device), over its host link
   (`host_gb_s`); the node reads the sequence's features from its NVMe once (`disk_gb_s`:
-  a row several GPUs copy, as bp's replicated context, is read once into host memory)."""
+  a row several GPUs copy, as bp's replicated context, is read once into host memory), or
+  where a strategy does not split sequences (`none`: a sequence per GPU) each of its GPUs'
+  sequences."""
   if not cfg.drafter.features:
     return 0.0, 0.0
   row = len(target_layer_ids(cfg)) * cfg.model.d_model * FEATURE_BYTES
   context = plan.rows_per_rank - plan.n_noisy
+  sequences = 1 if get_strategy(plan.strategy).splits_sequences else hw.gpus_per_node
   return (context * row / (hw.host_gb_s * GB),
-          cfg.data.seq_len * row / (hw.disk_gb_s * GB))
+          sequences * cfg.data.seq_len * row / (hw.disk_gb_s * GB))
 
 
 def dflash_step_time(cfg: Config, drafter: PlanWork, target: PlanWork, hw: Hardware,

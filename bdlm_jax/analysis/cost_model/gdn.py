@@ -6,7 +6,8 @@ this package's program or the seed's head-parallel layout.
            for the conv, fetched copies of clean segments where blocks live elsewhere (cp_*),
            and the rerun of every segment and block from its entry state. Traffic is
            `step_report.recurrence_traffic`'s, converted to wire bytes (`chain_wire_bytes`).
-  ulysses  the seed's (notes/gated-deltanet.md, `qwen3_8/context_parallel.py`): an all-to-all
+  ulysses  the seed's (Turbo-dLLM 0.1.6, `core/models/backbones/qwen3_8/context_parallel.py`;
+           docs/gdn.md): an all-to-all
            of each rank's clean q, k, v, z, b, a to head shards, a full-length recurrence per
            head shard, an all-to-all of the outputs back, and one of each block's boundary
            state (and conv rows) to the rank that holds the block. Registered here only, as
