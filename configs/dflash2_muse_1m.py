@@ -23,7 +23,8 @@ train, point `drafter.target` at the verifier's Hugging Face folder (for that em
 head) and `drafter.features` at the folder.
 
 Context pruning as the seed's: each rank keeps only the context rows inside the union of the
-anchors' windows (`drafter.kept_context_rows` of its 131,072), before `fc`. The verifier's
+anchors' windows, each cut at its document's start (`drafter.kept_context_rows` of its
+131,072), before `fc`. The verifier's
 `output_multiplier` (0.19612, `model.output_multiplier`) scales its head's logits before the
 soft cap everywhere the drafter's losses read them (the CE, p, D-PACE's weights, the LK lambda
 and the selector's candidates and unary scores), as the seed's streamed head pass does. What

@@ -2,10 +2,11 @@
 
 A drafter's context rows are keys only, and everything done to one (`fc`, the norm, RoPE, the
 k/v projections) is row-wise; a row that no draft query's window reaches has no influence on
-the loss and gets no gradient. Slot j of anchor a sees positions [a + j - W + 1, a), so the
-rows that matter are the union over anchors of [a - W + 1, a) (every position before the last
-anchor on a drafter without a window). The seed (Turbo-dLLM 0.1.6, `model.py`
-`compact_dflash_target_context` ~1098-1213) cuts each rank's shard down to that union before
+the loss and gets no gradient. Slot j of anchor a sees positions [a + j - W + 1, a) of its own
+document, so the rows that matter are the union over anchors of [max(d, a - W + 1), a), d the
+start of a's document (every position of it before a on a drafter without a window). The seed
+(Turbo-dLLM 0.1.6, `model.py` `compact_dflash_target_context` ~1098-1213) cuts each rank's
+shard down to that union before
 `fc`; so does this, into a static `drafter.kept_context_rows` rows a rank, in position
 order, the rest padding (document 0: never seen). Every transport then moves, and every layer
 projects, those rows only.
@@ -30,20 +31,25 @@ from bdlm_jax.parallel.mesh import BATCH_AXES
 _NO_ANCHOR = 2**30  # sorts after every position: "no anchor after this row"
 
 
-def reached(anchors, pos, window: int, xp=jnp):
-  """bool [C]: which positions `pos` [C] some anchor's draft window reaches, given the
-  anchors [A] sorted ascending (absent ones `_NO_ANCHOR`): the first anchor after p lies
-  within W - 1 of it (W = 0: exists). One rule for the host's check (NumPy) and the step."""
+def reached(anchors, anchor_docs, pos, docs, window: int, xp=jnp):
+  """bool [C]: which positions `pos` [C] of documents `docs` [C] some anchor's draft window
+  reaches, given the anchors [A] sorted ascending (absent ones `_NO_ANCHOR`) and their
+  documents: the first anchor after p is in p's document and within W - 1 of it (W = 0:
+  in p's document). Documents are runs of positions, so an anchor of p's document after p
+  comes before any of a later one. One rule for the host's check (NumPy) and the step."""
   at = xp.searchsorted(anchors, pos, side="right")
-  after = anchors[xp.minimum(at, anchors.shape[0] - 1)]
-  found = (at < anchors.shape[0]) & (after < _NO_ANCHOR)
+  first = xp.minimum(at, anchors.shape[0] - 1)
+  after = anchors[first]
+  found = (at < anchors.shape[0]) & (after < _NO_ANCHOR) & (anchor_docs[first] == docs)
   return found & (after - pos < window) if window else found
 
 
 def sorted_anchors(block, seg, xp=jnp):
-  """[A*B] sorted anchors of draft rows' `block` (a draft row's block is its anchor) and
-  `seg` (padding rows have none), duplicates kept."""
-  return xp.sort(xp.where(seg > 0, block, _NO_ANCHOR))
+  """([A*B] sorted anchors, [A*B] their documents) of draft rows' `block` (a draft row's
+  block is its anchor) and `seg` (padding rows have none), duplicates kept."""
+  anchors = xp.where(seg > 0, block, _NO_ANCHOR)
+  order = xp.argsort(anchors)
+  return anchors[order], seg[order]
 
 
 def context_rows(cfg: Config, plan: LayoutPlan) -> int:
@@ -80,7 +86,8 @@ def check_capacity(cfg: Config, plan: LayoutPlan, rows: dict) -> None:
   for s, r in np.ndindex(need.shape):
     sees = slice(None) if every else r  # whose anchors reach rank r's rows
     anchors = sorted_anchors(block[s, sees][draft[s, sees]], seg[s, sees][draft[s, sees]], np)
-    need[s, r] = (reached(anchors, pos[s, r], cfg.drafter.window, np) & context[s, r]).sum()
+    need[s, r] = (reached(*anchors, pos[s, r], seg[s, r], cfg.drafter.window, np)
+                  & context[s, r]).sum()
   if need.max() > cap:
     s, r = np.unravel_index(need.argmax(), need.shape)
     raise ConfigError(f"drafter.kept_context_rows={cap} is too few for this batch: on rank {r} "
@@ -103,8 +110,8 @@ def make_prune(cfg: Config, plan: LayoutPlan, mesh):
   def body(block, seg, ctx_meta: RowMeta, feats, skip):
     if gather:
       block, seg = (jax.lax.all_gather(x, "seq", axis=1, tiled=True) for x in (block, seg))
-    keep = jax.vmap(lambda b, s, p: reached(sorted_anchors(b, s), p, window))(
-        block, seg, ctx_meta.pos) & (ctx_meta.seg > 0)
+    keep = jax.vmap(lambda b, s, p, d: reached(*sorted_anchors(b, s), p, d, window))(
+        block, seg, ctx_meta.pos, ctx_meta.seg) & (ctx_meta.seg > 0)
     idx = jax.vmap(lambda k: jnp.nonzero(k, size=cap, fill_value=0)[0])(keep)
     take = lambda x, at: jnp.take_along_axis(x, at.reshape(*at.shape, *[1] * (x.ndim - 2)), 1)
     padding = jnp.arange(cap) >= keep.sum(-1, keepdims=True)

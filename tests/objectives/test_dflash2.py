@@ -24,6 +24,7 @@ from bdlm_jax.models.transformer import head_logits
 from bdlm_jax.objectives import dflash
 from bdlm_jax.objectives.dflash import dpace_weights
 from bdlm_jax.params import merge
+from bdlm_jax.parallel import prune
 from bdlm_jax.parallel.registry import plan_for
 from bdlm_jax.spec import resolve
 from tests.objectives.test_dflash import A, B, L, _cfg, _logical_batch
@@ -320,6 +321,16 @@ def test_context_pruning_keeps_the_loss_and_gradients_of_every_row(strategy, par
   step = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, None, cfg, mesh)[0]))
   loss, grads = step(params, make_batch(cfg, *_logical_batch()))
   assert_close(float(loss), jax.tree.map(np.asarray, grads["drafter"]), ref_loss, ref_grads)
+
+
+def test_pruning_keeps_only_rows_of_each_anchors_own_document():
+  """W = 8, document 2 starting at 20, anchors 18 (document 1), 22 and 35: the kept rows are
+  the union of [max(document start, a - W + 1), a), as the seed keeps them: 11-17, 20-21 and
+  28-34, not 15-19 of document 1 for anchor 22."""
+  pos = np.arange(40)
+  anchors = prune.sorted_anchors(np.array([35, 22, 18, 22]), np.array([2, 2, 1, 2]), np)
+  kept = pos[prune.reached(*anchors, pos, np.where(pos < 20, 1, 2), 8, np)]
+  assert kept.tolist() == [*range(11, 18), 20, 21, *range(28, 35)]
 
 
 def test_a_batch_whose_windows_reach_more_rows_than_are_kept_is_refused():
