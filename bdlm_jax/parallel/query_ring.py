@@ -67,8 +67,6 @@ def prefers_query_rotation(num_ranks: int, query_bytes: float, kv_bytes: float) 
   return num_ranks > 2 and query_bytes < kv_bytes
 
 
-# Element bytes of config.DTYPES (no jax: a plan's rule is static NumPy/Python).
-_ITEMSIZE = {"float32": 4, "bfloat16": 2}
 # The seed's per-anchor metadata (DFlashGlobalContextMask, core/attention/masks.py ~247-271):
 # int32 context_starts and context_stops and a bool anchor_valid.
 SEED_META_ANCHOR_BYTES = 4 + 4 + 1
@@ -77,8 +75,18 @@ SEED_META_ANCHOR_BYTES = 4 + 4 + 1
 def _drafter_sizes(cfg: Config):
   """(query heads, K/V heads, head_dim, compute bytes, dK/dV bytes) of `cfg`'s drafter."""
   d = drafter_model(cfg)
-  return (d.n_heads, d.n_kv_heads, d.head_dim, _ITEMSIZE[d.compute_dtype],
-          _ITEMSIZE[cfg.parallel.kv_grad_dtype])
+  return (d.n_heads, d.n_kv_heads, d.head_dim, jnp.dtype(d.compute_dtype).itemsize,
+          jnp.dtype(cfg.parallel.kv_grad_dtype).itemsize)
+
+
+def _seed_terms(cfg: Config, plan: LayoutPlan):
+  """(q, stat, kv, meta, s) as the seed counts them (dflash_attention.py ~148-172): the draft
+  rows' query elements and softmax statistics, the K elements of the *unpruned* context slot,
+  9 B of metadata an anchor (`SEED_META_ANCHOR_BYTES`), the compute dtype's bytes."""
+  h, h_kv, dh, s, _ = _drafter_sizes(cfg)
+  q, stat = plan.n_noisy * h * dh, plan.n_noisy * h
+  kv = (plan.rows_per_rank - plan.n_noisy) * h_kv * dh
+  return q, stat, kv, SEED_META_ANCHOR_BYTES * plan.n_noisy // plan.block_size, s
 
 
 def transport_bytes(cfg: Config, plan: LayoutPlan, rule: str = "auto") -> dict[str, float]:
@@ -87,17 +95,13 @@ def transport_bytes(cfg: Config, plan: LayoutPlan, rule: str = "auto") -> dict[s
   `rule` counts them: "auto" (ours) its real bytes, `query_hop_bytes` of the rank's draft
   rows and `kv_hop_bytes` of the context rows it keeps (`prune.context_rows`, metadata and
   dK/dV in kv_grad_dtype); "seed" (dflash_attention.py ~148-172) Q 4qs + 8q + 12 stat +
-  2 meta against K/V 6 kv s, with q and stat the draft rows' query elements and softmax
-  statistics, meta 9 B an anchor (`SEED_META_ANCHOR_BYTES`), kv the K elements of the
-  *unpruned* context slot and s the compute dtype's bytes."""
-  h, h_kv, dh, s, g = _drafter_sizes(cfg)
-  slot = plan.rows_per_rank - plan.n_noisy
+  2 meta against K/V 6 kv s (terms: `_seed_terms`)."""
   if rule == "seed":
-    q, stat, kv = plan.n_noisy * h * dh, plan.n_noisy * h, slot * h_kv * dh
-    meta = SEED_META_ANCHOR_BYTES * plan.n_noisy // plan.block_size
+    q, stat, kv, meta, s = _seed_terms(cfg, plan)
     return {"query": 4 * q * s + 8 * q + 12 * stat + 2 * meta, "kv": 6 * kv * s}
   if rule != "auto":
     raise ValueError(f"rule={rule!r} is not 'auto' or 'seed'")
+  h, h_kv, dh, s, g = _drafter_sizes(cfg)
   return {"query": plan.n_noisy * query_hop_bytes(h * dh, h, s, g, META_ROW_BYTES),
           "kv": context_rows(cfg, plan) * kv_hop_bytes(2 * h_kv * dh, s, g, META_ROW_BYTES)}
 
@@ -108,11 +112,8 @@ def seed_peaks(cfg: Config, plan: LayoutPlan) -> dict[str, float]:
   origin, two packets) and backward (P+1) 4q + 8 kv + 2(3 q s + 4 stat + meta) (an f32 dQ
   per origin, f32 dK/dV, two packets); "kv" the K/V ring's backward peak 12 kv s (terms as
   `transport_bytes(rule="seed")`)."""
-  h, h_kv, dh, s, _ = _drafter_sizes(cfg)
   p = plan.num_ranks
-  q, stat = plan.n_noisy * h * dh, plan.n_noisy * h
-  kv = (plan.rows_per_rank - plan.n_noisy) * h_kv * dh
-  meta = SEED_META_ANCHOR_BYTES * plan.n_noisy // plan.block_size
+  q, stat, kv, meta, s = _seed_terms(cfg, plan)
   forward = (p + 1) * (4 * q + 8 * stat) + 2 * (q * s + meta)
   backward = (p + 1) * 4 * q + 8 * kv + 2 * (3 * q * s + 4 * stat + meta)
   return {"query": max(forward, backward), "kv": 12 * kv * s}
