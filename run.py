@@ -98,9 +98,23 @@ def main(argv=None) -> int:
           f"{last['loss']:.4f}; {last['tokens_per_s']:.0f} tokens/s; workdir {workdir}")
     if shown is not None:
       from bdlm_jax.evaluate import describe
+      if cfg.pretrain.objective:
+        first_stage(cfg, workdir)
       print(describe(last, cfg.objective.name))
       print(shown)
   return 0
+
+
+def first_stage(cfg, workdir: str) -> None:
+  """The first stage of a two-stage run (`pretrain.*`): its held-out figures and folder."""
+  from bdlm_jax.evaluate import describe
+  from bdlm_jax.loop import pretrain_dir
+  from bdlm_jax.metrics import last_evaluated
+  folder, row = pretrain_dir(workdir), last_evaluated(pretrain_dir(workdir))
+  if row is not None:
+    print(f"stage 1, {cfg.pretrain.objective} ({cfg.pretrain.steps} steps, {folder}): "
+          f"{describe(row, cfg.pretrain.objective)}")
+  print(f"stage 2, {cfg.objective.name} from it ({cfg.train.steps} steps, {workdir}):")
 
 
 def prepare(cfg, progress: bool) -> int:

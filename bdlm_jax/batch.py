@@ -17,7 +17,7 @@ from bdlm_jax.objectives import get_objective, reserved_mask_id
 from bdlm_jax.objectives.streams import PAD_VALUES
 from bdlm_jax.parallel.layout import apply_layout
 from bdlm_jax.parallel.mesh import row_sharding
-from bdlm_jax.parallel.prune import check_capacity
+from bdlm_jax.parallel.prune import context_rows, kept_rows, pruned_rows
 from bdlm_jax.parallel.registry import plan_for
 
 
@@ -34,6 +34,10 @@ class Batch(NamedTuple):
   # [S, R, K, D] precomputed target features (drafter.features), in model.compute_dtype:
   # a context row holds its position's, other rows zeros. None: the target runs in the step.
   context: np.ndarray | None = None
+  # [S, P * cap] int32: each rank's context rows that a draft window reaches, as indices into
+  # its context slot, -1 after them (drafter.kept_context_rows; parallel/prune.py). None:
+  # nothing is pruned.
+  kept: np.ndarray | None = None
 
   @property
   def meta(self) -> RowMeta:
@@ -82,7 +86,7 @@ def make_batch(cfg: Config, tokens, segment_ids=None, protected=None, context=No
   rows = apply_layout(plan, rows, PAD_VALUES)
   rows["labels"] = np.where(plan.first_copies[None], rows["labels"], -1)
   if get_objective(cfg.objective.name).DRAFTER:
-    check_capacity(cfg, plan, rows)
+    rows["kept"] = kept_rows(cfg, plan, rows)
   if context is not None or reads_features(cfg):
     rows["context"] = _layout_context(cfg, rows, context)
   return Batch(**{f: rows[f] for f in Batch._fields if f in rows})
@@ -122,8 +126,13 @@ def abstract_batch(cfg: Config, mesh) -> Batch:
   spec = lambda dtype, *rest: jax.ShapeDtypeStruct((cfg.train.batch_size, rows, *rest), dtype,
                                                    sharding=row_sharding(mesh))
   fields = {f: spec(np.bool_ if f == "maskable" else np.int32) for f in Batch._fields
-            if f != "context"}
+            if f not in ("context", "kept")}
   if reads_features(cfg):
     fields["context"] = spec(jax.numpy.dtype(cfg.model.compute_dtype),
                              len(target_layer_ids(cfg)), cfg.model.d_model)
+  plan = plan_for(cfg)
+  if get_objective(cfg.objective.name).DRAFTER and pruned_rows(cfg, plan):
+    fields["kept"] = jax.ShapeDtypeStruct(
+        (cfg.train.batch_size, plan.num_ranks * context_rows(cfg, plan)), np.int32,
+        sharding=row_sharding(mesh))
   return Batch(**fields)

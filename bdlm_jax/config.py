@@ -637,6 +637,20 @@ class PrepareConfig(Section):
 
 
 @dataclasses.dataclass
+class PretrainConfig(Section):
+  """A first stage the run starts from, the paper's pipeline in small (AR pretraining, then
+  AR -> BDLM conversion; docs/usage.md, "Two stages"): `objective` "" for none, else the
+  same model and data trained with that objective for `steps` at `lr` into
+  <workdir>/pretrain, exported there in Hugging Face format (<workdir>/pretrain/hf), from
+  which the run then starts as from `init_from`."""
+  objective: str = ""
+  steps: int = 600
+  lr: float = 3e-3
+
+  RULES = dict(steps=AT_LEAST_1, lr=ABOVE_0)
+
+
+@dataclasses.dataclass
 class Config(Section):
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -649,6 +663,7 @@ class Config(Section):
   export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
   plan: PlanConfig = dataclasses.field(default_factory=PlanConfig)
   prepare: PrepareConfig = dataclasses.field(default_factory=PrepareConfig)
+  pretrain: PretrainConfig = dataclasses.field(default_factory=PretrainConfig)
   seed: int = 0
   mode: str = "train"  # train | eval | sample | export | plan | prepare
   init_from: str = ""  # a Hugging Face folder whose weights initialise training (conversion)

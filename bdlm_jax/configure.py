@@ -49,6 +49,32 @@ def validate(cfg: Config) -> None:
   experts.check_config(cfg)
   recurrence.check_config(cfg)
   plan_for(cfg)  # the layout (block count vs ranks, divisibility) fails here, not at a batch
+  if cfg.pretrain.objective:
+    _check_pretrain(cfg)
+
+
+def _check_pretrain(cfg: Config) -> None:
+  if cfg.pretrain.objective not in objectives.OBJECTIVES:
+    raise ConfigError(f"pretrain.objective={cfg.pretrain.objective!r} is not one of "
+                      f"{['', *objectives.OBJECTIVES]}")
+  first = objectives.get_objective(cfg.pretrain.objective)
+  if cfg.init_from:
+    raise ConfigError(f"init_from={cfg.init_from!r} and pretrain.objective="
+                      f"{cfg.pretrain.objective!r} both say where training starts: set one")
+  if first.DRAFTER or objectives.get_objective(cfg.objective.name).DRAFTER:
+    raise ConfigError("pretrain.objective trains a model that the run continues; a drafter "
+                      "run starts from its frozen target instead (drafter.target)")
+  pretrain_stage(cfg)  # the first stage's own rules
+
+
+def pretrain_stage(cfg: Config) -> Config:
+  """The first stage of a run with `pretrain.objective`: the same model and data, that
+  objective for `pretrain.steps` at `pretrain.lr`, evaluated at its end (where the run
+  evaluates), no stage of its own."""
+  p, t = cfg.pretrain, cfg.train
+  return replace(cfg, objective=dict(name=p.objective), pretrain=dict(objective=""),
+                 train=dict(steps=p.steps, lr=p.lr, eval_every=p.steps if t.eval_every else 0,
+                            ckpt_every=min(t.ckpt_every, p.steps)))
 
 
 def override(cfg: Config, overrides: Iterable[str] = ()) -> Config:

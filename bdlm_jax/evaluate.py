@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ from bdlm_jax.data.chat import ArithmeticChatSource, make_template
 from bdlm_jax.feed import Feed
 from bdlm_jax.loss import spec_loss
 from bdlm_jax.parallel.mesh import make_mesh, row_sharding, to_host
-from bdlm_jax.sample import checked_tokenizer, sample
+from bdlm_jax.sample import cannot_sample, checked_tokenizer, sample
 from bdlm_jax.train import state_shardings
 from bdlm_jax.spec import resolve
 
@@ -88,9 +89,13 @@ class HeldOut:
     self._step = make_eval_step(micro, mesh)
     self._key = jax.random.fold_in(jax.random.key(cfg.seed), _EVAL_KEY)
     # (A drafter does not generate alone: experiments/dflash_tau.py measures it with its target.)
-    self._prompts = arithmetic_prompts(cfg, cfg.eval.prompts) if (
-        cfg.data.source == "arithmetic" and cfg.eval.prompts
-        and not get_objective(cfg.objective.name).DRAFTER) else []
+    generates = (cfg.data.source == "arithmetic" and cfg.eval.prompts
+                 and not get_objective(cfg.objective.name).DRAFTER)
+    if generates and (why := cannot_sample(cfg)):
+      warnings.warn(f"no arithmetic accuracy: {why}; the held-out loss alone, as with "
+                    f"eval.prompts=0")
+      generates = False
+    self._prompts = arithmetic_prompts(cfg, cfg.eval.prompts) if generates else []
 
   def __call__(self, params) -> dict[str, float]:
     total, count = 0.0, 0
@@ -109,18 +114,24 @@ class HeldOut:
 def arithmetic_prompts(cfg: Config, n: int) -> list[tuple[str, str]]:
   """`n` held-out (prompt, answer) pairs: a held-out document up to one statement's "=" (the
   statement drawn at random), and that statement's result; for a chat model, held-out
-  conversations (`data.format=chat`)."""
+  conversations (`data.format=chat`). A document's earlier statements are dropped, whole,
+  until the prompt and its answer fit the `data.seq_len` tokens the model was trained on."""
   if cfg.data.format == "chat":
     chats = ArithmeticChatSource(cfg.seed, "eval", make_template(cfg.data))
     return [(chats[i]["prompt"], chats.messages(i)[-1]["content"]) for i in range(n)]
   source = ArithmeticSource(cfg.seed, split="eval")
+  tokens = lambda text: len(checked_tokenizer(cfg).encode(text))
   rng = np.random.default_rng(cfg.seed)
   pairs = []
   for i in range(n):
     statements = source[i].split(" ")
     k = int(rng.integers(len(statements)))
     question, answer = split_statement(statements[k])
-    pairs.append((" ".join(statements[:k] + [question]), answer))
+    context = statements[:k]
+    while context and tokens(" ".join(context + [question])) + tokens(answer) > (
+        cfg.data.seq_len):
+      context = context[1:]
+    pairs.append((" ".join(context + [question]), answer))
   return pairs
 
 
@@ -181,6 +192,8 @@ def show_sample(cfg: Config, workdir: str) -> str:
   from bdlm_jax.sample import sample_checkpoint
   if get_objective(cfg.objective.name).DRAFTER:
     return "(a drafter proposes blocks for its target: experiments/dflash_tau.py measures it)"
+  if why := cannot_sample(cfg):
+    return f"(no sample: {why})"
   if not (cfg.sample.prompt or cfg.sample.prompt_file):
     if cfg.data.source != "arithmetic":
       return "(set sample.prompt to see a sample here)"

@@ -4,23 +4,30 @@ evaluation read through the same feed, so they see data the same way. A drafter 
 precomputed target features (`drafter.features`) reads those records instead of text."""
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from bdlm_jax.batch import Batch, make_batch, reads_features
 from bdlm_jax.config import Config
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.data import make_dataset
+from bdlm_jax.data.chat import Truncations
 from bdlm_jax.data.features import feature_dataset
 from bdlm_jax.objectives import reserved_mask_id
 from bdlm_jax.parallel.mesh import data_shard, put_batch
+from bdlm_jax.parallel.prune import widen
+from bdlm_jax.parallel.registry import plan_for
 
 
 class Feed:
   """An endless, checkpointable iterator of global `Batch`es of `train.batch_size` sequences
   from `split` ("train" or the held-out "eval"); `get_state` / `set_state` are the pipeline's
-  (the text pipeline's, or the feature records' for `drafter.features`)."""
+  (the text pipeline's, or the feature records' for `drafter.features`). `truncations`
+  counts the conversations this process's batches cut to `data.seq_len`."""
 
   def __init__(self, cfg: Config, mesh, split: str = "train"):
     self._cfg, self._mesh = cfg, mesh
+    self.truncations = Truncations()
     shard, n_shards, self._local = data_shard(mesh, cfg.train.batch_size)
     local_batch = self._local.stop - self._local.start
     if reads_features(cfg):
@@ -41,10 +48,15 @@ class Feed:
     """The next batch; `key` (the step's) draws a drafter's anchors (`make_batch`), folded
     with this process's first sequence so that processes draw apart."""
     raw = next(self._data)
+    self.truncations.add(raw)
     if key is not None:
       key = jax.random.fold_in(key, self._local.start)
     batch = make_batch(self._cfg, raw["tokens"], raw["segment_ids"], raw.get("protected"),
                        raw.get("features"), key=key)
+    if batch.kept is not None and jax.process_count() > 1:  # one width for every process
+      plan = plan_for(self._cfg)
+      width = multihost_utils.process_allgather(np.int32(batch.kept.shape[1])).max()
+      batch = batch._replace(kept=widen(batch.kept, plan, int(width) // plan.num_ranks))
     return put_batch(batch, self._mesh, self._cfg.train.batch_size, self._local)
 
   def get_state(self) -> dict:

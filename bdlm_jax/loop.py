@@ -15,9 +15,11 @@ from tqdm import tqdm
 
 from bdlm_jax.checkpoint import CheckpointError, Checkpointer
 from bdlm_jax.checkpoint.manager import trajectory_changes, workdir_path
+from bdlm_jax.checkpoint.hf_export import export_checkpoint
 from bdlm_jax.checkpoint.hf_import import params_from_hf
 from bdlm_jax.checkpoint.target import load_target
 from bdlm_jax.config import Config
+from bdlm_jax.configure import pretrain_stage, replace
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.evaluate import HeldOut
 from bdlm_jax.feed import Feed
@@ -27,7 +29,8 @@ from bdlm_jax.objectives import get_objective
 from bdlm_jax.params import init_params
 from bdlm_jax.parallel.experts import check_dispatch_runs_here
 from bdlm_jax.parallel.mesh import initialize_distributed, make_mesh
-from bdlm_jax.train import MAX_UPDATE_RATIO, abstract_state, init_state, make_train_step
+from bdlm_jax.train import (MAX_UPDATE_RATIO, abstract_state, init_state, is_finite,
+                             make_train_step)
 
 
 # A checkpoint holds the state after a step, so that state is what is judged: train_step
@@ -113,7 +116,10 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
   (an error, Ctrl-C), checkpoints already started are finished before the exception
   propagates, so `resume` can continue from them. SIGINT or SIGTERM stops the run after the
   step in progress, saving it (if judged good, below) and raising `Interrupted`, whose
-  message names the checkpoint to resume from, if any.
+  message names the checkpoint to resume from, if any. A checkpoint whose background save
+  failed stops the run at the next step with a CheckpointError naming it and the cause; a
+  resumed state that is not finite (damaged, and saved before checkpoints had checksums) is
+  refused before any step.
 
   A step that `train_step` skips (a non-finite loss, gradient or update, or an update over
   MAX_UPDATE_RATIO x the weights) is counted in the logged `skipped_steps` and gets no regular
@@ -123,8 +129,14 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
 
   Every `train.eval_every` steps and at the last step, the held-out metrics of evaluate.py
   join that step's row.
+
+  With `pretrain.objective` the run has a first stage (`after_pretraining`), trained or
+  resumed first, or skipped once finished; the history is the second stage's.
   """
   initialize_distributed(cfg)
+  if cfg.pretrain.objective:
+    cfg = after_pretraining(cfg, workdir, resume, progress, allow_changes)
+    resume = "if_present" if resume else False  # the second stage may not have begun
   mesh = make_mesh(cfg)
   check_dispatch_runs_here(cfg)
   if resume is True and not workdir_path(workdir).exists():
@@ -143,6 +155,11 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
     init_key, step_key = jax.random.split(jax.random.key(cfg.seed))
     if resume and ckpt.latest_step() is not None:
       start, state, data_state = ckpt.restore(abstract_state(cfg, mesh))
+      if not is_finite(state):  # no run saves such a state: it must not be saved again
+        raise CheckpointError(
+            f"checkpoint {ckpt.step_dir(start)} holds weights or optimiser moments that are "
+            f"not finite, which no run saves: it is damaged, and not resumed; move it aside "
+            f"(e.g. to {ckpt.step_dir(start)}.corrupt) to resume from an older one")
       _check_same_run(ckpt, start, cfg, allow_changes)
       data.set_state(data_state)
     else:
@@ -160,6 +177,7 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not progress or jax.process_index())
     last_time, last_step = time.perf_counter(), start
     bad_in_a_row = skipped_since_row = 0
+    said_cut = False
     is_spike = {name: SpikeDetector() for name in JUDGED}
     good_state = start > 0  # a restored checkpoint, or a state judged good (GOOD) since
     requests = handlers.enter_context(stop_requests())  # until the finally below
@@ -174,6 +192,9 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
         good_state = not spikes
       bad_in_a_row = bad_in_a_row + 1 if skipped else 0
       skipped_since_row += skipped
+      if not said_cut and (cut := data.truncations.peek())["truncated_examples"]:
+        said_cut = True  # once, in the run's first lines when every example is long
+        _say_truncated(cut, cfg)
       evaluate = held_out is not None and (done % cfg.train.eval_every == 0
                                            or done == cfg.train.steps)
       if done % cfg.train.log_every == 0 or done == cfg.train.steps or evaluate:
@@ -184,7 +205,8 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
         row = dict(step=done, **{k: float(np.asarray(v)) for k, v in metrics.items()},
                    step_time_s=step_time, tokens_per_s=tokens_per_step / step_time,
                    mfu=flops / step_time / peak if peak else None,
-                   peak_memory_bytes=peak_memory_bytes(), skipped_steps=skipped_since_row)
+                   peak_memory_bytes=peak_memory_bytes(), skipped_steps=skipped_since_row,
+                   **data.truncations.take())
         if evaluate:
           row.update(held_out(state.params))
           last_time = time.perf_counter()  # the eval is not step time
@@ -193,6 +215,7 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
         writer.write(done, {k: v for k, v in row.items() if k != "step"})
         bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
       bar.update(1)
+      ckpt.poll()  # a save that failed in the background stops the run here
       if bad_in_a_row == cfg.train.max_bad_steps:
         ckpt.wait()
         saved = ckpt.latest_step()
@@ -228,6 +251,48 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
     ckpt.close()
     if writer is not None:
       writer.close()
+
+
+def pretrain_dir(workdir: str) -> str:
+  """Where a run's first stage (`pretrain.*`) keeps its checkpoints and metrics."""
+  return os.path.join(workdir, "pretrain")
+
+
+def after_pretraining(cfg: Config, workdir: str, resume: bool | str = False,
+                      progress: bool = True, allow_changes: bool = False) -> Config:
+  """Trains the first stage of `cfg` (`pretrain_stage`) into `pretrain_dir(workdir)`, or
+  resumes it where `resume` says, and exports it in Hugging Face format to its `hf` folder;
+  returns the second stage: `cfg` starting from there (`init_from`). A finished first stage
+  is only exported again."""
+  if resume is True and not workdir_path(workdir).exists():
+    raise _nothing_to_resume(workdir)
+  first, folder = pretrain_stage(cfg), pretrain_dir(workdir)
+  if not (resume and _finished(first, folder)):
+    train(first, folder, resume="if_present" if resume else False, progress=progress,
+          allow_changes=allow_changes)
+  hf = os.path.join(folder, "hf")
+  export_checkpoint(replace(first, export=dict(out_dir=hf, overwrite=True)), folder)
+  return replace(cfg, init_from=hf, pretrain=dict(objective=""))
+
+
+def _finished(cfg: Config, workdir: str) -> bool:
+  """Whether `workdir` holds a checkpoint at `train.steps` (a finished run)."""
+  if not workdir_path(workdir).exists():
+    return False
+  ckpt = Checkpointer(workdir, cfg, save_every=cfg.train.ckpt_every, max_to_keep=1)
+  try:
+    return (ckpt.latest_step() or 0) >= cfg.train.steps
+  finally:
+    ckpt.close()
+
+
+def _say_truncated(cut: dict, cfg: Config) -> None:
+  warnings.warn(
+      f"{cut['truncated_examples']} of the {cut['examples']} conversations of the latest "
+      f"steps are longer than data.seq_len={cfg.data.seq_len}: {cut['prompt_tokens_cut']} "
+      f"prompt tokens cut from their left, {cut['response_tokens_cut']} response tokens from "
+      f"their end (each keeps its response's start); counted per row of metrics.jsonl "
+      f"(truncated_examples, prompt_tokens_cut, response_tokens_cut)")
 
 
 def _interrupted(ckpt: Checkpointer, workdir: str, e: KeyboardInterrupt) -> Interrupted:

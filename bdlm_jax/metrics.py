@@ -12,7 +12,7 @@ from bdlm_jax.config import Config, ModelConfig
 from bdlm_jax.models.drafter import drafter_model, target_depth, target_layer_ids
 from bdlm_jax.models.pattern import attention_shape, gdn_shape, layer_types, mlp_types
 from bdlm_jax.objectives import get_objective
-from bdlm_jax.parallel.registry import SINGLE_DEVICE, make_plan
+from bdlm_jax.parallel.registry import SINGLE_DEVICE, drafter_plan, make_plan
 
 # Dense bf16 peak per device, for the MFU estimate when train.peak_tflops is not set.
 _PEAK_TFLOPS = {"h200": 989.0, "h100": 989.0, "a100": 312.0, "tpu v5": 197.0, "tpu v4": 275.0}
@@ -95,22 +95,26 @@ def model_flops_per_step(cfg: Config) -> float:
 def _drafter_flops_per_step(cfg: Config) -> float:
   """The target's causal forward over L rows (the layers `target_depth` runs: none with
   precomputed features), then the drafter's forward + backward: its layers over the A*B
-  draft rows, its fc and k/v projections over the L context rows, the logits of the draft
-  rows, and the allowed draft-query pairs (anchors at their expected places,
-  `LayoutPlan.block_starts`)."""
+  draft rows and the allowed draft-query pairs (windowed, causal inside a block where the
+  config says so), its fc and k/v projections over the context rows some window reaches (all
+  L without a window), the logits of the draft rows; anchors at their expected places
+  (`drafter_plan`). fc's input (frozen features) and the head (frozen) need no gradient:
+  forward and one gradient each."""
   m, d, L = cfg.model, drafter_model(cfg), cfg.data.seq_len
-  n_feat = len(target_layer_ids(cfg))
+  n_feat, window = len(target_layer_ids(cfg)), cfg.drafter.window or None
   run = dataclasses.replace(m, n_layers=target_depth(cfg))  # the target layers that run
   target = (L * linear_flops_per_row(run)
             + 4.0 * L * (L + 1) / 2 * m.n_heads * m.head_dim * run.n_layers)
-  plan = make_plan(SINGLE_DEVICE, L, cfg.objective.block_size, 1,
-                   draft_blocks=cfg.objective.max_anchors)
+  plan = drafter_plan(cfg, SINGLE_DEVICE, 1)
   draft_rows = plan.noisy_len
+  context = int(plan.window_reach(window).sum()) if window else L
+  pairs = plan.attention_work(window, causal_drafts=bool(window and cfg.drafter.sliding_causal))
   ctx_kv = 2 * d.d_model * 2 * d.n_kv_heads * d.head_dim * d.n_layers
-  drafter = (draft_rows * (linear_flops_per_row(d) + 2 * d.d_model * m.vocab_size)
-             + L * (ctx_kv + 2 * n_feat * m.d_model * d.d_model)
-             + 4.0 * float(plan.attention_work().sum()) * d.n_heads * d.head_dim * d.n_layers)
-  return cfg.train.batch_size * (target + 3.0 * drafter)
+  trained = (draft_rows * linear_flops_per_row(d) + context * ctx_kv
+             + 4.0 * float(pairs.sum()) * d.n_heads * d.head_dim * d.n_layers)
+  frozen = (draft_rows * 2 * d.d_model * m.vocab_size
+            + context * 2 * n_feat * m.d_model * d.d_model)
+  return cfg.train.batch_size * (target + 3.0 * trained + 2.0 * frozen)
 
 
 def peak_flops(cfg: Config) -> float:
@@ -168,6 +172,14 @@ class MetricsWriter:
     if self.enabled:
       self._jsonl.close()
       self._tb.close()
+
+
+def last_evaluated(workdir: epath.PathLike) -> dict | None:
+  """The latest row of `workdir`'s metrics.jsonl with held-out metrics, or None."""
+  path = epath.Path(workdir) / "metrics.jsonl"
+  rows = [json.loads(r) for r in path.read_text().splitlines()
+          if _logged_step(r) != math.inf] if path.exists() else []
+  return next((r for r in reversed(rows) if "eval_loss" in r), None)
 
 
 def _logged_step(row: str) -> float:

@@ -200,6 +200,14 @@ def _schedule(strategy: str, block_size: int, steps: int, key) -> tuple[list[int
   return np.bincount(step_of, minlength=steps).tolist(), tau
 
 
+def cannot_sample(cfg: Config) -> str | None:
+  """Why `sample` refuses `cfg`'s model, if it does: evaluations then score without it."""
+  if "gdn" in cfg.model.layer_period:
+    return ("sample does not run Gated DeltaNet layers yet (its contexts are left-padded and "
+            "its cache holds K/V only; docs/gdn.md)")
+  return None
+
+
 def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | None = None,
            steps_per_block: int | None = None, strategy: str | None = None,
            temperature: float | None = None, use_cache: bool | None = None,
@@ -211,13 +219,12 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
   nor do they to canvases, which read the sample.* canvas options). Options default to
   `cfg.sample`; `eos_id` (one id or a list: generation stops at any of them) defaults to
   `sample.eos_ids` (an imported folder's generation config sets it), else the EOS of
-  `data.tokenizer`. The result ends with its EOS if generation stopped there. Same key, same tokens, with or without the KV cache. Prompt
-  ids must index the embedding and not be the [MASK] id.
+  `data.tokenizer`. The result ends with its EOS if generation stopped there. Same key, same
+  tokens, with or without the KV cache. Prompt ids must index the embedding and not be the
+  [MASK] id.
   """
-  if "gdn" in cfg.model.layer_period:
-    raise ConfigError("sample does not run Gated DeltaNet layers yet (its contexts are "
-                      "left-padded and its cache holds K/V only; docs/gdn.md): score blocks with "
-                      "canvas_logits or ar_logits")
+  if why := cannot_sample(cfg):
+    raise ConfigError(f"{why}: score blocks with canvas_logits or ar_logits")
   o = cfg.sample
   max_new_tokens = o.max_new_tokens if max_new_tokens is None else max_new_tokens
   steps = o.steps_per_block if steps_per_block is None else steps_per_block

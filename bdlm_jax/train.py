@@ -108,6 +108,12 @@ def _all_finite(tree) -> jax.Array:
   return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]).all()
 
 
+def is_finite(state: TrainState) -> bool:
+  """Whether every weight and optimiser moment is finite, as every state a checkpoint is
+  written from is (`make_train_step` applies no other)."""
+  return bool(jax.jit(_all_finite)(state))
+
+
 # An update whose global norm exceeds MAX_UPDATE_RATIO x the global norm of the weights it
 # updates is not applied: it replaces the weights rather than trains them. AdamW moves each
 # weight by about the learning rate, so normal steps are ~lr / rms(weight) (~0.01-0.3 at

@@ -1,15 +1,20 @@
 """DFlash2, the seed paper's Muse-Glimmer-30B recipe (docs/dflash.md, "DFlash2"): the
 Muse-Glimmer-30B-DFlash2 drafter (5 layers, every one sliding-window, W = 2048, width 6656,
 block convolutions, the candidate selector, D-PACE weights with the LK lambda loss) trained on
-the verifier's features read from disk, one 1,048,576-token sequence a step on 8 devices,
-context-sharded block parallelism (csbp_ring).
+the verifier's features read from disk, on 8 devices laid out as the seed lays them out: two
+data-parallel groups of 4 (`parallel.data=2`, `parallel.seq=4`: the seed's CP 4 / BP 4 on one
+axis of 4, DP 2), each training one 1,048,576-token sequence a step under context-sharded
+block parallelism (csbp_ring), bf16 weights under AdamW, no activation checkpointing.
 
   python run.py --config configs/dflash2_muse_1m.py --set mode=plan
 
 `mode=plan` compiles the step (never runs it) with XLA:TPU ahead of time for 8 TPU v5p chips
 (`plan.target`; `pip install -r requirements-tpu.txt`, no TPU) under every strategy and prints
-each one's per-device peak; docs/dflash.md holds the table (csbp_ring: 29.79 GB a chip of
-95.74 GiB with context pruning; bp does not fit). It needs no features: the batch is abstract.
+each one's per-device peak. experiments/recipe_plans.py compiles this recipe and our variant
+of it (one 8-way `seq` axis, f32 master weights, full remat:
+`--set parallel.seq=8 parallel.data=1 train.batch_size=1 model.param_dtype=float32
+model.remat=full`) and writes the figures docs/dflash.md quotes. It needs no features: the
+batch is abstract.
 
 Features from disk (the seed's `target_features: offline`): `drafter.features` names a folder
 in the layout of bdlm_jax/data/features.py (tokens, segment ids, protected flags and the
@@ -24,12 +29,16 @@ head) and `drafter.features` at the folder.
 
 Context pruning as the seed's: each rank keeps only the context rows inside the union of the
 anchors' windows, each cut at its document's start (`drafter.kept_context_rows` of its
-131,072), before `fc`. The verifier's
+262,144), before `fc`. The verifier's
 `output_multiplier` (0.19612, `model.output_multiplier`) scales its head's logits before the
 soft cap everywhere the drafter's losses read them (the CE, p, D-PACE's weights, the LK lambda
-and the selector's candidates and unary scores), as the seed's streamed head pass does. What
-this package does not do of the seed's recipe: its CP 4 / BP 4 x DP 2 layout (here one `seq`
-axis of 8).
+and the selector's candidates and unary scores), as the seed's streamed head pass does.
+
+Where this differs from the seed's run: the seed's CP 4 / BP 4 rank runs its own `dual_end`
+block placement and transports (here csbp_ring's zigzag and `parallel.draft_transport`),
+and its packets are sized per step (here `drafter.kept_context_rows` rows a rank, or for a
+batch whose windows reach more, the first doubling that holds them, compiled once more:
+docs/dflash.md, context pruning).
 """
 
 from bdlm_jax.config import (Config, DataConfig, DrafterConfig, ModelConfig, ObjectiveConfig,
@@ -66,12 +75,14 @@ MUSE_GLIMMER_30B = dict(
 
 def get_config() -> Config:
   return Config(
-      # RECIPE line 15 `dtype: bf16`: bf16 compute; the trained weights keep f32 masters (this
-      # package's choice; the Adam state is what ZeRO-3 shards over the 8 devices).
-      # remat full over the drafter's 5 scanned layers and the loss in 1024-row chunks: cheap
-      # (the seed runs `activation_checkpointing: false`, RECIPE line 38).
-      model=ModelConfig(**MUSE_GLIMMER_30B, param_dtype="float32", compute_dtype="bfloat16",
-                        remat="full", attention_chunk=512, logits_chunk=1024),
+      # RECIPE line 15 `dtype: bf16`: the seed casts the model to bf16 and trains it under
+      # torch's fused AdamW (RECIPE line 43; dflash/executor.py ~256), whose moments take the
+      # weights' dtype: so bf16 weights here, and optax's AdamW keeps its moments in bf16 too.
+      # RECIPE line 38 `activation_checkpointing: false`: no remat. The loss in 1024-row
+      # chunks and 512-row attention tiles are how this package streams them (the seed's
+      # head pass streams its vocabulary in 16,384-column blocks, RECIPE line 29).
+      model=ModelConfig(**MUSE_GLIMMER_30B, param_dtype="bfloat16", compute_dtype="bfloat16",
+                        remat="none", attention_chunk=512, logits_chunk=1024),
       drafter=DrafterConfig(
           target="",  # the verifier's Hugging Face folder, for its embedding and LM head
           n_layers=5,  # CKPT: 5 layers
@@ -91,7 +102,8 @@ def get_config() -> Config:
           # Context pruning (the seed's ~10.2K rows): 512 locality anchors 16 candidates apart
           # (17 where 16 is not coprime with their count) reach 511 x 16 + 2047 = 10,223 rows
           # (10,734), up to 12,764 where the run wraps to the sequence's start (both zigzag
-          # ends are rank 0's); 26 attention chunks of 512 hold that.
+          # ends are rank 0's); 26 attention chunks of 512 hold that. A batch whose windows
+          # reach more (anchors spread by documents or protected tokens) gets a wider step.
           kept_context_rows=13312),
       data=DataConfig(seq_len=1 << 20),  # RECIPE line 14 `seq_len: 1048576`
       objective=ObjectiveConfig(
@@ -109,12 +121,16 @@ def get_config() -> Config:
           # it there, core/models/backbones/dflash/model.py ~267-271), not in the wheel; the
           # last id keeps any real token out of it.
           mask_token_id=202047),
-      parallel=ParallelConfig(strategy="csbp_ring", seq=8),  # 8 devices (RECIPE line 1)
-      # RECIPE lines 35-37, 43-45: batch 1, no accumulation, lr 1e-6, clip 1.0; the seed's
+      # RECIPE line 1: 8 GPUs; lines 40-41: CP 4, BP 4, which the seed runs on one axis of
+      # max(CP, BP) = 4 ranks (core/parallel/runtime.py ~988-989, `_local_parallel_size`),
+      # the other factor 2 data-parallel (training/token_accounting.py ~24-41).
+      parallel=ParallelConfig(strategy="csbp_ring", seq=4, data=2),
+      # RECIPE lines 35-37, 43-45: batch 1 a data-parallel rank (2 a step: the seed's global
+      # batch is micro batch x accumulation x DP), no accumulation, lr 1e-6, clip 1.0; the seed's
       # defaults (training/run_spec.py ~157-176): weight decay 0.01, a constant schedule with
       # no warmup (min_lr_ratio 1), betas (0.9, 0.999). Checkpoints every 100 steps, the last 3
       # (RECIPE lines 48-49). No held-out evaluation: the features hold training sequences only.
-      train=TrainConfig(steps=1000, batch_size=1, grad_accum=1, lr=1e-6, warmup_steps=0,
+      train=TrainConfig(steps=1000, batch_size=2, grad_accum=1, lr=1e-6, warmup_steps=0,
                         min_lr_ratio=1.0, weight_decay=0.01, b1=0.9, b2=0.999, grad_clip=1.0,
                         log_every=1, ckpt_every=100, max_to_keep=3, eval_every=0),
       plan=PlanConfig(target="tpu:v5p:2x2x2"),  # 8 TPU v5p chips, 95.74 GiB each

@@ -3,7 +3,7 @@
   python experiments/block_size_sweep.py            # 3 seeds x (ar + 3 block sizes), ~25 min on 2 CPU cores
   python experiments/block_size_sweep.py --tiny     # smoke run, < 1 min
 
-Every run trains configs/quickstart.py's model (BD3-LM's 1/t weights, t over [1e-3, 1],
+Every run trains configs/quickstart_bd3lm.py's model (BD3-LM's 1/t weights, t over [1e-3, 1],
 whatever the quickstart trains with) for the same number of steps on the same
 batches (one token budget: steps x batch x L data tokens), then evaluates the held-out split
 (evaluate.py: fixed batches, NELBO over `eval.noise_draws` fixed draws with t over
@@ -38,7 +38,7 @@ def run_one(objective: str, block_size: int, seed: int, args) -> dict:
                f"train.steps={args.steps}", f"train.eval_every={args.steps}",
                f"train.log_every={args.steps}", f"train.ckpt_every={args.steps}",
                f"eval.prompts={args.prompts}", f"seed={seed}"]
-  cfg = load_config(os.path.join(ROOT, "configs", "quickstart.py"), overrides)
+  cfg = load_config(os.path.join(ROOT, "configs", "quickstart_bd3lm.py"), overrides)
   with tempfile.TemporaryDirectory() as workdir:
     last = train(cfg, workdir, progress=False)[-1]
   return dict(objective=objective, block_size=block_size if objective != "ar" else 1,
@@ -66,7 +66,7 @@ def table(rows: list[dict], args) -> str:
   for r in rows:
     groups.setdefault((r["objective"], r["block_size"]), []).append(r)
   lines = ["## Block size: held-out NLL / NELBO on the embedded data", "",
-           f"`python experiments/block_size_sweep.py`: configs/quickstart.py's model, "
+           f"`python experiments/block_size_sweep.py`: configs/quickstart_bd3lm.py's model, "
            f"L = {args.seq_len}, {args.batch_size} sequences x {args.steps} steps "
            f"({args.steps * args.batch_size * args.seq_len:,} data tokens) per run, "
            f"seeds {args.seeds} (mean ± sd over seeds). Held-out: {e.batches} fixed batches; "

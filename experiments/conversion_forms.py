@@ -3,7 +3,7 @@
   python experiments/conversion_forms.py            # 3 seeds x (ar + 2 conversions), ~40 min on 2 CPU cores
   python experiments/conversion_forms.py --tiny     # smoke run, < 2 min
 
-Per seed: configs/quickstart.py's model pretrained with `ar`, exported to a Hugging Face
+Per seed: configs/quickstart_bd3lm.py's model pretrained with `ar`, exported to a Hugging Face
 folder, then converted by fast_dllm_v2 from that folder in each form, with the same steps,
 batches and learning rate:
 * ours: a block's first token scored on the clean row the sampler reads, the [MASK] logit
@@ -31,7 +31,7 @@ from bdlm_jax.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
-QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart_bd3lm.py")
 FORMS = {"ours": ["objective.boundary_row=clean", "objective.keep_mask_logit=false",
                   "objective.antithetic=true"],
          "seed": ["objective.boundary_row=noisy", "objective.keep_mask_logit=true",
@@ -86,7 +86,7 @@ def table(rows: list[dict], args, command: str, commit: str) -> str:
   seeds = sorted({r["seed"] for r in rows})
   lines = [
       "## AR -> BDLM conversion: Fast-dLLM v2 as the seed trains it vs ours", "",
-      f"`{command}` (commit {commit}): configs/quickstart.py's model, `ar` for "
+      f"`{command}` (commit {commit}): configs/quickstart_bd3lm.py's model, `ar` for "
       f"{args.ar_steps} steps, exported, then fast_dllm_v2 from that folder for {args.steps} "
       f"steps at lr {args.lr} in each form; {args.batch_size} sequences a step, seeds {seeds}. "
       f"Accuracy: greedy completions of {args.prompts} held-out '... a+b=' prompts (block by "

@@ -7,7 +7,8 @@ settings, and DFlash drafter training: the model of `bdlm_jax.analysis.cost_mode
 
 Writes cost_model.{md,csv}, cost_model_offload.csv (remat full vs offload, on each host
 link), cost_model_dflash.csv and cost_model_dflash2.csv (the DFlash2 recipes, features from
-disk), cost_model_gdn.csv (Qwen3.5-27B at the seed's conversion setting: our GDN chain under
+disk, as this package runs them and under the seed's settings: its `settings` column),
+cost_model_gdn.csv (Qwen3.5-27B at the seed's conversion setting: our GDN chain under
 csbp_ring and cp_ring, the seed's head-parallel GDN) under --out, or with --scaling only
 the strong-scaling sweep (16-128 GPUs at fixed L) to cost_model_scaling.{md,csv,png}, and
 refreshes the results pages (docs/results/). Memory is the compiled one where a
@@ -20,7 +21,8 @@ import argparse
 import csv
 import os
 
-from bdlm_jax.analysis.cost_model.dflash import dflash2_project, dflash_project
+from bdlm_jax.analysis.cost_model.dflash import (dflash2_project, dflash2_seed_project,
+                                                 dflash_project)
 from bdlm_jax.analysis.cost_model.hybrid import hybrid_rows
 from bdlm_jax.analysis.cost_model.memory import load_probe
 from bdlm_jax.analysis.cost_model.projection import (STRATEGIES, offload_on_both_links,
@@ -62,15 +64,17 @@ def main(argv=None):
   compiled = load_probe(probes, hw)
   dflash = dflash_project(h100(hw), SCENARIOS["default"])
   dflash2 = dflash2_project(h100(hw), SCENARIOS["default"])
+  dflash2_seed = dflash2_seed_project(h100(hw), SCENARIOS["default"])
   root = os.path.dirname(os.path.dirname(RESULTS_DIR))
   probe = ", ".join(f"`{os.path.relpath(path, root)}`" for path in probes) or "no probe CSV"
   offload = offload_on_both_links(hw, compiled)
   gdn = hybrid_rows(hw)
-  text, rows = report(hw, calibration, compiled, probe, dflash, offload, dflash2, gdn)
+  text, rows = report(hw, calibration, compiled, probe, dflash, offload, dflash2, gdn,
+                      dflash2_seed)
   print(text)
   write_csv(gdn, os.path.join(args.out, "cost_model_gdn.csv"))
   write_csv(dflash, os.path.join(args.out, "cost_model_dflash.csv"))
-  write_csv(dflash2, os.path.join(args.out, "cost_model_dflash2.csv"))
+  write_csv(dflash2 + dflash2_seed, os.path.join(args.out, "cost_model_dflash2.csv"))
   write_csv(offload, os.path.join(args.out, "cost_model_offload.csv"))
   with open(os.path.join(args.out, "cost_model.md"), "w") as f:
     f.write(text)

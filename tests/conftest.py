@@ -30,6 +30,13 @@ NOBODY = 65534
 LONGEST_FIRST = ("test_readme.py", "test_sample.py")
 
 
+def pytest_configure(config):
+  config.addinivalue_line(
+      "markers", "slow: over ~5 s on 2 idle cores (a long compile, training, several processes "
+      "or a shared fixture that runs many commands); `-m \"not slow\"` is the fast tier "
+      "(docs/tests.md)")
+
+
 def pytest_collection_modifyitems(items):
   rank = lambda item: next((i for i, name in enumerate(LONGEST_FIRST)
                             if item.path.name == name), len(LONGEST_FIRST))

@@ -3,19 +3,26 @@
 import hashlib
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 import run
 from bdlm_jax import feed
+from bdlm_jax.checkpoint import Checkpointer
+from bdlm_jax.configure import load_config
+from bdlm_jax.parallel.mesh import make_mesh
+from bdlm_jax.train import abstract_state
 from tests.test_train import StopAfter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QUICKSTART = os.path.join(REPO, "configs", "quickstart.py")
+QUICKSTART = os.path.join(REPO, "configs", "quickstart_bd3lm.py")
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
         "model.head_dim=16", "model.d_ff=64", "data.seq_len=32", "objective.block_size=8",
         "train.batch_size=4", "train.warmup_steps=1", "train.log_every=2", "train.ckpt_every=2",
@@ -196,6 +203,57 @@ def test_resume_with_allow_changes_trains_on_and_warns_naming_them(trained, tmp_
   assert [row["step"] for row in rows(workdir)] == [2, 4, 5, 6]
 
 
+@pytest.mark.filterwarnings("ignore:resuming .* with changed settings")
+@pytest.mark.filterwarnings("ignore:checkpoint .* has no checksums.json")
+def test_a_damaged_state_without_checksums_is_refused_not_trained_on(trained, tmp_path, capsys):
+  """Step 4 holds NaN weights and no manifest to tell (an older checkpoint damaged on disk):
+  before, it restored, every step after it was skipped (param_norm NaN), and the run exited
+  0, saving a copy of it as step 6. Now its non-finite state stops the run, naming it."""
+  workdir = tmp_path / "run"
+  shutil.copytree(trained, workdir)
+  cfg = load_config(QUICKSTART, TINY + [f"train.steps={STEPS}", "train.peak_tflops=1"])
+  with Checkpointer(str(workdir), cfg, save_every=1, max_to_keep=5, async_save=False) as ckpt:
+    step, state, data_state = ckpt.restore(abstract_state(cfg, make_mesh(cfg)))
+  shutil.rmtree(workdir / str(step))
+  with Checkpointer(str(workdir), cfg, save_every=1, max_to_keep=5, async_save=False) as ckpt:
+    ckpt.save(step, state._replace(params=jax.tree.map(lambda w: w * np.nan, state.params)),
+              data_state, force=True)
+    ckpt.wait()
+  os.remove(workdir / str(step) / "checksums.json")
+  code = run.main(argv("train.steps=6", workdir=workdir, flags=["--resume", "--allow-changes"]))
+  line = error_line(capsys)
+  assert code == 2
+  assert f"error: checkpoint {workdir}/4 holds weights or optimiser moments that are not " \
+         "finite" in line, line
+  assert checkpoint_steps(workdir) == [2, 4]
+
+
+@pytest.mark.filterwarnings("ignore:resuming .* with changed settings")
+def test_a_failed_save_stops_the_run_in_one_line_and_resume_continues(trained, tmp_path,
+                                                                     capsys):
+  """Files over 64 KiB cannot be written (a full disk's stand-in): step 6's background save
+  fails. Before: training went on, ~450 lines of Orbax tracebacks, no error line, exit 1. Now
+  the next step boundary stops the run with one line; step 4 stays the latest checkpoint."""
+  workdir = tmp_path / "run"
+  shutil.copytree(trained, workdir)
+  args = argv("train.steps=8", "train.async_checkpoint=true", workdir=workdir,
+              flags=["--resume", "--allow-changes"])
+  limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, limit[1]))
+  try:
+    code = run.main(args)
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+  line = error_line(capsys)
+  assert code == 2
+  assert line == (f"error: saving checkpoint step 6 to {workdir}/6 failed: File too large; "
+                  f"stopped; the last committed checkpoint is {workdir}/4 (continue with "
+                  f"--resume)"), line
+  assert checkpoint_steps(workdir) == [2, 4]
+  assert run.main(args) == 0
+  assert checkpoint_steps(workdir)[-2:] == [6, 8]  # resumed from step 4
+
+
 def error_line(capsys) -> str:
   """The one error line run.py printed; fails on tracebacks or several errors."""
   err = capsys.readouterr().err
@@ -216,6 +274,7 @@ class SignalAfter(StopAfter):
     return next(self._data)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_saves_the_step_reached_and_resume_continues_from_it(tmp_path, capsys,
                                                                      monkeypatch, signum):
@@ -288,6 +347,7 @@ def test_an_unwritable_workdir_is_named(tmp_path, capsys):
   assert blocker.read_text() == "keep me"
 
 
+@pytest.mark.slow
 def test_command_line_trains_data_parallel_with_accumulation(tmp_path):
   """End to end in a fresh process: run.py simulates the 2 CPU devices the mesh needs."""
   env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
@@ -300,6 +360,7 @@ def test_command_line_trains_data_parallel_with_accumulation(tmp_path):
   assert checkpoint_steps(tmp_path / "run") == [2]
 
 
+@pytest.mark.slow
 def test_plan_mode_compiles_every_strategy_and_names_the_one_to_use(capsys):
   """ar: the strategies that split corrupted blocks say why they cannot run (no compile)."""
   code = run.main(argv("mode=plan", "objective.name=ar", "parallel.strategy=cp_ring",
@@ -352,3 +413,37 @@ def test_resume_refuses_other_data_naming_its_source_and_path(trained, tmp_path,
   assert "data.path='', current config has " + repr(str(corpus)) in line, line
   assert "data.source='arithmetic', current config has 'text'" in line, line
   assert snapshot(trained) == before
+
+
+@pytest.mark.slow
+def test_the_quickstart_pretrains_then_converts_and_resumes_either_stage(tmp_path, capsys):
+  """configs/quickstart.py, shrunk: stage 1 (ar) trains into <workdir>/pretrain and is
+  exported there; stage 2 (fast_dllm_v2) starts from that export exactly as a run with
+  `init_from` set to it does (the same losses); `--resume` skips a finished stage 1 and
+  continues stage 2; a stage 1 cut short is resumed before stage 2 starts."""
+  two = ["--config", os.path.join(REPO, "configs", "quickstart.py"), "--no-progress"]
+  sets = [x for item in [*TINY, "pretrain.steps=2", "train.steps=2"] for x in ("--set", item)]
+  workdir = tmp_path / "run"
+  assert run.main([*two, *sets, "--workdir", str(workdir)]) == 0
+  hf = workdir / "pretrain" / "hf"
+  assert checkpoint_steps(workdir / "pretrain") == [2] and (hf / "config.json").exists()
+  direct = tmp_path / "direct"
+  assert run.main(argv("objective.name=fast_dllm_v2", "train.steps=2", "train.lr=1e-3",
+                       f"init_from={hf}", workdir=direct)) == 0
+  assert [r["loss"] for r in rows(workdir)] == [r["loss"] for r in rows(direct)]
+  first = snapshot(workdir / "pretrain")
+  more = [*sets, "--set", "train.steps=4", "--allow-changes"]
+  assert run.main([*two, *more, "--workdir", str(workdir), "--resume"]) == 0
+  assert rows(workdir)[-1]["step"] == 4
+  assert {p: h for p, h in snapshot(workdir / "pretrain").items() if "hf" not in p} == {
+      p: h for p, h in first.items() if "hf" not in p}  # stage 1 untouched
+  # Stage 1 stopped after its checkpoint at step 2 of 3, before stage 2 began: --resume
+  # finishes stage 1, then runs stage 2 from its start.
+  cut = tmp_path / "cut"
+  three = [*sets, "--set", "pretrain.steps=3", "--workdir", str(cut)]
+  assert run.main([*two, *three]) == 0
+  for gone in ("2", "metrics.jsonl", "tb", "pretrain/3", "pretrain/hf"):
+    shutil.rmtree(cut / gone) if (cut / gone).is_dir() else (cut / gone).unlink()
+  assert run.main([*two, *three, "--resume"]) == 0
+  assert [r["step"] for r in rows(cut / "pretrain")] == [2, 3]
+  assert [r["step"] for r in rows(cut)] == [2] and checkpoint_steps(cut) == [2]

@@ -10,7 +10,7 @@ from bdlm_jax.configure import load_config, override, replace
 from bdlm_jax.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QUICKSTART = os.path.join(REPO, "configs", "quickstart.py")
+QUICKSTART = os.path.join(REPO, "configs", "quickstart_bd3lm.py")
 
 
 def test_overrides_parse_with_the_type_of_their_field():
@@ -246,3 +246,24 @@ CONFIG_FILES = sorted(
 @pytest.mark.parametrize("name", CONFIG_FILES)
 def test_every_config_file_loads_and_validates(name):
   load_config(os.path.join(os.path.dirname(__file__), "..", "configs", name))
+
+
+@pytest.mark.parametrize("items,expected", [
+    (["pretrain.objective=ar", "init_from=/x"], "both say where training starts"),
+    (["pretrain.objective=arr"], r"pretrain.objective='arr' is not one of \['', 'bd3lm'"),
+    (["pretrain.objective=ar", "objective.name=dflash"], "a drafter run starts from its frozen"),
+    (["pretrain.objective=ar", "pretrain.steps=0"], "pretrain.steps"),
+])
+def test_a_first_stage_that_cannot_run_is_refused_naming_it(items, expected):
+  with pytest.raises(ConfigError, match=expected):
+    override(Config(), items)
+
+
+def test_the_first_stage_is_the_run_with_its_objective_steps_and_lr():
+  from bdlm_jax.configure import pretrain_stage
+  cfg = load_config(os.path.join(REPO, "configs", "quickstart.py"))
+  first = pretrain_stage(cfg)
+  assert (first.objective.name, first.train.steps, first.train.lr) == (
+      "ar", cfg.pretrain.steps, cfg.pretrain.lr)
+  assert (first.model, first.data, first.seed) == (cfg.model, cfg.data, cfg.seed)
+  assert first.pretrain.objective == "" and first.train.eval_every == cfg.pretrain.steps

@@ -118,3 +118,35 @@ def test_the_docs_index_lists_every_page():
   index = os.path.join("docs", "README.md")
   missing = sorted(_docs_pages() - {index} - _linked_pages(index))
   assert not missing, f"pages missing from docs/README.md: {missing}"
+
+
+FIGURES_FROM = re.compile(r"<!-- figures: (\S+) -->")
+
+
+def _generated_sections() -> list[tuple[str, str, str]]:
+  """(page, results file, text) of each section a page marks `<!-- figures: FILE -->`: from
+  the mark to the page's next heading."""
+  out = []
+  for rel in FILES:
+    if not rel.endswith(".md"):
+      continue
+    text = _read(rel)
+    for mark in FIGURES_FROM.finditer(text):
+      rest = text[mark.end():]
+      end = re.search(r"^#{1,6} ", rest, re.M)
+      out.append((rel, mark.group(1), rest[:end.start() if end else None]))
+  return out
+
+
+def test_the_figures_of_a_generated_section_are_in_its_results_file():
+  """A section that quotes a script's results file marks it, and each decimal figure of its
+  prose and tables appears in that file: a regenerated file with other figures shows here."""
+  sections = _generated_sections()
+  assert {source for _, source, _ in sections} >= {"experiments/results/recipe_plans.md",
+                                                   "experiments/results/cost_model.md"}
+  for page, source, section in sections:
+    results = _read(source)
+    prose = INLINE_CODE.sub("", FENCE.sub("", section))
+    figures = re.findall(r"(?<![\w.])\d+\.\d+(?![\d.]\d)", prose)
+    absent = [f for f in figures if not re.search(rf"(?<![\d.]){re.escape(f)}(?!\d)", results)]
+    assert figures and not absent, f"{page}: {absent} not in {source}"

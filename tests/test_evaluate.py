@@ -16,6 +16,7 @@ from bdlm_jax.configure import replace
 from bdlm_jax.data import ArithmeticSource, DataError, make_dataset, make_source
 from bdlm_jax.data.sources import held_out
 from bdlm_jax.evaluate import arithmetic_prompts, make_eval_step, score_answers
+from bdlm_jax.sample import checked_tokenizer
 
 
 def _tiny(objective, **parallel):
@@ -35,6 +36,7 @@ def _eval(cfg, params_key=0, tokens=None):
   return float(total) / int(count)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("objective, parallel", [
     ("bd3lm", dict(strategy="csbp_ring", seq=4)),
     ("bd3lm", dict(strategy="cp_allgather", seq=2, data=2)),
@@ -51,6 +53,7 @@ def _uniform(params):
   return dict(params, embed=jax.tree.map(np.zeros_like, params["embed"]))
 
 
+@pytest.mark.slow
 def test_a_uniform_models_nll_is_log_vocab_and_its_nelbo_log_vocab_without_mask():
   """AR: exactly log V. BD3-LM: the NELBO's 1/t weights undo the masking rate, so its
   expectation is the per-token CE, log(V - 1) with [MASK] excluded (SUBS)."""
@@ -82,6 +85,19 @@ def test_the_embedded_held_out_split_is_other_documents_and_prompts_come_from_it
     assert prompt.endswith("=") and (prompt + answer) in doc
 
 
+def test_held_out_prompts_and_their_answers_fit_the_trained_length():
+  """The quickstart's L = 64: a prompt keeps its document's latest whole statements that fit
+  with its answer (no "more than data.seq_len" warning in its own evaluation)."""
+  cfg = replace(Config(), data=dict(seq_len=64))
+  pairs = arithmetic_prompts(cfg, 512)
+  tokenizer = checked_tokenizer(cfg)
+  fits = [len(tokenizer.encode(p)) + len(tokenizer.encode(a)) <= 64 for p, a in pairs]
+  assert all(fits)
+  whole = arithmetic_prompts(replace(cfg, data=dict(seq_len=4096)), 512)
+  cut = [(p, q) for (p, _), (q, _) in zip(pairs, whole) if p != q]
+  assert cut and all(q.endswith(" " + p) for p, q in cut)  # the latest whole statements
+
+
 def _split(data_cfg, split):
   return list(held_out(grain.MapDataset.source(make_source(data_cfg, 0, split)), data_cfg, split))
 
@@ -100,13 +116,14 @@ def test_a_file_source_holds_out_its_last_documents_or_reads_eval_path(tmp_path)
                  vocab_size=260, split="eval")
 
 
+@pytest.mark.slow
 def test_training_logs_held_out_metrics_and_mode_eval_repeats_them_under_another_strategy(
     tmp_path, capsys):
   overrides = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
                "model.head_dim=16", "model.d_ff=64", "data.seq_len=32", "objective.block_size=8",
                "train.steps=4", "train.batch_size=4", "train.eval_every=2", "train.log_every=4",
                "train.ckpt_every=4", "eval.batches=2", "eval.noise_draws=2", "eval.prompts=6"]
-  cfg_path = "configs/quickstart.py"
+  cfg_path = "configs/quickstart_bd3lm.py"
   workdir = str(tmp_path / "run")
   assert run.main(["--config", cfg_path, "--workdir", workdir, "--no-progress",
                    *(a for o in overrides for a in ("--set", o))]) == 0
@@ -131,7 +148,7 @@ def test_training_logs_held_out_metrics_and_mode_eval_repeats_them_under_another
 
 def test_mode_eval_on_a_missing_workdir_says_so_and_creates_nothing(tmp_path, capsys):
   workdir = tmp_path / "never_trained"
-  assert run.main(["--config", "configs/quickstart.py", "--workdir", str(workdir),
+  assert run.main(["--config", "configs/quickstart_bd3lm.py", "--workdir", str(workdir),
                    "--set", "mode=eval"]) == 2
   assert f"{workdir} does not exist: no checkpoint to restore" in capsys.readouterr().err
   assert not workdir.exists()

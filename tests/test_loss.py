@@ -37,6 +37,7 @@ def _unchunked(objective):
 
 
 # 7 does not divide the rows (a padded chunk): every objective; 1 and 32 on bd3lm
+@pytest.mark.slow
 @pytest.mark.parametrize("objective, chunk", [("bd3lm", 1), ("bd3lm", 7), ("bd3lm", 32),
                                               ("fast_dllm_v2", 7), ("ar", 7)])
 def test_chunked_loss_equals_the_loss_over_all_rows(objective, chunk):
@@ -64,6 +65,7 @@ def test_chunked_loss_and_ar_logits_both_soft_cap_the_logits():
   assert abs(capped - plain) > 1e-3  # init logits are ~0.1: a cap of 0.1 bends them
 
 
+@pytest.mark.slow
 def test_chunks_stay_on_their_rank_under_a_seq_strategy():
   cfg = _cfg(5, strategy="csbp_ring", seq=8)
   loss, grads = _value_and_grad(cfg, make_mesh(cfg))
@@ -86,6 +88,7 @@ def test_chunked_loss_never_holds_all_the_logits():
   assert temp(0) > full_logits > 2 * temp(8)
 
 
+@pytest.mark.slow
 def test_head_gradient_is_reduced_once_whatever_the_chunk_count():
   """Every device accumulates the head's gradient over its own chunks; the devices meet
   once. (A reduction inside the chunk loop would count once per chunk.)"""

@@ -28,10 +28,28 @@ def _step1_loss(workdir, *sets) -> float:
     return next(json.loads(line) for line in f)["loss"]
 
 
+@pytest.mark.slow
 def test_qwen3_5_tiny_under_csbp_ring_gives_the_one_device_step_1_loss(tmp_path):
   one = _step1_loss(tmp_path / "none")
   csbp = _step1_loss(tmp_path / "csbp", "parallel.strategy=csbp_ring", "parallel.seq=4")
   assert csbp == pytest.approx(one, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:no arithmetic accuracy")  # checked in the mode=eval run
+def test_training_with_eval_and_mode_eval_give_the_held_out_loss_without_sampling(tmp_path,
+                                                                                  capsys):
+  """Sampling refuses Gated DeltaNet layers. Before, the end-of-training eval and mode=eval
+  failed with that refusal; now they give the held-out loss alone and say why once."""
+  _step1_loss(tmp_path, "train.eval_every=1", "eval.batches=1")
+  assert "(no sample: sample does not run Gated DeltaNet layers" in capsys.readouterr().out
+  with pytest.warns(UserWarning, match=r"^no arithmetic accuracy: sample does not run Gated "
+                                       r"DeltaNet layers yet .*; the held-out loss alone, as "
+                                       r"with eval.prompts=0$"):
+    assert run.main(["--config", CONFIG, "--no-progress", "--workdir", str(tmp_path),
+                     *[arg for item in [*SETS, "mode=eval", "eval.batches=1"]
+                       for arg in ("--set", item)]]) == 0
+  assert "step 1 of " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("segment_ids", [False, True], ids=["one_stream", "per_document"])

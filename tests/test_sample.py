@@ -31,6 +31,7 @@ def _tiny(objective, **model):
                  data=dict(seq_len=32), objective=dict(name=objective, block_size=4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("objective,model", [
     ("bd3lm", {}), ("fast_dllm_v2", {}), ("bd3lm", LOCAL),
     ("bd3lm", dict(moe_experts=4, moe_top_k=2, moe_d_ff=16, n_layers=3,
@@ -48,6 +49,7 @@ def test_kv_cache_sampler_equals_full_recompute_token_for_token(objective, model
     np.testing.assert_array_equal(cached, full)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [{}, LOCAL], ids=["global", "local_layers"])
 def test_ar_decoding_with_the_kv_cache_equals_the_plain_causal_forward(model):
   """`ar` models sample through the same front end, one token at a time; the cached
@@ -67,6 +69,7 @@ def test_ar_decoding_with_the_kv_cache_equals_the_plain_causal_forward(model):
                                        temperature=0.0, eos_id=-1), greedy[len(PROMPT):])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [{}, LOCAL], ids=["global", "local_layers"])
 def test_a_denoising_step_over_the_cache_gives_the_training_forwards_logits(model):
   """The sampler's own wiring (KV cache, `Block.project` / `finish`) computes for a partly
@@ -144,13 +147,14 @@ def test_a_mask_id_the_tokenizer_uses_is_refused_before_sampling():
     sample(init_params(cfg, jax.random.key(0)), cfg, PROMPT, jax.random.key(1))
 
 
+@pytest.mark.slow
 def test_a_trained_ar_model_answers_held_out_arithmetic_far_above_chance(tmp_path):
   """Under a minute of CPU training (the quickstart's model at half its width, 400 steps),
   then the in-loop eval completes 100 held-out "... a+b=" prompts. Chance is measured: the
   same completions scored against the other prompts' answers. Measured: 20-21% vs 1.6% chance
   (seeds 0 and 1; 12-15% at 300 steps; the full width takes 3x the time for 17-20% at 300). A BDLM needs 3x the steps for 5x chance (the quickstart; docs/evaluate.md)."""
   from bdlm_jax.loop import train
-  config = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.py")
+  config = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart_bd3lm.py")
   cfg = load_config(config, ["objective.name=ar", "model.n_layers=2", "model.d_model=64",
                              "model.head_dim=16", "model.d_ff=192", "data.seq_len=64",
                              "train.batch_size=32", "train.steps=400", "train.eval_every=400",
@@ -170,11 +174,12 @@ def _well_formed_fraction(completions) -> float:
   return float(np.mean([re.fullmatch(r"\d+[+*-]\d+=\d+", c) is not None for c in chunks]))
 
 
+@pytest.mark.slow
 def test_trained_model_writes_well_formed_statements_far_above_chance(tmp_path):
   """A short CPU run of a BDLM learns the statement grammar of the embedded data (its sums
   take longer: see the AR test above). Chance: the same sampler on the untrained init."""
   from bdlm_jax.loop import train
-  config = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.py")
+  config = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart_bd3lm.py")
   cfg = load_config(config, ["data.seq_len=32", "objective.block_size=4", "model.n_layers=2",
                              "model.d_model=64", "model.head_dim=16", "model.d_ff=192",
                              "train.steps=250", "train.batch_size=32", "train.lr=3e-3",

@@ -88,6 +88,7 @@ def hf_denoising_step(model, prompt_1T, canvas_C, self_conditioning_CV, step: in
   return sampler, argmax[0].numpy(), processed[0].float().numpy(), bool(stop[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("greedy", [False, True], ids=["default_schedule", "greedy"])
 def test_a_denoising_step_equals_transformers(diffusion_gemma, greedy):
   """Step 5 of 8 from the same canvas, prompt (longer than the window) and self-conditioning
@@ -127,6 +128,7 @@ def test_a_denoising_step_equals_transformers(diffusion_gemma, greedy):
     np.testing.assert_array_equal(np.asarray(ours.accepted)[~accepts], canvas[~accepts])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stability", [1, 7], ids=["stops_early", "all_steps"])
 def test_a_canvas_equals_transformers_generate_from_the_same_start(diffusion_gemma, stability):
   """One canvas of `sample` against `model.generate` started on the same canvas, at t ~ 1e-4
@@ -151,6 +153,7 @@ def test_a_canvas_equals_transformers_generate_from_the_same_start(diffusion_gem
   np.testing.assert_array_equal(ours, theirs[0, prompt.size:].numpy())
 
 
+@pytest.mark.slow
 def test_two_canvases_with_renoising_equal_transformers_generate_on_the_same_draws(
     diffusion_gemma, monkeypatch):
   """Two canvases at the default temperatures (0.4..0.8: draws are random and the tokens a
@@ -287,6 +290,7 @@ def test_bad_canvas_options_are_config_errors_naming_the_key(section, message):
     replace(Config(), sample=section)
 
 
+@pytest.mark.slow
 def test_sample_generates_canvases_deterministically_and_stops_after_eos():
   """A Gemma 4-shaped model of ours with self-conditioning (its global layers' K/V need no
   cache: canvases recompute the context, so sample.use_cache=true is no error); 6 tokens

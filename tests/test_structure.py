@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).parents[1]
 PACKAGE = ROOT / "bdlm_jax"
 # Bottom to top: a module may import its own layer and those below it, never one above.
 LAYERS = [
-    ["bdlm_jax.errors"],
+    ["bdlm_jax.errors", "bdlm_jax.checksums"],
     ["bdlm_jax.config"],
     ["bdlm_jax.kernels"],
     ["bdlm_jax.models"],

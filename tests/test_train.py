@@ -13,6 +13,7 @@ from bdlm_jax import feed, loop
 from bdlm_jax.batch import make_batch
 from bdlm_jax.checkpoint import Checkpointer
 from bdlm_jax.configure import load_config, replace
+from bdlm_jax.data import make_dataset
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.loss import loss_fn
 from bdlm_jax.parallel.mesh import _say_devices_left_idle, make_mesh
@@ -26,9 +27,9 @@ STEPS = 60
 
 
 def tiny_config(**train):
-  """configs/quickstart.py shrunk to a one-layer model that trains in seconds."""
+  """configs/quickstart_bd3lm.py shrunk to a one-layer model that trains in seconds."""
   return replace(
-      load_config(os.path.join(REPO, "configs", "quickstart.py")),
+      load_config(os.path.join(REPO, "configs", "quickstart_bd3lm.py")),
       model=dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64),
       data=dict(seq_len=32), objective=dict(block_size=8),
       train=dict(dict(steps=STEPS, batch_size=16, lr=1e-2, warmup_steps=5, log_every=1,
@@ -75,6 +76,7 @@ def straight_run(tmp_path_factory):
   return loop.train(tiny_config(async_checkpoint=True), workdir, progress=False), workdir
 
 
+@pytest.mark.slow
 def test_training_on_embedded_default_lowers_loss(straight_run):
   history, _ = straight_run
   assert [row["step"] for row in history] == list(range(1, STEPS + 1))
@@ -93,6 +95,7 @@ def test_every_logged_row_has_the_throughput_metrics(straight_run):
   assert history[0]["lr"] < history[4]["lr"]  # warmup
 
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted_run(straight_run, tmp_path, monkeypatch):
   history, straight_dir = straight_run
   workdir = str(tmp_path / "resumed")
@@ -114,6 +117,7 @@ def test_resume_equals_uninterrupted_run(straight_run, tmp_path, monkeypatch):
   assert_trees_close(state_b, state_a, rel=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", [dict(data=2), dict(data=2, strategy="csbp_ring", seq=4)],
                          ids=["data2", "data2_seq4"])
 def test_grad_accumulation_matches_single_batch(parallel):
@@ -147,6 +151,7 @@ def test_grad_accumulation_matches_single_batch(parallel):
     np.testing.assert_allclose(np.asarray(a), np.asarray(g), rtol=1e-5, atol=1e-6 * scale)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:train.lr=.* cannot train")
 @pytest.mark.parametrize("fault", [None, "inf_weights", "inf_lr", "huge_lr"])
@@ -170,6 +175,7 @@ def test_a_step_is_applied_only_if_loss_gradients_and_update_are_finite(fault):
   assert all(unchanged) == (fault is not None)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 def test_a_diverging_run_keeps_and_names_its_last_checkpoint_before_the_spike(tmp_path,
                                                                              monkeypatch):
@@ -201,6 +207,7 @@ def test_a_diverging_run_keeps_and_names_its_last_checkpoint_before_the_spike(tm
   assert max(float(np.abs(w).max()) for w in jax.tree.leaves(state.params)) < 100
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:step 1[4-6]:")  # the steps after it spike too
 def test_a_state_after_an_outsized_update_is_not_checkpointed(tmp_path, monkeypatch):
   """Before step 13 only, Adam's second moments are cut 1e5x (a corrupted optimiser state):
@@ -263,3 +270,24 @@ def test_a_mesh_larger_than_the_devices_is_refused_before_the_workdir_is_made(tm
   with pytest.raises(ConfigError, match="needs 16 devices, but only 8 are visible"):
     loop.train(cfg, str(tmp_path / "run"), progress=False)
   assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_diffusiongemma_on_prompts_longer_than_the_row_trains_the_responses_and_says_so(
+    tmp_path):
+  """Every arithmetic prompt ("User: 123+45=\\nAssistant: ") is longer than L = 16. Before,
+  each conversation was cut to its first 16 tokens, all prompt: no response token was
+  trained (the loss was the encoder's alone), and nothing said so. Now each keeps its
+  response's start, the prompt loses its own, and the cut is warned about and logged."""
+  cfg = replace(load_config(os.path.join(REPO, "configs", "diffusiongemma_tiny.py")),
+                model=dict(n_layers=1), data=dict(seq_len=16),
+                train=dict(steps=2, batch_size=4, log_every=1, eval_every=0, ckpt_every=10))
+  with pytest.warns(UserWarning, match=r"of the \d+ conversations of the latest steps are "
+                                       r"longer than data.seq_len=16: \d+ prompt tokens cut"):
+    rows = loop.train(cfg, str(tmp_path / "run"), progress=False)
+  for row in rows:
+    assert row["truncated_examples"] == row["examples"] > 0 and row["prompt_tokens_cut"] > 0
+  batch = next(make_dataset(cfg.data, batch_size=4, seed=0, vocab_size=cfg.model.vocab_size,
+                            block_size=4))
+  response = (batch["segment_ids"] > 0) & ~batch["protected"]
+  assert response.any(axis=1).all()  # every row has response tokens to train

@@ -16,6 +16,10 @@ SCALE = ("--models llama3-8b --lens 65536 262144 524288 1048576 --depth-check 0"
          "cp_ring --depth-check 0",
          "--models qwen3-30b-a3b --lens 262144 --strategies csbp_ring cp_ring --depth-check 0")
 
+MUSE = ("--config configs/dflash2_muse_1m.py --strategies csbp_ring cp_replicated_drafts "
+        "--variant \"ours: parallel.seq=8 parallel.data=1 train.batch_size=1 "
+        "model.param_dtype=float32 model.remat=full\"")
+
 
 @dataclasses.dataclass(frozen=True)
 class Page:
@@ -48,6 +52,10 @@ PAGES = (
           f"python experiments/cost_model.py --scaling {KERNEL_CSV}")),
     Page("local_layers.md", "Local vs global layers: attention traffic",
          ("window_traffic.md",), ("python experiments/window_traffic.py",)),
+    Page("recipes.md", "The shipped recipes compiled for their target",
+         ("recipe_plans.md",), (f"python experiments/recipe_plans.py {MUSE}",)),
+    Page("quickstart.md", "The quickstart, seed by seed",
+         ("quickstart_seeds.md",), ("python experiments/quickstart_seeds.py",)),
     Page("conversion.md", "AR -> BDLM conversion: Fast-dLLM v2 forms",
          ("conversion_forms.md",), ("python experiments/conversion_forms.py",)),
     Page("block_sizes.md", "Block size: what the models learn",

@@ -63,7 +63,7 @@ from bdlm_jax.analysis import hlo_stats, targets
 from bdlm_jax.parallel import query_ring, recurrence
 from bdlm_jax.parallel.layout import LayoutPlan
 from bdlm_jax.parallel.mesh import make_mesh
-from bdlm_jax.parallel.prune import pruned_rows, sees_every_anchor
+from bdlm_jax.parallel.prune import pruned_rows
 from bdlm_jax.parallel.registry import get_strategy, plan_for, strategy_names_for
 from bdlm_jax.parallel.recurrence import RECURRENCE_SCOPE
 from bdlm_jax.parallel.strategies import (ATTENTION_SCOPE, draft_transport, exchange_for,
@@ -155,16 +155,6 @@ def context_traffic(plan: LayoutPlan, kv_row_bytes: float, meta_row_bytes: float
   return out
 
 
-def pruning_traffic(cfg: Config, plan: LayoutPlan, sequences: int) -> dict[str, float]:
-  """What a drafter's context pruning issues (parallel/prune.py): once a step, an all-gather
-  of each rank's draft rows' anchors and documents (int32), where a rank's context serves
-  every rank's queries."""
-  out = dict.fromkeys(hlo_stats.COLLECTIVE_KINDS, 0.0)
-  if plan.num_ranks > 1 and pruned_rows(cfg, plan) and sees_every_anchor(plan):
-    out["all-gather"] = 2 * 4 * sequences * plan.n_noisy
-  return out
-
-
 def query_rotation_traffic(plan: LayoutPlan, drafter: ModelConfig, sequences: int, itemsize,
                            grad_dtype) -> dict[str, float]:
   """What a drafter's layers issue where its draft queries rotate (parallel/query_ring.py):
@@ -213,7 +203,6 @@ def config_attention_traffic(cfg: Config, itemsize=lambda dtype: jnp.dtype(dtype
                                   reruns=reruns_attention(drafter.remat),
                                   pruned_rows=pruned_rows(cfg, plan), **last_hop(drafter))]
     totals.append(context_traffic(plan, kv, meta, target_depth(cfg)))
-    totals.append(pruning_traffic(cfg, plan, sequences))
   else:
     kinds = layer_types(m)
     by_kind = [("global", None), ("local", m.sliding_window)]

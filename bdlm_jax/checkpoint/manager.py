@@ -10,14 +10,22 @@ Each step directory `<workdir>/<step>/` holds three items:
            resumed run must find unchanged (`data_changes`).
 
 Atomicity comes from Orbax: a step is written to `<step>.orbax-checkpoint-tmp` and renamed
-when complete, so a run killed mid-save leaves no step directory. A step directory that is
-present but unusable anyway (no commit marker, truncated or garbage files) is skipped on
-restore, with a warning, in favour of the newest step that restores.
+when complete, so a run killed mid-save leaves no step directory. Once a step has committed,
+`MANIFEST` records the size and sha256 of each of its files, and restore compares them first:
+a file damaged at the same size restores as valid arrays otherwise. A step directory that is
+present but unusable anyway (no commit marker, a file that differs from its manifest,
+truncated or garbage files) is skipped on restore, with a warning, in favour of the newest
+step that restores. A step without a manifest (written before there were any, or by a run
+killed between its commit and the next step) restores unverified, with a warning.
 """
 
 from __future__ import annotations
 
 import base64
+import json
+import logging
+import os
+import re
 import sys
 import time
 import uuid
@@ -28,11 +36,13 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from bdlm_jax.checksums import sha256
 from bdlm_jax.config import Config
 from bdlm_jax.errors import ConfigError
 
 COMMIT_MARKER = "commit_success.txt"  # Orbax writes it into a step before the final rename.
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # of a step folder Orbax is still writing
+MANIFEST = "checksums.json"  # {"files": {path in the step folder: {"size", "sha256"}}}
 
 # Model keys that change how the model runs, not what its parameters mean: a run may resume
 # with a different kernel, remat policy, compute dtype or loss chunk.
@@ -42,8 +52,8 @@ RUNTIME_MODEL_KEYS = ("attention_impl", "attention_chunk", "remat", "compute_dty
 # Settings a run may resume with changed (`trajectory_changes`): how it runs, logs and
 # checkpoints, not what it computes (every mesh, strategy and micro-batching gives the same
 # loss and gradients), and what only other modes or a fresh run read. A section covers its keys.
-FREE_ON_RESUME = ("mode", "init_from", "parallel", "sample", "eval", "export", "plan", "prepare",
-                  *(f"model.{k}" for k in RUNTIME_MODEL_KEYS), "data.num_threads",
+FREE_ON_RESUME = ("mode", "init_from", "pretrain", "parallel", "sample", "eval", "export", "plan",
+                  "prepare", *(f"model.{k}" for k in RUNTIME_MODEL_KEYS), "data.num_threads",
                   "train.grad_accum", "train.log_every", "train.ckpt_every",
                   "train.max_to_keep", "train.async_checkpoint", "train.peak_tflops",
                   "train.max_bad_steps", "train.eval_every")
@@ -56,7 +66,12 @@ DATA_KEY = "data_fingerprint"
 
 
 class CheckpointError(RuntimeError):
-  """No usable checkpoint: every candidate step is missing, truncated or corrupt."""
+  """No usable checkpoint (every candidate step is missing, truncated or corrupt), or a save
+  that failed."""
+
+
+class DamagedCheckpoint(Exception):
+  """A step's file differs from what its manifest recorded at save."""
 
 
 def restore_state(cfg: Config, workdir: epath.PathLike, mesh, step: int = -1):
@@ -104,6 +119,11 @@ class Checkpointer:
         state=ocp.StandardCheckpointHandler(), data=ocp.JsonCheckpointHandler(),
         config=ocp.JsonCheckpointHandler()))
     self._barriers = 0
+    self._pending = None  # the step saving in the background, until `_finish_save`
+    self._failed = False  # a failed save was raised: Orbax would raise it again on close
+    self._orbax_errors = _OrbaxErrors()  # its threads' tracebacks: we raise one line instead
+    logging.getLogger("absl").addFilter(self._orbax_errors)
+    _quiet_late_reads()  # and writes: those of a failed save call back late too
 
   def save(self, step: int, state: Any, data_state: Any = None, force: bool = False) -> bool:
     """Starts saving `step` if it is due (or `force`); returns whether it did.
@@ -113,12 +133,24 @@ class Checkpointer:
     """
     if step in self._mngr.all_steps():
       return False  # already on disk, e.g. the step we just resumed from
-    return self._mngr.save(step, force=force, args=ocp.args.Composite(
+    if not (force or self._mngr.should_save(step)):
+      return False
+    self.wait()  # Orbax would wait for the previous save too; this also checks and seals it
+    started = self._mngr.save(step, force=force, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(_encode_data_state(data_state)),
         config=ocp.args.JsonSave({**self.cfg.to_dict(), TOKENIZER_KEY: self._tokenizer,
                                   DATA_KEY: self._data_fingerprint()}),
     ))
+    if started:
+      self._pending = step
+    return started
+
+  def poll(self) -> None:
+    """Between steps: seals the background save if it has finished; raises CheckpointError
+    if it failed, so that a run does not train on for hours with nothing saved."""
+    if self._pending is not None and not self._mngr.is_saving_in_progress():
+      self.wait()
 
   def latest_step(self) -> int | None:
     """Newest committed step, or None.
@@ -162,26 +194,28 @@ class Checkpointer:
     """
     self.wait()
     self._mngr.reload()
-    _quiet_late_reads()  # before: a failed read's siblings may call back at once
     candidates = [step] if step is not None else self._committed_steps()
     if not candidates:
       raise FileNotFoundError(f"no committed checkpoint to restore in {self.workdir}")
     failures = []
     for s in candidates:
       try:
+        verified = verify_manifest(self.step_dir(s))
         state, data_state = self._restore_step(s, abstract_state)
       except ConfigError:
         raise  # the current config or state does not fit: an older step would not either
       except Exception as e:  # pylint: disable=broad-except
         if step is not None:
-          raise CheckpointError(f"cannot restore checkpoint {self.step_dir(s)}: {e}") from e
-        if s != candidates[-1]:  # the last one's failure is in the error below
-          warnings.warn(f"checkpoint {self.step_dir(s)} is unreadable ({_short(e)}); "
-                        f"trying an older one")
+          raise CheckpointError(f"cannot restore checkpoint {self.step_dir(s)}: "
+                                f"{_short(e)}") from e
         failures.append((s, e))
         continue
+      if not verified:
+        warnings.warn(f"checkpoint {self.step_dir(s)} has no {MANIFEST} (written before "
+                      f"checkpoints recorded checksums, or its run stopped right after the "
+                      f"save): restored unverified")
       # An older step restored with the same arguments, so the newer ones are truly bad.
-      self._set_aside([f for f, _ in failures] + self._uncommitted_steps())
+      self._set_aside(failures + [(u, None) for u in self._uncommitted_steps()], s)
       return s, state, data_state
     raise CheckpointError(
         f"no checkpoint in {self.workdir} restores (if all fail alike, check the abstract "
@@ -200,11 +234,33 @@ class Checkpointer:
         leftover.rmtree()
 
   def wait(self) -> None:
-    """Blocks until pending async saves are on disk; call before exiting."""
-    self._mngr.wait_until_finished()
+    """Blocks until the save in flight is on disk, then writes its manifest; call before
+    exiting. A failed save raises CheckpointError naming the step, its folder and the cause."""
+    step, self._pending = self._pending, None
+    if step is None:
+      return
+    try:
+      self._mngr.wait_until_finished()
+      if not (self.step_dir(step) / COMMIT_MARKER).exists():  # Orbax logged and went on
+        raise RuntimeError(self._orbax_errors.first or "it did not commit")
+    except Exception as e:  # pylint: disable=broad-except
+      self._failed = True
+      latest = self.latest_step()
+      kept = (f"the last committed checkpoint is {self.step_dir(latest)} (continue with "
+              f"--resume)" if latest is not None else "there is no committed checkpoint")
+      raise CheckpointError(f"saving checkpoint step {step} to {self.step_dir(step)} failed: "
+                            f"{_cause(e)}; stopped; {kept}") from None
+    if jax.process_index() == 0:
+      write_manifest(self.step_dir(step))
 
   def close(self) -> None:
-    self._mngr.close()
+    try:
+      self._mngr.close()
+    except Exception:  # pylint: disable=broad-except
+      if not self._failed:  # else already raised, as one line, by `wait`
+        raise
+    finally:
+      logging.getLogger("absl").removeFilter(self._orbax_errors)
 
   def __enter__(self) -> "Checkpointer":
     return self
@@ -238,38 +294,107 @@ class Checkpointer:
         state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
     return out.state, _decode_data_state(out.data)
 
-  def _set_aside(self, steps: list[int]) -> None:
-    """Renames bad steps to `<step>.corrupt` (kept for inspection, invisible to Orbax)."""
-    if not steps:
+  def _set_aside(self, failures: list[tuple[int, Exception | None]], restored: int) -> None:
+    """Renames bad steps to `<step>.corrupt` (kept for inspection, invisible to Orbax), each
+    with one warning naming it, why, and the step restored instead."""
+    if not failures:
       return
     if jax.process_index() == 0:
-      for s in steps:
+      for s, e in failures:
         src = self.step_dir(s)
         dst = src.parent / f"{src.name}.corrupt"
         if dst.exists():
           dst = dst.parent / f"{dst.name}-{time.time_ns()}"
+        why = f" ({_short(e)})" if e is not None else " (no commit marker)"
         try:
           src.rename(dst)
-          warnings.warn(f"moved unusable checkpoint {src} to {dst}")
-        except OSError as e:
-          warnings.warn(f"could not move unusable checkpoint {src} aside: {e}")
+          warnings.warn(f"checkpoint {src} is unusable{why}: moved to {dst}; restored "
+                        f"{self.step_dir(restored)} instead")
+        except OSError as err:
+          warnings.warn(f"checkpoint {src} is unusable{why}, and could not be moved aside "
+                        f"({err}); restored {self.step_dir(restored)} instead")
     self._barriers += 1
     ocp.multihost.sync_global_processes(f"bdlm_jax_checkpoint_set_aside_{self._barriers}")
     self._mngr.reload()
 
 
+def write_manifest(step_dir: epath.Path) -> None:
+  """Records the size and sha256 of every file of a committed step in `MANIFEST`, written to
+  a temporary file and renamed: a manifest present is a manifest whole."""
+  files = {str(f.relative_to(step_dir)): dict(size=f.stat().length, sha256=sha256(f))
+           for f in sorted(_files(step_dir)) if not f.name.startswith(MANIFEST)}
+  tmp = step_dir / f"{MANIFEST}.tmp"
+  tmp.write_text(json.dumps(dict(files=files), indent=1))
+  tmp.replace(step_dir / MANIFEST)
+
+
+def verify_manifest(step_dir: epath.Path) -> bool:
+  """Whether the step has a manifest; raises DamagedCheckpoint naming the first file that is
+  missing or differs from it."""
+  manifest = step_dir / MANIFEST
+  if not manifest.exists():
+    return False
+  for name, want in json.loads(manifest.read_text())["files"].items():
+    f = step_dir / name
+    if not f.exists():
+      raise DamagedCheckpoint(f"{name} is missing")
+    size = f.stat().length
+    if size != want["size"]:
+      raise DamagedCheckpoint(f"{name} has {size} bytes, {want['size']} when saved")
+    if sha256(f) != want["sha256"]:
+      raise DamagedCheckpoint(f"{name} differs from what was saved (sha256 {MANIFEST})")
+  return True
+
+
+def _files(folder: epath.Path):
+  """Every file under `folder` (epath's rglob refuses `**`, as on GCS it lists everything)."""
+  for path in folder.iterdir():
+    if path.is_dir():
+      yield from _files(path)
+    else:
+      yield path
+
+
+class _OrbaxErrors(logging.Filter):
+  """Drops the error records (tracebacks, hundreds of lines) Orbax's threads log when a save
+  fails, keeping the first message: `Checkpointer.wait` raises the failure as one line."""
+
+  def __init__(self):
+    super().__init__()
+    self.first = None
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname:
+      return True
+    if self.first is None:
+      self.first = record.getMessage()
+    return False
+
+
+def _cause(e: Exception) -> str:
+  """What a failed write says in words: TensorStore's `[os_error_code='27']` is "File too
+  large", 28 "No space left on device"; else the first line of the error."""
+  code = re.search(r"os_error_code='?(\d+)", str(e))
+  return os.strerror(int(code.group(1))) if code else _short(e)
+
+
 def _quiet_late_reads() -> None:
-  """After a failed restore, the reads still in flight finish in TensorStore's threads and
-  call back into the event loop Orbax has closed: dozens of "RuntimeError: Event loop is
-  closed" tracebacks (unraisable exceptions) around the one error that matters. Those, and
-  only those, are dropped from the first restore on (a process-wide hook, installed once)."""
+  """After a failed restore or save, the reads or writes still in flight finish in
+  TensorStore's threads and call back into the event loop Orbax has closed ("RuntimeError:
+  Event loop is closed"), and the sibling reads of a failed restore fail too, reported when
+  their coroutines are collected ("Exception ignored in: <coroutine object
+  _read_array_index_and_device_put>", each with TensorStore's whole spec): hundreds of lines
+  after the one error that matters. Those unraisable exceptions, and only those, are dropped
+  once a Checkpointer exists (a process-wide hook, installed once)."""
   previous = sys.unraisablehook
   if getattr(previous, "drops_late_reads", False):
     return
 
   def hook(unraisable):
-    e = unraisable.exc_value
-    if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+    e, where = unraisable.exc_value, getattr(unraisable.object, "cr_code", None)
+    closed_loop = isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+    orbax_read = where is not None and f"{os.sep}orbax{os.sep}" in where.co_filename
+    if not (closed_loop or orbax_read):
       previous(unraisable)
 
   hook.drops_late_reads = True
@@ -375,5 +500,8 @@ def _decode_data_state(item: dict) -> Any:
 
 
 def _short(e: Exception, limit: int = 300) -> str:
-  text = f"{type(e).__name__}: {e}"
+  """One line: an error's first line, cut at `limit` characters (TensorStore's go on with
+  the whole spec of the array they read)."""
+  first = (str(e).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
+  text = f"{type(e).__name__}: {first}"
   return text if len(text) <= limit else text[:limit] + "..."

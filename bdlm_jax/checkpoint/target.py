@@ -12,6 +12,7 @@ from bdlm_jax.checkpoint.manager import Checkpointer, restore_state
 from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
 from bdlm_jax.errors import ConfigError
+from bdlm_jax.objectives import get_objective
 from bdlm_jax.params import shared_weights
 
 
@@ -42,6 +43,11 @@ def _from_workdir(cfg: Config, workdir: str, mesh) -> dict:
       raise ConfigError(f"drafter.target={workdir!r} holds neither *.safetensors (a Hugging "
                         f"Face folder) nor a checkpoint of ours")
     saved = ckpt.saved_config(step)
+  name = saved.get("objective", {}).get("name")
+  if name and get_objective(name).DRAFTER:  # its params hold a target of their own
+    raise ConfigError(f"drafter.target={workdir!r} holds a drafter (objective.name={name!r}), "
+                      f"not a target model: point it at the target's Hugging Face folder or "
+                      f"at the workdir of the run that trained the target")
   # Not validated: only the params' shapes and shardings matter here, and the target's own
   # objective may not run under the drafter's strategy.
   target = Config.from_dict(dict(saved, parallel=dataclasses.asdict(cfg.parallel)))

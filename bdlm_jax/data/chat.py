@@ -11,8 +11,11 @@ Blocks must not straddle prompt and response, and blocks are counted from the st
 the packed row, so every example is made a whole number of blocks: the prompt is padded
 on the left, the response on the right, with padding that is segment 0 (never attends,
 never attended, never scored): to the model it does not exist. Each example then starts
-on a block boundary wherever the packer puts it. An example longer than `data.seq_len` is
-cut to its first `seq_len` tokens (the prompt and the start of the response survive).
+on a block boundary wherever the packer puts it. An example longer than `data.seq_len` keeps
+the start of its response, up to half the row (whole blocks, one at least) or what the
+prompt leaves, and the end of its prompt: the prompt is cut from the left, the response at
+the end (never dropped, so every example trains). Rows carry what was cut (`prompt_cut`,
+`response_cut`: at an example's first token), which `Truncations` counts for the log.
 
 `data.source=arithmetic` needs no file: each embedded arithmetic document gives one
 conversation (`ArithmeticChatSource`).
@@ -274,29 +277,76 @@ def make_chat_source(data_cfg: DataConfig, seed: int, split: str):
 
 def align(pad_id: int, block_size: int, seq_len: int,
           ids: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """A conversation's {"prompt", "response"} ids (`tokenize`) -> arrays [T], T a
-  multiple of `block_size`: tokens, protected, real (not padding)."""
+  """A conversation's {"prompt", "response"} ids (`tokenize`) -> arrays [T], T a multiple of
+  `block_size` and at most `seq_len`: tokens, protected, real (not padding), and the prompt
+  and response tokens cut to fit (`prompt_cut`, `response_cut`, at [0]; see above)."""
   prompt, response = ids["prompt"], ids["response"]
   left, right = -len(prompt) % block_size, -len(response) % block_size
-  tokens = np.concatenate([np.full(left, pad_id, np.int32), prompt, response,
-                           np.full(right, pad_id, np.int32)])
-  protected = np.repeat([True, False, True], [left + len(prompt), len(response), right])
-  real = np.repeat([False, True, False], [left, len(prompt) + len(response), right])
-  return {"tokens": tokens[:seq_len], "protected": protected[:seq_len], "real": real[:seq_len]}
+  prompt_room, response_room = left + len(prompt), len(response) + right  # whole blocks
+  if prompt_room + response_room > seq_len:
+    half = max(block_size, seq_len // 2 // block_size * block_size)
+    response_room = min(response_room, max(seq_len - prompt_room, half))
+    prompt_room = seq_len - response_room
+  kept_prompt, kept_response = min(len(prompt), prompt_room), min(len(response), response_room)
+  pad = lambda n: np.full(n, pad_id, np.int32)
+  tokens = np.concatenate([pad(prompt_room - kept_prompt), prompt[len(prompt) - kept_prompt:],
+                           response[:kept_response], pad(response_room - kept_response)])
+  protected = np.repeat([True, False, True],
+                        [prompt_room, kept_response, response_room - kept_response])
+  real = np.repeat([False, True, False], [prompt_room - kept_prompt, kept_prompt + kept_response,
+                                          response_room - kept_response])
+  cut = lambda n: np.pad([n], (0, len(tokens) - 1)).astype(np.int32)
+  return {"tokens": tokens, "protected": protected, "real": real,
+          "prompt_cut": cut(len(prompt) - kept_prompt),
+          "response_cut": cut(len(response) - kept_response)}
+
+
+CUTS = ("prompt_cut", "response_cut")
+
+
+class Truncations:
+  """What `align` cut from the conversations of the batches read since the last `take`
+  (nothing to count, and no counts, for text data)."""
+
+  def __init__(self):
+    self._counts = dict(examples=0, truncated_examples=0, prompt_tokens_cut=0,
+                        response_tokens_cut=0)
+    self._chat = False
+
+  def add(self, batch: dict[str, np.ndarray]) -> None:
+    if CUTS[0] not in batch:
+      return
+    self._chat = True
+    prompt, response = batch["prompt_cut"], batch["response_cut"]
+    self._counts["examples"] += sum(len(np.unique(row[row > 0])) for row in batch["segment_ids"])
+    self._counts["truncated_examples"] += int(np.count_nonzero(prompt + response))
+    self._counts["prompt_tokens_cut"] += int(prompt.sum())
+    self._counts["response_tokens_cut"] += int(response.sum())
+
+  def peek(self) -> dict[str, int]:
+    return dict(self._counts)
+
+  def take(self) -> dict[str, int]:
+    """The counts since the last call, then zeros."""
+    counts = self._counts
+    self._counts = dict.fromkeys(counts, 0)
+    return counts if self._chat else {}
 
 
 def _packed_row(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   return {"tokens": row["tokens"], "protected": row["protected"],
-          "segment_ids": np.where(row["real"], row["tokens_segment_ids"], 0).astype(np.int32)}
+          "segment_ids": np.where(row["real"], row["tokens_segment_ids"], 0).astype(np.int32),
+          **{k: row[k] for k in CUTS}}
 
 
 def pack_chat(examples: grain.IterDataset, *, seq_len: int, pad_id: int,
               num_bins: int) -> grain.IterDataset:
-  """Examples -> {"tokens", "segment_ids", "protected"} rows [L]; padding is segment 0."""
-  features = ("tokens", "protected", "real")
+  """Examples -> {"tokens", "segment_ids", "protected", *CUTS} rows [L]; padding is segment 0."""
+  features = ("tokens", "protected", "real", *CUTS)
   rows = gx.FirstFitPackIterDataset(
       examples, length_struct={f: seq_len for f in features}, num_packing_bins=num_bins,
-      shuffle_bins=False, padding_struct={"tokens": pad_id, "protected": True, "real": False})
+      shuffle_bins=False, padding_struct={"tokens": pad_id, "protected": True, "real": False,
+                                          **dict.fromkeys(CUTS, 0)})
   return rows.map(_packed_row)
 
 
@@ -305,7 +355,8 @@ def _padded_row(seq_len: int, pad_id: int, example: dict[str, np.ndarray]
   fill = seq_len - len(example["tokens"])
   pad = lambda x, value: np.concatenate([x, np.full(fill, value, x.dtype)])
   return {"tokens": pad(example["tokens"], pad_id), "protected": pad(example["protected"], True),
-          "segment_ids": pad(example["real"], False).astype(np.int32)}
+          "segment_ids": pad(example["real"], False).astype(np.int32),
+          **{k: pad(example[k], 0) for k in CUTS}}
 
 
 def chat_per_row(examples: grain.IterDataset, *, seq_len: int, pad_id: int,

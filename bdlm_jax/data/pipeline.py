@@ -67,7 +67,9 @@ def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size
   """This process's batches {"tokens", "segment_ids"}: int32 [batch_size, L], forever.
 
   With `data.format="chat"` batches also hold "protected" bool [batch_size, L] (the prompts)
-  and every conversation is padded to whole blocks of `block_size` (see data/chat.py).
+  and what was cut of conversations longer than L ("prompt_cut", "response_cut" int32
+  [batch_size, L]), and every conversation is padded to whole blocks of `block_size` (see
+  data/chat.py).
 
   Process p reads documents p, p + P, p + 2P, ... of the source (disjoint shards); each
   epoch is reshuffled from `seed` when `data.shuffle`. Padding is `tokenizer.pad_id` with

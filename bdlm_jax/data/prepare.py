@@ -42,6 +42,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 from tqdm import tqdm
 
+from bdlm_jax.checksums import sha256
 from bdlm_jax.config import Config, DataConfig
 from bdlm_jax.data import chat
 from bdlm_jax.data.sources import DataError, make_source
@@ -291,7 +292,7 @@ def _write_range(first: int, end: int, out_dir: str, shard_tokens: int) -> list[
     if tokens >= shard_tokens or i + 1 == end:
       writer.close()
       name = f"shard-{start:012d}-{i + 1:012d}.array_record"
-      shard = dict(file=name, first=start, end=i + 1, tokens=tokens, sha256=_sha256(tmp),
+      shard = dict(file=name, first=start, end=i + 1, tokens=tokens, sha256=sha256(tmp),
                    records=f"{digest:032x}")
       os.replace(tmp, os.path.join(out_dir, name))
       with open(os.path.join(out_dir, PROGRESS), "a") as log:  # one short append per shard
@@ -310,11 +311,6 @@ def _record_digest(index: int, record: bytes) -> int:
   return int.from_bytes(h.digest(), "little")
 
 
-def _sha256(path: str) -> str:
-  with open(path, "rb") as f:
-    return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _damaged(folder: str, shards: list[dict]) -> dict[str, str]:
   """{file: what is wrong} for each shard that is missing or whose sha256 differs from the
   one it was written with (shards of older folders have none, and are not checked)."""
@@ -323,7 +319,7 @@ def _damaged(folder: str, shards: list[dict]) -> dict[str, str]:
     path = os.path.join(folder, s["file"])
     if not os.path.exists(path):
       damaged[s["file"]] = "missing"
-    elif "sha256" in s and _sha256(path) != s["sha256"]:
+    elif "sha256" in s and sha256(path) != s["sha256"]:
       damaged[s["file"]] = "damaged: its sha256 differs from the one it was written with"
   return damaged
 

@@ -144,7 +144,7 @@ def hidden(spec, model, batch, inputs, layer_weights):
   if cfg.drafter.conv_taps:
     _check_whole_blocks(plan)
   if attend.prune is not None:  # only the context rows some draft window reaches
-    ctx_meta, feats = attend.prune(draft_meta, ctx_meta, feats, skip=skip)
+    ctx_meta, feats = attend.prune(batch.kept, ctx_meta, feats, skip=skip)
   elif skip:
     feats = ctx(feats)
   out = model.drafter(target.embed_tokens(draft(inputs)), draft(batch.pos), draft_meta,
@@ -215,6 +215,17 @@ def pick_anchors(ok_SL, max_anchors: int, sampling: str, seed: int,
       idx = ((np.arange(n) + 0.5) * len(cand) / max(n, 1)).astype(np.int64)
     out.append(cand[idx])
   return out
+
+
+def locality_run(seq_len: int, anchors: int, block_size: int) -> np.ndarray:
+  """Where static costs put `pick_anchors`' locality anchors among the n = L - 1 candidates
+  of one supervised document: its run of stride B (bumped until coprime with n), started
+  mid-sequence (no wrap)."""
+  n, stride = seq_len - 1, block_size
+  while math.gcd(stride, n) != 1:
+    stride += 1
+  start = (n - anchors * stride) // 2
+  return np.sort((start + np.arange(anchors) * stride) % n)
 
 
 ANCHOR_STREAM = 0x616E63  # "anc": the anchors' draw from a step's key, apart from its others

@@ -73,8 +73,17 @@ class LayoutPlan:
     travel (csbp), none when everything does (cp)."""
     return self.n_noisy if self.travel == "clean" else 0
 
-  def attention_work(self, window: int | None = None, keys: np.ndarray | None = None
-                     ) -> np.ndarray:
+  def window_reach(self, window: int) -> np.ndarray:
+    """bool [L]: the positions some draft block's window reaches, [start - (W-1), start)
+    (slot 0's; a later slot's starts later): the context rows pruning keeps (one document)."""
+    starts = self.block_starts()
+    edges = np.zeros(self.seq_len + 1, np.int64)
+    np.add.at(edges, np.maximum(starts - window + 1, 0), 1)
+    np.add.at(edges, starts, -1)
+    return np.cumsum(edges)[:self.seq_len] > 0
+
+  def attention_work(self, window: int | None = None, keys: np.ndarray | None = None,
+                     causal_drafts: bool = False) -> np.ndarray:
     """Allowed (query, key) pairs of each rank's queries (one document), on a global layer or
     a local one of window W: int64 [P] against every key of the stream (what each rank
     computes), or int64 [P, G] against each row group of `keys` (int [G, K] logical rows,
@@ -84,8 +93,10 @@ class LayoutPlan:
     sees the noisy keys of its block and the clean keys before its block's start
     (`block_starts`: bB, or a draft block's anchor); a clean query of block b the clean keys
     before (b+1)B (none in a drafter's plan: its context rows are keys only). A window drops
-    the clean keys before the block's start - (W-1) (a noisy query) or p - (W-1) (a clean
-    query at p).
+    the clean keys before the block's start - (W-1) (a noisy query), slot j of a draft
+    block's own position, anchor + j, - (W-1) (`models.drafter.windowed_drafts`), or
+    p - (W-1) (a clean query at p). `causal_drafts`: a draft slot sees its block's slots up
+    to its own, not all B (`drafter.sliding_causal`).
     """
     B, n, L = self.block_size, self.noisy_len, self.seq_len
     groups = np.arange(n + L)[None] if keys is None else np.asarray(keys)
@@ -102,9 +113,16 @@ class LayoutPlan:
     starts = self.block_starts()
     pairs = (q_noisy @ (k_noisy + before(starts)).T
              + q_clean @ before(np.arange(1, L // B + 1) * B).T)
+    q_row = np.where(noisy, self.rows, 0)
     if window is not None:
-      lo = np.where(noisy, starts[np.where(noisy, self.rows, 0) // B], pos) - (window - 1)
+      slot = q_row % B if self.draft_blocks else 0
+      lo = np.where(noisy, starts[q_row // B] + slot, pos) - (window - 1)
       pairs -= before(np.where(noisy | clean, np.maximum(lo, 0), 0)).sum(axis=-1).T
+    if causal_drafts:  # the slots of its block after its own
+      k_draft = [np.sort(g[(g != PAD) & (g < n)]) for g in groups]
+      later = np.stack([np.searchsorted(k, (q_row // B + 1) * B) - np.searchsorted(
+          k, q_row, side="right") for k in k_draft])  # [G, P, rows]
+      pairs -= np.where(noisy, later, 0).sum(axis=-1).T
     return pairs[:, 0] if keys is None else pairs
 
   @functools.cached_property

@@ -141,3 +141,16 @@ register(Strategy("cp_replicated_drafts", layout.replicated_drafts_plan, "ring",
                   summary="the DFlash paper's CP baseline: every draft block on every rank, "
                           "context K/V around the ring",
                   needs_noisy_stream=True, needs_drafter=True))
+
+
+def drafter_plan(cfg: Config, strategy: str, num_ranks: int) -> LayoutPlan:
+  """A drafter's plan for static costs (the cost model, MFU): its `objective.max_anchors`
+  draft blocks where its anchors are expected, `locality` anchors as one run mid-sequence
+  (`objectives.dflash.locality_run`), others spread evenly (`LayoutPlan.block_starts`)."""
+  o = cfg.objective
+  plan = make_plan(strategy, cfg.data.seq_len, o.block_size, num_ranks,
+                   draft_blocks=o.max_anchors)
+  if o.anchors != "locality":
+    return plan
+  return dataclasses.replace(plan, anchor_starts=objectives.dflash.locality_run(
+      cfg.data.seq_len, o.max_anchors, o.block_size))

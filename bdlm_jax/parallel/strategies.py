@@ -183,9 +183,5 @@ def _draft_attend(cfg: Config, mesh, global_body, prune):
     with jax.named_scope(ATTENTION_SCOPE):
       return sharded(*args)
 
-  def scoped_prune(*args, **kwargs):
-    with jax.named_scope(ATTENTION_SCOPE):  # its all-gather of the anchors is attention's
-      return prune(*args, **kwargs)
-
-  attend.prune = None if prune is None else scoped_prune
+  attend.prune = prune
   return attend

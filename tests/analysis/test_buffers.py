@@ -28,6 +28,7 @@ def breakdown(*overrides) -> buffers.Breakdown:
   return buffers.step_breakdown(cfg, make_mesh(cfg))[1]
 
 
+@pytest.mark.slow
 def test_the_buffers_live_at_the_peak_are_within_xla_cpus_bound_and_hold_every_argument():
   """XLA:CPU keeps the arguments live through the step: the state and batch buffers at the
   peak are memory_analysis's arguments but a few hundred bytes at most (the PRNG key, dead
@@ -55,16 +56,19 @@ def test_each_buffer_is_sorted_into_one_category_and_the_tables_name_them():
   assert [x.nbytes for x in b.buffers] == sorted((x.nbytes for x in b.buffers), reverse=True)
 
 
+@pytest.mark.slow
 def test_a_smaller_logits_chunk_shrinks_the_loss_chunk():
   whole, chunked = breakdown(), breakdown("model.logits_chunk=16")
   assert chunked.by_category()[buffers.LOSS] < whole.by_category()[buffers.LOSS] / 2
 
 
+@pytest.mark.slow
 def test_remat_full_saves_fewer_residuals_than_none():
   full, none = breakdown(), breakdown("model.remat=none")
   assert full.by_category()[buffers.RESIDUALS] < none.by_category()[buffers.RESIDUALS] / 2
 
 
+@pytest.mark.slow
 def test_the_stacks_of_a_period_scan_are_saved_residuals_where_periods_do_not_divide_the_layers():
   """7 layers of a 3-layer pattern scan as 2 periods, then a run of 1 layer: stacks with a
   leading 2, which does not divide 7 (as 10 periods do not divide Gemma 3 27B's 62 layers)."""
@@ -97,6 +101,7 @@ def test_plan_breakdown_adds_the_chosen_strategys_breakdown_below_the_verdict(mo
   assert seen[-1] == "bp"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="needs libtpu (requirements-tpu.txt)")
 def test_on_xla_tpu_the_breakdown_stays_within_the_compilers_own_peak():

@@ -40,6 +40,7 @@ def report(strategy="csbp_ring") -> sr.StepReport:
   return sr.step_report(cfg, make_mesh(cfg, targets.resolve(TARGET).devices))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["csbp_ring", "cp_ring"])
 def test_tpu_ring_moves_exactly_the_plans_attention_bytes(strategy):
   """XLA:TPU keeps bf16 K/V at 2 bytes and sends the ring's last dK/dV hop in bf16 (its only
@@ -51,6 +52,7 @@ def test_tpu_ring_moves_exactly_the_plans_attention_bytes(strategy):
       sr.expected_attention_operand_bytes(config(strategy), "tpu")
 
 
+@pytest.mark.slow
 def test_tpu_allgather_moves_exactly_the_plans_attention_bytes():
   """XLA:TPU rewrites the transport's int32 metadata all-gathers as all-reduces of zeros but
   for the shard, and its dK/dV reduce-scatter as an all-reduce of the f32 input, none named:
@@ -67,6 +69,7 @@ def test_csbp_sends_half_the_attention_bytes_of_cp_on_tpu():
       sum(report("cp_ring").attention_collective_bytes.values())
 
 
+@pytest.mark.slow
 def test_tpu_peak_is_the_compilers_own_and_below_the_every_buffer_bound():
   r = report()
   assert r.compiler_peak_bytes is not None and r.peak_bytes == r.compiler_peak_bytes
@@ -102,6 +105,7 @@ def test_an_unknown_topology_is_a_config_error():
     targets.resolve("tpu:v9z:2x2")
 
 
+@pytest.mark.slow
 def test_offload_puts_the_saved_residuals_in_host_memory():
   """model.remat=offload: at least what each layer saves (its input and attention output in
   bf16, the f32 LSE, the int32 positions and row metadata and the f32 router row weight, per

@@ -24,6 +24,7 @@ def costs(strategy: str, seq_len: int = L, num_ranks: int = P, chunk: int = 512)
   return attention_layer_costs(strategy, seq_len, num_ranks, B, chunk=chunk, **DIMS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_ranks", [4, 8])
 @pytest.mark.parametrize("transport", ["ring", "allgather"])
 def test_csbp_moves_at_most_55_percent_of_cp_kv(transport, num_ranks):
@@ -64,6 +65,7 @@ def test_csbp_ring_memory_does_not_grow_with_ranks_at_fixed_rows_per_rank():
   assert temp[8] <= 1.05 * temp[4], temp
 
 
+@pytest.mark.slow
 def test_csbp_ring_memory_is_linear_in_seq_len_with_key_chunks():
   """The ring's custom_vjp keeps no visited shard and the kernel visits keys in chunks of 64,
   so doubling L doubles temp memory (plain autodiff through the ring would quadruple it)."""

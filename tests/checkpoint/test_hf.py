@@ -103,6 +103,7 @@ def hf_model(request, tmp_path_factory) -> HFModel:
   return HFModel(folder, model, tokens, torch_logits(model, tokens))
 
 
+@pytest.mark.slow
 def test_import_gives_the_logits_of_transformers(hf_model):
   cfg, params = import_hf(hf_model.folder)
   hf = json.load(open(os.path.join(hf_model.folder, "config.json")))
@@ -553,6 +554,7 @@ def gemma4_model(request, tmp_path_factory) -> HFModel:
   return HFModel(folder, model, tokens, gemma4_reference_logits(model, tokens))
 
 
+@pytest.mark.slow
 def test_gemma4_import_gives_the_logits_of_transformers(gemma4_model):
   """The causal logits through `ar_logits`; the features read from config.json; the
   vocabulary of a DiffusionGemma is the folder's (no [MASK] row), its vision tower left out

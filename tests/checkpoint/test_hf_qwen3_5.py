@@ -89,6 +89,7 @@ def build(name: str, folder: str):
   return folder, tokens, torch_logits(model, tokens), class_name
 
 
+@pytest.mark.slow
 def test_import_gives_the_logits_of_transformers(qwen3_5):
   folder, tokens, want, _ = qwen3_5
   cfg, params = import_hf(folder)

@@ -15,7 +15,8 @@ from bdlm_jax.errors import ConfigError
 from bdlm_jax.data import ByteTokenizer, DataError, check_arithmetic, make_dataset
 from bdlm_jax.checkpoint.hf_export import export_hf
 from bdlm_jax.checkpoint.hf_import import import_hf
-from bdlm_jax.data.chat import ChatSource, FolderTemplate, make_template, prompt_text, render
+from bdlm_jax.data.chat import (ChatSource, FolderTemplate, Truncations, align, make_template,
+                                prompt_text, render)
 from bdlm_jax.evaluate import arithmetic_prompts
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.params import init_params
@@ -261,3 +262,34 @@ def test_tokenizer_template_errors_name_the_problem(gemma_folder, tmp_path):
   with pytest.raises(DataError, match=f"{path}:1: .*chat_template.jinja renders .* does not "
                                       f"start with"):
     ChatSource(path, FolderTemplate(gemma_folder))
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_a_prompt_longer_than_the_row_keeps_the_response_start_and_is_counted(tmp_path, pack):
+  """Before: the example was cut to its first L tokens, all prompt; no response token was
+  trained, and nothing said so. Now the prompt loses its start, the response keeps its own."""
+  long = [{"role": "user", "content": "x" * 300}, {"role": "assistant", "content": "hello there"}]
+  data = make_dataset(_chat_cfg(_write(tmp_path, [long, CONVERSATIONS[0]]), pack=pack),
+                      batch_size=2, seed=0, vocab_size=260, block_size=B)
+  batch, tok = next(data), ByteTokenizer()
+  tokens, seg, protected = batch["tokens"], batch["segment_ids"], batch["protected"]
+  responses = [tok.decode(tokens[r][(seg[r] == s) & ~protected[r]], skip_special=False)
+               for r in range(len(tokens)) for s in np.unique(seg[r][seg[r] > 0])]
+  assert sorted(responses) == ["19<eos>", "hello there<eos>"]
+  prompts = [tok.decode(tokens[r][(seg[r] == s) & protected[r]])
+             for r in range(len(tokens)) for s in np.unique(seg[r][seg[r] > 0])]
+  prompt = "User: " + "x" * 300 + "\nAssistant: "
+  kept = L - 12  # the response "hello there<eos>" is 3 blocks
+  assert prompt[-kept:] in prompts
+  counts = Truncations()
+  counts.add(batch)
+  assert counts.take() == dict(examples=2, truncated_examples=1,
+                               prompt_tokens_cut=len(prompt) - kept, response_tokens_cut=0)
+
+
+def test_a_response_longer_than_half_the_row_keeps_half_and_the_prompt_s_end():
+  prompt, response = np.arange(1, 101, dtype=np.int32), np.arange(101, 301, dtype=np.int32)
+  ex = align(0, B, L, {"prompt": prompt, "response": response})
+  assert len(ex["tokens"]) == L and ex["protected"].sum() == L // 2
+  np.testing.assert_array_equal(ex["tokens"], np.concatenate([prompt[-64:], response[:64]]))
+  assert (ex["prompt_cut"][0], ex["response_cut"][0]) == (36, 136)

@@ -188,6 +188,7 @@ def test_prepare_refuses_what_it_cannot_or_should_not_write(tmp_path):
     prep.prepare(config(other, tmp_path / "ids"), progress=False)
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_prepared_folder_re_made_in_place(tmp_path, capsys):
   """Train on a prepared folder, prepare it again from another corpus, --resume: refused,
   naming the folder (before, the checkpoint held data.path only and training went on). The
@@ -324,6 +325,16 @@ def _children(pid: int) -> list[int]:
   return found
 
 
+def _ignores_sigint(pid: int) -> bool:
+  """Whether `pid` ignores SIGINT now (Linux /proc: its SigIgn mask)."""
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+  except (OSError, StopIteration):
+    return False
+  return bool(mask & (1 << (signal.SIGINT - 1)))
+
+
 def _running(pid: int) -> bool:
   try:
     with open(f"/proc/{pid}/stat") as f:
@@ -332,6 +343,7 @@ def _running(pid: int) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads processes from /proc")
 @pytest.mark.parametrize("fault", ["kill -9", "Ctrl-C while the workers start"])
 def test_prepare_s_workers_end_with_it_and_a_ctrl_c_prints_one_line(tmp_path, fault):
@@ -358,7 +370,9 @@ def test_prepare_s_workers_end_with_it_and_a_ctrl_c_prints_one_line(tmp_path, fa
       time.sleep(0.01)
     children = _children(proc.pid)
     assert len(children) == 3 and proc.poll() is None, err.read_text()
-    time.sleep(0.3)  # past the milliseconds in which the parent ignores SIGINT
+    deadline = time.time() + 60  # past the parent ignoring SIGINT while it starts them
+    while _ignores_sigint(proc.pid) and time.time() < deadline:
+      time.sleep(0.01)
     if fault == "kill -9":
       proc.kill()
     else:

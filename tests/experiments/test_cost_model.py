@@ -26,8 +26,9 @@ from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta, allowed, windowed
-from bdlm_jax.metrics import linear_flops_per_row, param_count
+from bdlm_jax.metrics import linear_flops_per_row, model_flops_per_step, param_count
 from bdlm_jax.models.drafter import drafter_model, target_depth
+from bdlm_jax.objectives.dflash import locality_run
 from bdlm_jax.params import abstract_params
 from bdlm_jax.parallel.layout import PAD
 from bdlm_jax.parallel.registry import SINGLE_DEVICE, get_strategy, make_plan, strategy_names
@@ -657,24 +658,26 @@ def test_dflash2_project_equals_a_hand_count():
   48..63, rank 1 16..47), or the whole band where one rank holds the context. Per draft row,
   drafter linear FLOPs: 2 layers x (q, k, v, o 2 * 64 * (64 + 32 + 32 + 64) + MLP
   2 * 3 * 64 * 96) = 122880, forward, backward and the remat's rerun (x 4); LM head
-  2 * 64 * 260 three times. Per kept context row: fc 2 * (2 * 64) * 64 three times, each
-  layer's k/v 2 * 64 * 64 x 4. Draft rows a rank runs: A * B / P = 8 where the drafts are
-  split, 16 on one GPU (none), and under the paper's baseline A * B = 16 on every rank: the
-  draft work times max(1, CP/BP) = 2 (CP = 2, BP = 1). Features: 2 layers x 64 x 2 bytes a
+  2 * 64 * 260 three times (forward, input gradient, the loss chunk's rerun: the head is
+  frozen). Per kept context row: fc 2 * (2 * 64) * 64 twice (forward and weight gradient: the
+  features are frozen), each layer's k/v 2 * 64 * 64 x 4. Draft rows a rank runs:
+  A * B / P = 8 where the drafts are split, 16 on one GPU (none), and under the paper's
+  baseline A * B = 16 on every rank: the draft work times max(1, CP/BP) = 2 (CP = 2, BP = 1). Features: 2 layers x 64 x 2 bytes a
   row, a GPU copying its 32-row context slot (64 where it holds the whole context), the node
   reading the 64 rows once a sequence (`none`: both GPUs' sequences a step). Attention: a
-  draft row sees its block's 4 rows and the 7 context rows before its anchor (the cost model's window rule), 32 (or 64) context K/V rows
-  travelling with their metadata where anything does."""
+  draft row sees its block's 4 rows and, slot j, the 7 - j context rows before its anchor
+  in its window (22 a block), 32 (or 64) context K/V rows travelling with their metadata
+  where anything does."""
   from bdlm_jax.analysis.cost_model.setting import GB
   a, hw = Assumptions(), DFLASH2_HW
   rows = dflash.dflash2_project(hw, a, recipes={"tiny": TINY_DFLASH2}, seq_lens=(64,))
   at = {r["strategy"]: r for r in rows}
   assert set(at) == {"none", "cp_allgather", "cp_ring", "bp", "csbp_allgather", "csbp_ring",
                      "cp_replicated_drafts"}
-  np.testing.assert_array_equal(dflash.locality_anchors(64, 4, 4), [23, 27, 31, 35])
+  np.testing.assert_array_equal(locality_run(64, 4, 4), [23, 27, 31, 35])
   matmul = hw.matmul_tflops * 1e12
   per_draft_row = 2 * (2 * 64 * (64 + 32 + 32 + 64) + 2 * 3 * 64 * 96) * 4 + 3 * 2 * 64 * 260
-  per_context_row = 3 * 2 * (2 * 64) * 64 + 2 * (2 * 64 * 64) * 4
+  per_context_row = 2 * 2 * (2 * 64) * 64 + 2 * (2 * 64 * 64) * 4
   draft_rows = dict(none=16, cp_allgather=8, cp_ring=8, bp=8, csbp_allgather=8, csbp_ring=8,
                     cp_replicated_drafts=8 * max(1, 2 // 1))
   context_slot = dict(none=64, bp=64)
@@ -686,7 +689,7 @@ def test_dflash2_project_equals_a_hand_count():
 
   def attention(s):
     """(forward + backward) seconds of one drafter layer on s's transport."""
-    own, ctx = 4 * draft_rows[s], 7 * draft_rows[s]  # pairs of a rank's draft rows
+    own, ctx = 4 * draft_rows[s], 22 * draft_rows[s] // 4  # pairs of a rank's draft rows
     if s in ("none", "bp"):  # nothing travels: the backward 2.5 x the forward
       return (1 + f) * (own + ctx) * pair
     # Drafts split: rank 0 holds draft blocks 0 and 3, rank 1 blocks 1 and 2 (dual-end pairs;
@@ -719,8 +722,9 @@ def test_dflash2_project_equals_a_hand_count():
     compute = linear + 2 * attention(s)
     assert r["compute_s"] == pytest.approx(compute, rel=1e-12), s
     assert r["total_s"] == pytest.approx(max(compute + copy, read), rel=1e-12), s
-    hand[s] = dict(compute_s=compute,
-                   seq_s=max(compute + copy, read) / (2 if s == "none" else 1))
+    sequences = 2 if s == "none" else 1
+    hand[s] = dict(seq_compute_s=compute / sequences,
+                   seq_s=max(compute + copy, read) / sequences)
     assert r["seq_s"] == pytest.approx(hand[s]["seq_s"], rel=1e-12), s
   # The paper's baseline: the split layout's drafter linear FLOPs, its draft part doubled.
   paper, csbp = at[dflash.PAPER_BASELINE], at["csbp_ring"]
@@ -730,17 +734,67 @@ def test_dflash2_project_equals_a_hand_count():
   # csbp_allgather: here csbp_allgather, whose backward waits one dK/dV hop, not two).
   (c,) = dflash.paper_comparison(rows)
   assert c["oom"] == []
-  for part, suffix in (("seq_s", ""), ("compute_s", "_compute")):
+  for part, suffix in (("seq_s", ""), ("seq_compute_s", "_compute")):
     best = min(("csbp_ring", "csbp_allgather"), key=lambda s: hand[s][part])
     assert best == "csbp_allgather" and c[f"csbp{suffix}"]["strategy"] == best
     assert c[f"over_paper{suffix}"] == pytest.approx(
         hand["cp_replicated_drafts"][part] / hand[best][part], rel=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason="LayoutPlan.attention_work(window) starts every draft "
-                   "slot's window at its anchor - (W-1); the drafter's mask (windowed_drafts) "
-                   "at anchor + j - (W-1), so the cost model counts B(B-1)/2 context pairs a "
-                   "block and layer too many")
+def test_dflash2_under_the_seeds_settings_equals_a_hand_count():
+  """The seed's settings (`dflash.SEED`) on the 2 GPUs: two data-parallel groups of one GPU,
+  so CSBP holds a whole sequence on one GPU and nothing travels; no remat (each drafter
+  layer's linear work 3 times, the frozen head's twice); each GPU's feature copy prefetched
+  (the step is the longest of compute, copy and read), the node reading both groups'
+  sequences a step; per sequence, the step over its 2 sequences. The paper's baseline runs on
+  both GPUs, one sequence a step, every draft block on each. Pairs and rows as in
+  `test_dflash2_project_equals_a_hand_count`."""
+  from bdlm_jax.analysis.cost_model.setting import GB
+  a, hw = Assumptions(), DFLASH2_HW
+  rows = dflash.dflash2_seed_project(hw, a, recipes={"tiny": TINY_DFLASH2}, seq_lens=(64,))
+  at = {r["strategy"]: r for r in rows}
+  assert set(at) == {"csbp_ring", "csbp_allgather", dflash.PAPER_BASELINE, "bp"}
+  matmul = hw.matmul_tflops * 1e12
+  layers = 2 * (2 * 64 * (64 + 32 + 32 + 64) + 2 * 3 * 64 * 96)
+  per_draft_row = layers * 3 + 2 * 2 * 64 * 260
+  per_context_row = 2 * 2 * (2 * 64) * 64 + 2 * (2 * 64 * 64) * 3
+  pair = 4 * 64 / (hw.attention_tflops * 1e12)
+  row_bytes = 2 * 64 * 2
+  for s in ("csbp_ring", "csbp_allgather"):
+    r = at[s]
+    linear = (16 * per_draft_row + 19 * per_context_row) / matmul
+    compute = linear + 2 * (1 + a.attention_bwd_factor) * (4 * 16 + 22 * 4) * pair
+    copy, read = 64 * row_bytes / (hw.host_gb_s * GB), 2 * 64 * row_bytes / (hw.disk_gb_s * GB)
+    assert (r["sequence_gpus"], r["drafter_linear_s"]) == (1, pytest.approx(linear, rel=1e-12))
+    assert r["compute_s"] == pytest.approx(compute, rel=1e-12), s
+    assert r["total_s"] == pytest.approx(max(compute, copy, read), rel=1e-12), s
+    assert r["seq_s"] == pytest.approx(max(compute, copy, read) / 2, rel=1e-12), s
+    assert r["seq_compute_s"] == pytest.approx(compute / 2, rel=1e-12), s
+  paper = at[dflash.PAPER_BASELINE]
+  assert paper["sequence_gpus"] == 2 and paper["seq_s"] == paper["total_s"]
+  assert paper["drafter_linear_s"] * matmul == pytest.approx(
+      16 * per_draft_row + 19 * per_context_row, rel=1e-12)
+  assert paper["total_s"] == pytest.approx(max(
+      paper["compute_s"], 32 * row_bytes / (hw.host_gb_s * GB),
+      64 * row_bytes / (hw.disk_gb_s * GB)), rel=1e-12)
+
+
+@pytest.mark.parametrize("causal,pairs", [(False, 152), (True, 128)])
+def test_a_dflash2_drafters_useful_flops_equal_a_hand_count(causal, pairs):
+  """MFU's useful FLOPs of TINY_DFLASH2 at L = 64 (features offline: no target layer runs):
+  the 16 draft rows through 2 layers (122,880 FLOPs a row, forward and two gradients), the
+  19 context rows its windows reach through each layer's k/v (2 * 64 * 64 x 2 layers, three
+  times) and fc (2 * 128 * 64, forward and weight gradient), the head over the draft rows
+  (2 * 64 * 260, forward and input gradient), and the allowed pairs (152, or 128 with causal
+  blocks: `test_dflash2_draft_pairs_equal_the_drafters_sliding_window_mask`) at 4 * 64 FLOPs
+  a pair and layer, three times."""
+  cfg = replace(dflash.recipe_config(TINY_DFLASH2, 64), drafter=dict(sliding_causal=causal))
+  layers = 2 * (2 * 64 * (64 + 32 + 32 + 64) + 2 * 3 * 64 * 96)
+  trained = 16 * layers + 19 * 2 * (2 * 64 * 64) + 4 * pairs * 64 * 2
+  frozen = 16 * 2 * 64 * 260 + 19 * 2 * 128 * 64
+  assert model_flops_per_step(cfg) == 3 * trained + 2 * frozen
+
+
 def test_dflash2_draft_pairs_equal_the_drafters_sliding_window_mask():
   """Slot j of anchor a (position a + j) sees context positions >= a + j - (W-1)
   (`models.drafter.windowed_drafts`, `drafter.window`): with W = 8 and anchors 23..35 each
@@ -748,7 +802,7 @@ def test_dflash2_draft_pairs_equal_the_drafters_sliding_window_mask():
   four blocks 152, where the cost model counts 4 * (16 + 28) = 176."""
   from bdlm_jax.models.drafter import windowed_drafts
   cfg = dflash.recipe_config(TINY_DFLASH2, 64)
-  anchors = dflash.locality_anchors(64, 4, 4)
+  anchors = locality_run(64, 4, 4)
   slot = np.tile(np.arange(4), 4)
   draft = RowMeta(*(np.asarray(x, np.int32)[None] for x in (
       np.full(16, NOISY), np.repeat(anchors, 4), np.ones(16), np.repeat(anchors, 4) + slot,
@@ -760,3 +814,10 @@ def test_dflash2_draft_pairs_equal_the_drafters_sliding_window_mask():
   assert mask.sum() == 4 * (4 * 4 + 7 + 6 + 5 + 4) == 152
   drafter, _ = dflash.dflash_works("none", cfg, 1)
   assert drafter.stay_pairs.sum() + drafter.travel_pairs.sum() == 152
+  # Causal draft blocks (drafter.sliding_causal, the seed's default): slot j sees j + 1 of its
+  # block's rows, 10 a block, not 16.
+  causal = replace(cfg, drafter=dict(sliding_causal=True))
+  mask = np.asarray(allowed(windowed_drafts(draft, 8, causal=True), keys))
+  assert mask.sum() == 4 * (1 + 2 + 3 + 4 + 7 + 6 + 5 + 4) == 128
+  drafter, _ = dflash.dflash_works("none", causal, 1)
+  assert drafter.stay_pairs.sum() + drafter.travel_pairs.sum() == 128

@@ -15,6 +15,7 @@ from experiments import gpu_check
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow
 def test_dry_run_passes_every_check_and_writes_one_results_file(tmp_path):
   assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
   assert os.listdir(tmp_path) == ["gpu_check_dry_run.json"]

@@ -14,6 +14,8 @@ from bdlm_jax.analysis.cost_model.work import plan_work, step_comm_bytes
 from bdlm_jax.parallel.registry import get_strategy, strategy_names
 from experiments import parallel_bench as pb
 
+pytestmark = pytest.mark.slow  # the whole file: docs/tests.md, the fast tier
+
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):

@@ -9,6 +9,7 @@ import pytest
 from experiments import scale_probe
 
 
+@pytest.mark.slow
 def test_quick_probe_reports_compiled_and_rejected_settings(tmp_path):
   # csbp_ring at L=32 (2 blocks on 4 ranks) and its 1-layer depth check are rejected by the
   # config; L=64 compiles.
@@ -26,6 +27,7 @@ def test_quick_probe_reports_compiled_and_rejected_settings(tmp_path):
   assert (tmp_path / "scale_probe_quick.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_ablation_compiles_each_feature_off_next_to_all_on(tmp_path, monkeypatch):
   monkeypatch.setattr(scale_probe, "ABLATIONS", scale_probe.ABLATIONS[::3])  # 2 compiles
   scale_probe.main(["--quick", "--ablate", "--lens", "64", "--strategies", "csbp_ring",
@@ -40,6 +42,7 @@ def test_ablation_compiles_each_feature_off_next_to_all_on(tmp_path, monkeypatch
   assert "| csbp_ring | every feature on |" in text and "| 1.00x |" in text
 
 
+@pytest.mark.slow
 def test_breakdown_writes_each_compiles_buffers_at_the_peak_beside_the_table(tmp_path):
   scale_probe.main(["--quick", "--breakdown", "--lens", "64", "--strategies", "csbp_ring",
                     "--depth-check", "0", "--out", str(tmp_path)])

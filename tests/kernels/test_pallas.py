@@ -69,6 +69,7 @@ def inputs(seed, s=2, rq=40, rk=56, hq=8, hkv=2, d=8, dtype=jnp.float32):
   return q, k, v, rng
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_packed_documents_padding_and_gqa_match_xla_in_f32(group):
   # 40 and 56 rows are not multiples of the 16-row tiles: the kernel pads them itself.
@@ -122,6 +123,7 @@ def test_every_strategy_local_and_ring_step_mask_matches_xla():
   assert_matches_xla(q, k, v, q_meta, k_meta, tol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["csbp_ring", "cp_allgather", "bp"])
 def test_loss_and_grads_with_pallas_equal_xla(strategy):
   """The kernel inside each transport: the ring's steps, one all-gather, plain local rows."""
@@ -203,6 +205,7 @@ def test_a_local_layer_visits_only_the_tiles_its_window_reaches(strategy):
 
 # ---- interface, errors, GPU lowering ------------------------------------------------------
 
+@pytest.mark.slow
 def test_attention_impl_pallas_runs_the_pallas_kernel(monkeypatch):
   """`model.attention_impl=pallas` sends every attention call of the model, inside the ring,
   through kernels/pallas.py: with its forward broken there (each query's output zeroed),

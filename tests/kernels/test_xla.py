@@ -53,6 +53,7 @@ def _inputs(seed, s=2, r=40, hq=4, hkv=2, d=8, dtype=jnp.float32):
   return q, k, v, random_meta(rng, s, r), rng
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 1), (8, 2)])
 def test_chunked_forward_equals_dense_oracle(hq, hkv):
   q, k, v, meta, _ = _inputs(hq, hq=hq, hkv=hkv)

@@ -49,6 +49,7 @@ def concat_reference(cfg, params, inputs):
       [clean[:, :b * B], noisy[:, b * B:(b + 1) * B]], 1))[:, -B:] for b in range(L // B)], 1)
 
 
+@pytest.mark.slow
 def test_bd3lm_stream_equals_the_concat_reference_values_and_gradients(gdn_model):
   cfg, params, batch = gdn_model
   key = jax.random.PRNGKey(1)
@@ -80,6 +81,7 @@ def test_canvas_logits_equal_the_concat_reference(gdn_model):
   np.testing.assert_allclose(canvas_logits(params, cfg, prompt, canvas), want, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_hybrid_scans_by_period_with_remat_and_row_chunks_alike():
   """A GDN and a global layer per period over 3 layers (a period and a remainder): the loss
   and gradients with remat and row chunks equal those without."""
@@ -130,6 +132,7 @@ PACKED_SEG = np.array([[1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 0, 0],
                        [1, 2, 2, 2, 4, 4, 4, 5, 5, 5, 5, 5]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern", ["gdn", "global", "gdn,global"])
 def test_ar_logits_of_packed_rows_equal_each_documents_own(pattern):
   cfg = config(layer_pattern=pattern)

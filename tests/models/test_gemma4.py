@@ -70,6 +70,7 @@ def _one_device():
   return loss_and_grads(_cfg(), None)
 
 
+@pytest.mark.slow
 def test_global_layers_have_their_own_stacks_and_scan_like_a_loop():
   """Local layers in `layers`, global ones (other head dim, one K/V head, no v_proj) in
   `global_layers`; the scanned period and the forced-global remainder take each layer's
@@ -86,11 +87,13 @@ def test_global_layers_have_their_own_stacks_and_scan_like_a_loop():
   assert_scan_equals_layer_loop(cfg, params)
 
 
+@pytest.mark.slow
 def test_gemma4_features_equal_one_device_under_csbp_ring():
   cfg = _cfg("csbp_ring", seq=8)
   test_strategies.assert_close(*loss_and_grads(cfg, make_mesh(cfg)), *_one_device())
 
 
+@pytest.mark.slow
 def test_gemma4_features_equal_one_device_with_experts_split_remat_and_zero3():
   """cp_allgather over seq, ZeRO-3 over fsdp x seq, experts split over data x fsdp."""
   cfg = replace(_cfg("cp_allgather", data=2, fsdp=2, seq=2, expert_axes="data,fsdp",

@@ -96,6 +96,7 @@ def _one_device():
   return test_strategies._loss_and_grads(_cfg("none"), None)
 
 
+@pytest.mark.slow
 def test_moe_loss_and_grads_equal_one_device():
   """Router statistics are pooled over the batch, so the aux loss couples every row: it must
   still come out the same with rows split over ranks and the experts ZeRO-3 sharded (every
@@ -146,6 +147,7 @@ def test_router_cases_cover_every_strategy():
   assert test_diffusiongemma.MODEL["moe_aux_weight"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,objective,family", ROUTER_CASES)
 def test_router_losses_count_each_row_once_under_every_strategy(strategy, objective, family):
   """The load-balancing and z losses pool every counted row of the step; a strategy that
@@ -186,6 +188,7 @@ EXPERT_PARALLEL = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,mesh_shape,dispatch", EXPERT_PARALLEL)
 def test_expert_parallel_loss_and_grads_equal_one_device(strategy, mesh_shape, dispatch,
                                                          monkeypatch):
@@ -230,6 +233,7 @@ def _received_rows(cfg):
   return set(re.findall(r"ragged_all_to_all.*-> tensor<(\d+)x", step.lower(params).as_text()))
 
 
+@pytest.mark.slow
 def test_dropless_dispatch_in_row_chunks_receives_a_chunks_pairs():
   """G = 4 devices of 2 x 48 rows, k = 2: a device may receive every pair of the group, 768
   rows at once; in 5 chunks, 4 x 2 x 10 x 2 = 160 a chunk of 10 rows (128 the last, of 8).
@@ -277,6 +281,7 @@ def test_capacity_drops_the_pairs_over_it_in_order_and_counts_them():
   assert float(router_losses(stacked, E)["moe_dropped"]) == pytest.approx(dropped / (12 * K))
 
 
+@pytest.mark.slow
 def test_expert_parallel_capacity_counts_the_groups_tokens():
   """With a capacity, expert parallelism over every device holding rows drops exactly what
   one device holding the whole batch drops: the same queue (members in sequence order), so
@@ -313,6 +318,7 @@ def assert_scan_equals_layer_loop(cfg, params):
   return inputs, stats
 
 
+@pytest.mark.slow
 def test_mixed_dense_and_moe_layers_scan_like_a_loop_over_the_layers():
   """Qwen3-MoE's decoder_sparse_step 2 over 5 layers, with local/global attention: the
   scanned periods and the remainder take each layer's weights from its own stack (MoE layers
@@ -327,6 +333,7 @@ def test_mixed_dense_and_moe_layers_scan_like_a_loop_over_the_layers():
   assert stats["tokens"].tolist() == [0, rows, 0, rows, 0]
 
 
+@pytest.mark.slow
 def test_mixed_layers_with_expert_parallelism_equal_one_device():
   cfg = _cfg("csbp_ring", data=2, fsdp=2, seq=2, expert_axes="data,fsdp",
              moe_dispatch="all_gather")

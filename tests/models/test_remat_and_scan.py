@@ -48,6 +48,7 @@ def test_full_remat_saves_only_layer_input_and_attention_output_and_lse():
   ])
 
 
+@pytest.mark.slow
 def test_full_remat_never_recomputes_the_ring():
   """A recomputed ring forward would add a loop of K/V `collective-permute`s to the program;
   remat=full has exactly the permutes of remat=none (on the global layer the forward ring and
@@ -69,11 +70,13 @@ def _compiled_temp(cfg):
   return jax.jit(jax.grad(_loss(cfg))).lower(params).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_full_remat_lowers_compiled_temp_memory():
   none, full = _compiled_temp(_cfg("none", n_layers=8)), _compiled_temp(_cfg("full", n_layers=8))
   assert full < 0.5 * none, (full, none)
 
 
+@pytest.mark.slow
 def test_layers_compile_to_one_loop_whatever_the_depth():
   """Program size does not grow with depth: the layers are one lax.scan, over one period of
   a local/global pattern (its remainder unrolled: the same at 17 layers as at 5)."""
@@ -86,6 +89,7 @@ def test_layers_compile_to_one_loop_whatever_the_depth():
   assert hlo_lines(17, **pattern) == hlo_lines(5, **pattern)
 
 
+@pytest.mark.slow
 def test_a_pattern_costs_no_copy_of_the_weights():
   """Weight-heavy layers (1.5 MiB each) under remat: a layer past the last whole period adds
   about its own weights to the compiled temp, not a copy of every layer's."""
@@ -104,6 +108,7 @@ def _assert_same_loss_and_grads(ref_cfg, cfg, seed=0):
   assert_trees_close(g1, g0, rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "full", "offload", "offload_input"])
 def test_remat_keeps_loss_and_grads(remat):
   _assert_same_loss_and_grads(_cfg("none", n_layers=2), _cfg(remat, n_layers=2))
@@ -125,6 +130,7 @@ def test_offload_input_saves_only_the_layer_input():
 MOE = dict(moe_experts=4, moe_top_k=2, moe_aux_weight=0.01, moe_z_weight=0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layers", [None, MOE], ids=["dense", "moe"])
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_row_chunks_keep_loss_and_grads(remat, layers):
@@ -134,6 +140,7 @@ def test_row_chunks_keep_loss_and_grads(remat, layers):
   _assert_same_loss_and_grads(ref_cfg, replace(ref_cfg, model=dict(row_chunks=5)), seed=3)
 
 
+@pytest.mark.slow
 def test_row_chunks_lower_compiled_temp_memory():
   """A wide MLP (d_ff = 16 d_model) at 512 rows a sequence: its [rows, d_ff] intermediates
   dominate a layer's backward; in 8 chunks only a chunk's exist."""

@@ -9,6 +9,7 @@ import pytest
 
 from bdlm_jax import (ConfigError, ar_logits, draft_logits, export_hf, init_params, loss_fn,
                       make_batch, make_mesh)
+from bdlm_jax.checkpoint import Checkpointer
 from bdlm_jax.checkpoint.target import load_target
 from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
@@ -101,6 +102,7 @@ def _reference(draft_loss="ce"):
   return _loss_and_grads(replace(_cfg(), objective=dict(draft_loss=draft_loss)), None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,parallel", [
     ("csbp_ring", dict(seq=8, draft_transport="kv")), ("csbp_allgather", dict(seq=4, fsdp=2)),
     ("cp_ring", dict(seq=4, data=2)), ("cp_allgather", dict(seq=8)), ("bp", dict(seq=4)),
@@ -116,6 +118,7 @@ def test_every_strategy_gives_the_single_device_loss_and_drafter_gradients(strat
   assert all(np.linalg.norm(g) > 0 for g in jax.tree.leaves(grads["drafter"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,parallel", [("csbp_ring", dict(seq=8)),
                                                ("bp", dict(seq=2, data=2, fsdp=2))])
 def test_the_kl_loss_is_exact_under_every_layout(strategy, parallel):
@@ -125,6 +128,7 @@ def test_the_kl_loss_is_exact_under_every_layout(strategy, parallel):
   assert_close(loss, grads["drafter"], ref_loss, ref_grads["drafter"])
 
 
+@pytest.mark.slow
 def test_the_kl_loss_compares_each_slot_with_the_targets_next_token_distribution():
   """One document per sequence: the target's logits at a + k - 1 are `ar_logits`'."""
   cfg = replace(_cfg(), objective=dict(draft_loss="kl"))
@@ -145,6 +149,7 @@ def test_the_kl_loss_compares_each_slot_with_the_targets_next_token_distribution
   assert abs(float(loss) - want) < 1e-5 * want and int(metrics["valid_tokens"]) > 0
 
 
+@pytest.mark.slow
 def test_the_pallas_kernel_gives_the_xla_loss_and_gradients():
   """Draft queries against [draft ; context] keys: unequal query and key rows in the kernel."""
   cfg = replace(_cfg("csbp_ring", seq=2), model=dict(attention_impl="pallas"))
@@ -153,6 +158,7 @@ def test_the_pallas_kernel_gives_the_xla_loss_and_gradients():
   assert_close(loss, grads["drafter"], ref_loss, ref_grads["drafter"])
 
 
+@pytest.mark.slow
 def test_a_train_step_updates_the_drafter_alone():
   cfg = replace(_cfg("csbp_ring", seq=4), train=dict(warmup_steps=0))
   mesh = make_mesh(cfg)
@@ -213,3 +219,17 @@ def test_a_target_that_does_not_fit_is_refused(tmp_path):
       np.shape, init_params(fits, jax.random.key(0))["target"])
   with pytest.raises(ConfigError, match="drafter.target"):
     load_target(replace(cfg, drafter=dict(target="")), make_mesh(cfg))
+
+
+def test_a_target_that_is_a_drafter_run_is_refused_in_one_line(tmp_path):
+  """Before: the drafter's own params (a target inside) went into init_state, which failed
+  with a pytree ValueError."""
+  cfg = _cfg()
+  with Checkpointer(str(tmp_path / "drafter_run"), cfg, save_every=1, max_to_keep=1,
+                    async_save=False) as ckpt:
+    ckpt.save(1, {"w": jax.numpy.zeros(2)}, force=True)
+    ckpt.wait()
+  target = replace(cfg, drafter=dict(target=str(tmp_path / "drafter_run")))
+  with pytest.raises(ConfigError, match=r"drafter_run' holds a drafter \(objective.name="
+                                        r"'dflash'\), not a target model"):
+    load_target(target, make_mesh(target))

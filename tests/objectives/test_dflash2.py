@@ -140,6 +140,7 @@ def _single_device():
   return params, batch, float(loss), metrics, jax.tree.map(np.asarray, grads)
 
 
+@pytest.mark.slow
 def test_the_dflash2_loss_and_gradients_equal_a_hand_computation():
   cfg, o = _cfg2(), _cfg2().objective
   params, batch, loss, metrics, grads = _single_device()
@@ -160,6 +161,7 @@ def test_the_dflash2_loss_and_gradients_equal_a_hand_computation():
                                                                  want_grads["drafter"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,parallel", [
     ("csbp_ring", dict(seq=4, draft_transport="kv")), ("cp_ring", dict(seq=4)),
     ("bp", dict(seq=2, data=2)), ("csbp_allgather", dict(seq=2, fsdp=2)),
@@ -307,6 +309,7 @@ def _unpruned_single_device():
   return params, float(loss), jax.tree.map(np.asarray, grads["drafter"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,parallel", [
     ("csbp_ring", dict(seq=4, draft_transport="query")), ("bp", dict(seq=2, data=2))])
 def test_context_pruning_keeps_the_loss_and_gradients_of_every_row(strategy, parallel):
@@ -328,15 +331,33 @@ def test_pruning_keeps_only_rows_of_each_anchors_own_document():
   the union of [max(document start, a - W + 1), a), as the seed keeps them: 11-17, 20-21 and
   28-34, not 15-19 of document 1 for anchor 22."""
   pos = np.arange(40)
-  anchors = prune.sorted_anchors(np.array([35, 22, 18, 22]), np.array([2, 2, 1, 2]), np)
-  kept = pos[prune.reached(*anchors, pos, np.where(pos < 20, 1, 2), 8, np)]
+  anchors = prune.sorted_anchors(np.array([35, 22, 18, 22]), np.array([2, 2, 1, 2]))
+  kept = pos[prune.reached(*anchors, pos, np.where(pos < 20, 1, 2), 8)]
   assert kept.tolist() == [*range(11, 18), 20, 21, *range(28, 35)]
 
 
-def test_a_batch_whose_windows_reach_more_rows_than_are_kept_is_refused():
+def test_a_batch_whose_windows_reach_more_rows_than_are_kept_trains_in_a_wider_step():
+  """kept_context_rows=8 where this batch's windows reach 9 of a rank's 16 context rows: the
+  batch is not refused; its kept rows are padded to the first doubling that holds them (16),
+  and that step, compiled for the wider batch, keeps one device's loss and gradients."""
   cfg = replace(_cfg2("csbp_ring", seq=4), drafter=dict(window=4, kept_context_rows=8))
-  with pytest.raises(ConfigError, match=r"kept_context_rows=8 is too few .* at least 9"):
-    make_batch(cfg, *_logical_batch())
+  batch = make_batch(cfg, *_logical_batch())
+  by_rank = batch.kept.reshape(batch.kept.shape[0], 4, -1)
+  assert by_rank.shape[-1] == 16 and (by_rank >= 0).sum(-1).max() == 9
+  mesh = make_mesh(cfg)
+  params, ref_loss, ref_grads = _unpruned_single_device()
+  step = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, None, cfg, mesh)[0]))
+  loss, grads = step(params, batch)
+  assert_close(float(loss), jax.tree.map(np.asarray, grads["drafter"]), ref_loss, ref_grads)
+
+
+def test_capacity_doubles_the_configured_rows_up_to_the_whole_slot():
+  cfg = replace(_cfg2("csbp_ring", seq=2), drafter=dict(window=4, kept_context_rows=5))
+  plan = plan_for(cfg)
+  whole = plan.rows_per_rank - plan.n_noisy
+  assert [prune.capacity(cfg, plan, n) for n in (0, 5, 6, 11, whole)] == [5, 5, 10, 20, whole]
+  kept = np.array([[0, 3, -1, 7, -1, -1]])
+  assert prune.widen(kept, plan, 4).tolist() == [[0, 3, -1, -1, 7, -1, -1, -1]]
 
 
 def _attend_by_hand(rows, window: int, causal: bool):
@@ -372,6 +393,7 @@ def _attend_by_hand(rows, window: int, causal: bool):
   return attend
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_drafters_window_and_block_mask_equal_a_mask_written_from_the_anchors(causal):
   """End to end: the drafter's hidden states under its own attention (metadata, windows,

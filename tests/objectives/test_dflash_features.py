@@ -49,6 +49,7 @@ def _cohosted(folder):
   return _loss_and_grads(_cfg(), None, batch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,parallel,kept", [
     ("none", {}, 0), ("csbp_ring", dict(seq=4), 0),
     # Context pruning reads the kept rows from the batch's features in place: 58 of 64 (every
@@ -153,6 +154,7 @@ def test_only_the_shared_weights_of_the_target_are_loaded(tiny):
   assert set(params) == {"embed", "final_norm"}  # tied embeddings: no lm_head
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:resuming .* with changed settings")
 def test_training_reads_features_and_resumes(tiny, tmp_path):
   workdir = str(tmp_path / "run")

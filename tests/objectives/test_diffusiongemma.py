@@ -97,6 +97,7 @@ def _draws(cfg, batch, key):
   return np.asarray(inputs)[:, :L], np.asarray(conditioned)[:, :L]
 
 
+@pytest.mark.slow
 def test_loss_equals_a_canvas_by_canvas_reference_on_packed_rows():
   """On one device, packed rows (a conversation starting inside a block, a prompt ending
   inside one), some conversations self-conditioned and some not."""
@@ -114,6 +115,7 @@ def test_loss_equals_a_canvas_by_canvas_reference_on_packed_rows():
   np.testing.assert_allclose(float(metrics["token_loss"]), float(want), rtol=2e-6)
 
 
+@pytest.mark.slow
 def test_gradients_equal_the_reference_s_with_constant_self_conditioning_logits():
   """One row of two conversations, the second starting inside a block, the first
   self-conditioned: every trained parameter's gradient equals the reference's, whose
@@ -182,6 +184,7 @@ def test_times_are_antithetic_over_response_blocks_only():
   np.testing.assert_allclose(np.sort((t - t[0]) % 1.0), np.arange(n) / n, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_accumulated_step_equals_the_one_big_batch():
   """grad_accum=2 against one batch of the same 4 sequences: the weights divide by the
   whole step's conversations and pairs, so the micro-batches add up exactly (corruption
@@ -212,6 +215,7 @@ def _without_scalars(grads):
   return grads
 
 
+@pytest.mark.slow
 def test_routers_are_frozen_with_no_optimizer_state_on_a_composed_mesh():
   """One train step on data x fsdp x seq (ZeRO-3, csbp_ring, experts split): every router
   weight unchanged and absent from the optimiser state, every other weight moved;
@@ -250,6 +254,7 @@ STRATEGIES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy, parallel", STRATEGIES,
     ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}{v}" for k, v in x.items()))

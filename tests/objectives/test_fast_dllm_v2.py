@@ -117,6 +117,7 @@ def test_a_blocks_first_token_is_scored_on_the_clean_row_that_sampling_uses():
 SEED_FORM = dict(boundary_row="noisy", keep_mask_logit=True, antithetic=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, parallel, form", [
     ("cp_allgather", {}, {}), ("cp_ring", {}, {}), ("bp", {}, {}), ("csbp_allgather", {}, {}),
     ("csbp_ring", {}, {}), ("csbp_ring", dict(data=2, seq=4), {}),

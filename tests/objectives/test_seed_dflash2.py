@@ -166,6 +166,7 @@ def _our_loss(cfg, params, batch, hidden):
   return float(value), np.asarray(grad)
 
 
+@pytest.mark.slow
 def test_the_dflash2_losses_with_multiplier_and_soft_cap_equal_the_seeds():
   base = _cfg2()
   assert base.model.output_multiplier != 1 and base.model.logit_softcap

@@ -22,6 +22,8 @@ from bdlm_jax.batch import make_batch
 from bdlm_jax.parallel.mesh import data_shard, make_mesh, put_batch
 from tests.parallel import multihost_worker as worker
 
+pytestmark = pytest.mark.slow  # the whole file: docs/tests.md, the fast tier
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 240
 

@@ -106,6 +106,7 @@ def test_the_seeds_rule_by_hand(strategy, seq, seq_len, anchors, rows, slot, sen
   assert query_ring.seed_peaks(cfg, plan) == by_hand[1]
 
 
+@pytest.mark.slow
 def test_the_seeds_rule_runs_the_transport_it_picks():
   """`seed` only picks `kv` or `query`: here `kv` (ours would rotate the queries), and the loss
   and gradients are one device's."""
@@ -126,11 +127,13 @@ MUSE_BYTES = {  # a hop of a drafter layer, one sequence: (ours, the seed's coun
 @pytest.mark.parametrize("strategy,auto,seed", [("csbp_ring", "query", "query"),
                                                ("cp_replicated_drafts", "kv", "query")])
 def test_the_muse_recipe_under_both_rules(strategy, auto, seed):
-  """configs/dflash2_muse_1m.py (no compile): under csbp_ring both rules rotate the queries;
-  under cp_replicated_drafts (all 8,192 draft rows on every rank) the seed's count, against
-  the unpruned 131,072-row context slot, rotates 540 MB of queries instead of 1,611 MB of
-  K/V, where the ring actually sends the 13,312 kept rows' 219 MB: ours keeps the K/V."""
-  cfg = load_config(str(MUSE_CONFIG), [f"parallel.strategy={strategy}"])
+  """configs/dflash2_muse_1m.py on one axis of 8 (no compile): under csbp_ring both rules
+  rotate the queries; under cp_replicated_drafts (all 8,192 draft rows on every rank) the
+  seed's count, against the unpruned 131,072-row context slot, rotates 540 MB of queries
+  instead of 1,611 MB of K/V, where the ring actually sends the 13,312 kept rows' 219 MB:
+  ours keeps the K/V."""
+  cfg = load_config(str(MUSE_CONFIG), [f"parallel.strategy={strategy}", "parallel.seq=8",
+                                       "parallel.data=1", "train.batch_size=1"])
   c = draft_transport_choices(cfg)
   ours, seeds = MUSE_BYTES[strategy]
   assert (c["auto"], c["seed"], c["compiled"]) == (auto, seed, auto)

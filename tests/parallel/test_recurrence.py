@@ -88,6 +88,7 @@ def _one_per_layout():
   return list(seen.values())  # the last registered of each: the rings
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, case", [
     (s, c) for s in _one_per_layout() for c in CASES
     if _laid_out(s, c) and (c == "N=2P" or s in FURTHER_CASES[c])])
@@ -103,6 +104,7 @@ def test_gdn_hybrid_loss_and_grads_equal_single_device(strategy, case):
   assert_close(*_loss_and_grads(cfg), *_reference(seq_len, block_size))
 
 
+@pytest.mark.slow
 def test_gdn_hybrid_autoregressive_under_context_parallelism():
   cfg = _cfg("cp_ring", 32, 4, 4, objective="ar")
   assert_close(*_loss_and_grads(cfg), *_reference(32, 4, "ar"))
@@ -123,6 +125,7 @@ def test_whole_stream_zigzag_fetches_one_copy_a_rank():
   assert (program.fetch[:, 0, 0] == np.arange(8)[::-1]).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, seq_len, remat", [
     ("csbp_ring", 24, "none"),  # greedy blocks: chain, tails, fetched copies
     ("cp_ring", 32, "full"),  # the whole-stream zigzag's copy; the backward's re-run

@@ -48,11 +48,13 @@ def test_a_toy_strategy_gives_the_single_device_loss_and_grads(toy):
   _assert_matches_reference(cfg, make_mesh(cfg))
 
 
+@pytest.mark.slow
 def test_a_toy_strategys_compiled_attention_bytes_are_its_plans(toy):
   report = sr.step_report(report_config(toy, seq=4))
   assert report.attention_bytes > 0 and 0.99 <= report.attention_check <= 1.01
 
 
+@pytest.mark.slow
 def test_mode_plan_compiles_and_lists_a_toy_strategy(toy):
   text = plan_mode.plan_report(report_config("csbp_ring", seq=2))
   row = next(line for line in text.splitlines() if line.startswith(f"| {toy} |"))

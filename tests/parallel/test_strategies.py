@@ -76,12 +76,14 @@ SEQ_STRATEGIES = ["cp_allgather", "cp_ring", "bp", "csbp_allgather", "csbp_ring"
 MEMORY_FEATURES = dict(remat="offload", row_chunks=5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", SEQ_STRATEGIES)
 def test_loss_and_grads_equal_single_device_on_seq8(strategy):
   cfg = replace(_cfg(strategy, BLOCKS["N>2P"], seq=8), model=MEMORY_FEATURES)
   _assert_matches_reference(cfg, make_mesh(cfg))
 
 
+@pytest.mark.slow
 def test_balanced_cp_ring_equals_single_device_on_seq8():
   """cp_ring_balanced cuts each half into 2P chunks of whole blocks: N = 2P here."""
   cfg = replace(_cfg("cp_ring_balanced", BLOCKS["N=2P"], seq=8), model=MEMORY_FEATURES)
@@ -93,6 +95,7 @@ COMPOSED = [(s, dict(data=2, seq=4)) for s in SEQ_STRATEGIES + ["cp_ring_balance
     for s in ("cp_ring", "cp_ring_balanced", "bp", "csbp_ring")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, mesh_shape", COMPOSED,
                          ids=[f"{s}-{'_'.join(f'{k}{v}' for k, v in m.items())}"
                               for s, m in COMPOSED])
@@ -103,6 +106,7 @@ def test_loss_and_grads_equal_single_device_on_composed_meshes(strategy, mesh_sh
   _assert_matches_reference(cfg, make_mesh(cfg))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["N=P", "N=2P", "P<N<2P"])
 @pytest.mark.parametrize("strategy", ["bp", "csbp_ring"])
 def test_block_counts_around_the_rank_count(strategy, case):
@@ -110,6 +114,7 @@ def test_block_counts_around_the_rank_count(strategy, case):
   _assert_matches_reference(cfg, make_mesh(cfg))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["cp_ring", "cp_allgather"])
 def test_autoregressive_objective_under_context_parallelism(strategy):
   cfg = _cfg(strategy, objective="ar", seq=8)
@@ -133,6 +138,7 @@ def test_batch_laid_out_for_another_strategy_is_rejected():
     loss_fn(init_params(cfg, jax.random.key(0)), batch, jax.random.key(0), cfg, make_mesh(cfg))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["csbp_ring", "csbp_allgather"])
 def test_travelling_kv_gradients_in_bf16(strategy):
   """parallel.kv_grad_dtype=bfloat16 sends dK/dV over the wire in bf16: the loss is untouched,

@@ -42,6 +42,7 @@ def _assert_matches_one_device(cfg, mesh):
   test_strategies.assert_close(*test_strategies._loss_and_grads(cfg, mesh), *reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,case", [("csbp_ring", case) for case in WINDOWS]
                          + [("cp_ring", "W<B"), ("cp_ring", "W>L/P")])
 def test_local_layers_equal_one_device_for_every_window(strategy, case):
@@ -50,12 +51,14 @@ def test_local_layers_equal_one_device_for_every_window(strategy, case):
 
 
 # (The all-gather transports' local layers: tests/objectives/test_diffusiongemma.py.)
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["bp"])
 def test_local_layers_equal_one_device_under_the_other_strategies(strategy):
   cfg = _cfg(strategy, *WINDOWS["W>B"], seq=8)
   _assert_matches_one_device(cfg, make_mesh(cfg))
 
 
+@pytest.mark.slow
 def test_local_layers_equal_one_device_on_a_composed_mesh():
   """csbp_allgather with remat=offload_input: the backward re-runs each global layer's
   all-gather and each local layer's windowed exchange."""
@@ -65,6 +68,7 @@ def test_local_layers_equal_one_device_on_a_composed_mesh():
   _assert_matches_one_device(cfg, make_mesh(cfg))
 
 
+@pytest.mark.slow
 def test_local_layers_take_their_window_and_rope_base():
   """Run through the scanned period and the unrolled remainder: with W = L and one RoPE base
   the pattern is the all-global model; a short window or another local base changes it."""
@@ -117,6 +121,7 @@ def test_the_exchange_brings_every_key_a_window_reaches(strategy, seq_len, block
       assert set(plan.rows[src][reached].tolist()) <= have, (dst, src)
 
 
+@pytest.mark.slow
 def test_csbp_local_layer_traffic_does_not_grow_with_the_sequence():
   """Fixed W and blocks per rank (B grows with L): csbp's windowed exchange moves the same
   bytes at every L, while its global ring grows with L."""

@@ -52,6 +52,7 @@ def test_layer_axis_and_vectors_are_never_sharded():
   assert param_spec((7, 9), 8) == jax.sharding.PartitionSpec()  # indivisible: replicated
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", [dict(seq=8), dict(fsdp=2, seq=4),
                                         dict(data=2, fsdp=2, seq=2)])
 def test_sharded_state_keeps_loss_and_grads(mesh_shape):

@@ -8,7 +8,6 @@ context parallel where K/V travel, the whole context on every GPU under bp); use
 """
 
 import dataclasses
-import math
 
 import numpy as np
 
@@ -23,7 +22,7 @@ from bdlm_jax.config import Config, ModelConfig
 from bdlm_jax.configure import replace
 from bdlm_jax.metrics import linear_flops_per_row, model_flops_per_step, param_count
 from bdlm_jax.models.drafter import drafter_model, target_depth, target_layer_ids
-from bdlm_jax.parallel.registry import SINGLE_DEVICE, get_strategy, make_plan, strategy_names
+from bdlm_jax.parallel.registry import SINGLE_DEVICE, drafter_plan, get_strategy, strategy_names
 
 # Qwen3-8B as the frozen target, DFlash's Qwen3-8B drafter (5 layers of the target's width
 # and heads, d_ff 12288, blocks of 16; its context: 5 target layers' outputs -> fc -> RMSNorm).
@@ -42,10 +41,35 @@ ANCHORS = (("512 (SpecForge recipe)", lambda seq_len: 512),
 
 # The seed paper's baseline: every draft block on every rank (its `all_blocks` mode)
 PAPER_BASELINE = strategy_names(needs_drafter=True, baseline=True)[0]
+# The context on every rank, the draft blocks split (bp): the paper's other candidate
+CONTEXT_REPLICATED = strategy_names(splits_sequences=True, travels="none")[0]
 # Context pruning's K/V packets: padded to the largest owner's kept rows, in tiles of 256
 # rows (the seed's `compact_dflash_target_context`, model.py ~1053-1213)
 PRUNED_TILE = 256
 FEATURE_BYTES = 2  # the features are stored and copied in bf16 (the recipes' `dtype: bf16`)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+  """How a DFlash2 recipe's step runs, beyond its model and strategy: this package's config
+  (`OURS`) or the seed's recipe files and trainer (`SEED`)."""
+  name: str
+  # data-parallel groups the node's GPUs form, each splitting its own sequence (the seed's
+  # CP 4 / BP 4 on 8 GPUs: 2 groups of 4)
+  sequence_groups: int
+  remat_forward: int  # activation checkpointing re-runs each drafter layer's forward (1), or not
+  state_bytes_per_param: int  # f32 weights, grads and Adam moments (16), or all bf16 (8)
+  prefetch_copy: bool  # each GPU's copy of its features runs a batch ahead, off the step
+
+
+OURS = RunSettings("ours", sequence_groups=1, remat_forward=1, state_bytes_per_param=16,
+                   prefetch_copy=False)
+# The seed's Muse recipe (recipes/runs/dflash2-muse-glimmer-30b-1m.yaml): CP 4 / BP 4 on 8 GPUs
+# (2 data-parallel groups, core/parallel/runtime.py ~988-989), `activation_checkpointing:
+# false`, bf16 weights under fused AdamW (dflash/executor.py ~256), the feature copy
+# prefetched one batch ahead on a side stream (dflash/data.py ~325-339, ~505-522).
+SEED = RunSettings("the seed's", sequence_groups=2, remat_forward=0, state_bytes_per_param=8,
+                   prefetch_copy=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,13 +89,14 @@ DFLASH2_RECIPES = {
     # 50]); widths as configs/dflash2_muse_1m.py gives them: 5 layers, all
     # sliding, W 2048, H 6656, I 19968, 32 / 8 heads x 128, vocabulary 202,048, fc 33,280 ->
     # 6,656 (5 target layers of width 6656), rope 5e5. The verifier's depth only needs
-    # to reach layer 50; its own d_ff is unused (its layers never run).
+    # to reach layer 50; its own d_ff is unused (its layers never run). Draft blocks causal
+    # on the sliding layers, the seed's default (as the config: its docstring says why).
     "muse-glimmer-30b": Dflash2Recipe(
         ModelConfig(vocab_size=202048, d_model=6656, n_layers=51, n_heads=32, n_kv_heads=8,
                     head_dim=128, d_ff=19968, rope_theta=5e5, qk_norm=True,
                     tie_embeddings=False, compute_dtype="bfloat16"),
         dict(n_layers=5, d_ff=19968, window=2048, target_layers="2,14,26,38,50",
-             features="offline"), block_size=16, anchors=512),
+             features="offline", sliding_causal=True), block_size=16, anchors=512),
     # Qwen3.8-27B-DFlash2 (recipe: B 8, 2048 anchors, layers [6, 20, 34, 48, 62], W 2048: its
     # ~18.4K kept rows of 1M are 2048 anchors x stride 8 + W). The verifier's dims are not in
     # the seed (loaded from its Hugging Face config): ASSUMED Qwen3.5-27B-class, width 5120,
@@ -81,8 +106,8 @@ DFLASH2_RECIPES = {
         ModelConfig(vocab_size=248320, d_model=5120, n_layers=64, n_heads=24, n_kv_heads=4,
                     head_dim=256, d_ff=17408, rope_theta=1e7, qk_norm=True,
                     tie_embeddings=False, compute_dtype="bfloat16"),
-        dict(n_layers=5, window=2048, target_layers="6,20,34,48,62", features="offline"),
-        block_size=8, anchors=2048),
+        dict(n_layers=5, window=2048, target_layers="6,20,34,48,62", features="offline",
+             sliding_causal=True), block_size=8, anchors=2048),
 }
 
 
@@ -102,25 +127,10 @@ def recipe_config(recipe: Dflash2Recipe, seq_len: int) -> Config:
   return replace(cfg, objective=dict(anchors="locality"))
 
 
-def locality_anchors(seq_len: int, anchors: int, block_size: int) -> np.ndarray:
-  """Where the seed's `locality` rule (core/objectives/dflash.py ~450-510) puts A anchors
-  among the n = L - 1 candidates of one supervised document: a run of stride B, bumped until
-  coprime with n; its start, uniform there, is taken mid-sequence (no wrap)."""
-  n, stride = seq_len - 1, block_size
-  while math.gcd(stride, n) != 1:
-    stride += 1
-  start = (n - anchors * stride) // 2
-  return np.sort((start + np.arange(anchors) * stride) % n)
-
-
 def kept_context_rows(plan, window: int) -> np.ndarray:
   """int64 [P]: each rank's context rows inside the union of the anchors' windows
-  [a - W + 1, a): what context pruning projects (the rest no draft query sees)."""
-  starts = plan.block_starts()
-  edges = np.zeros(plan.seq_len + 1, np.int64)
-  np.add.at(edges, np.maximum(starts - window + 1, 0), 1)
-  np.add.at(edges, starts, -1)
-  keep = np.cumsum(edges)[:plan.seq_len] > 0
+  (`LayoutPlan.window_reach`): what context pruning projects (the rest no draft query sees)."""
+  keep = plan.window_reach(window)
   pos = plan.rows[:, plan.n_noisy:] - plan.noisy_len
   return (keep[np.maximum(pos, 0)] & (pos >= 0)).sum(axis=1)
 
@@ -138,15 +148,13 @@ def dflash_works(strategy: str, cfg: Config, num_gpus: int) -> tuple[PlanWork, P
   does not split sequences (`none`: data parallel). The drafter's pairs are its draft
   queries' (own block's draft rows, context before the anchor, within the window of a
   sliding-window drafter), split by whose K/V they read; anchors where `objective.anchors`
-  puts them (locality: `locality_anchors`; else uniform). A windowed drafter's context is
-  pruned (`kept_context_rows`): its K/V packets carry the largest owner's kept rows."""
+  puts them (`drafter_plan`: a locality run mid-sequence; else uniform). A windowed
+  drafter's context is pruned (`kept_context_rows`): its K/V packets carry the largest
+  owner's kept rows."""
   p = num_gpus if get_strategy(strategy).splits_sequences else 1
-  o, window = cfg.objective, cfg.drafter.window or None
-  plan = make_plan(strategy, cfg.data.seq_len, o.block_size, p, draft_blocks=o.max_anchors)
-  if o.anchors == "locality":
-    plan = dataclasses.replace(plan, anchor_starts=locality_anchors(
-        cfg.data.seq_len, o.max_anchors, o.block_size))
-  drafter = work_of(plan, window)
+  window = cfg.drafter.window or None
+  plan = drafter_plan(cfg, strategy, p)
+  drafter = work_of(plan, window, causal_drafts=bool(window and cfg.drafter.sliding_causal))
   if window and drafter.n_travel:
     context = plan.rows_per_rank - plan.n_noisy
     packet = min(context, -(-kept_context_rows(plan, window).max() // PRUNED_TILE) * PRUNED_TILE)
@@ -180,12 +188,15 @@ def feature_feed_s(cfg: Config, plan, hw: Hardware) -> tuple[float, float]:
 
 
 def dflash_step_time(cfg: Config, drafter: PlanWork, target: PlanWork, hw: Hardware,
-                     a: Assumptions) -> dict:
+                     a: Assumptions, settings: RunSettings = OURS) -> dict:
   """Seconds of one sequence's step on its GPUs, and where they go. The target runs forward
   only (no remat, no backward, its ring moves K/V one way); the drafter forward + backward
-  under full remat, its context k/v projections inside each (rematerialised) layer, fc once.
-  Every rank runs its context rows (L/P, or L under bp and none) through the target, fc and
-  the drafter's context k/v; its draft rows through the drafter's layers and the LM head."""
+  (each layer's forward once more under remat, `a.remat_forward`), its context k/v
+  projections inside each layer, fc once. Every rank runs its context rows (L/P, or L under
+  bp and none) through the target, fc and the drafter's context k/v; its draft rows through
+  the drafter's layers and the LM head. fc's input (frozen features) and the head's weights
+  (frozen) get no gradient: 4 FLOPs a parameter and row each, the head's 2 more where its
+  loss chunk is rerun."""
   m, d = cfg.model, drafter_model(cfg)
   n_feat = len(target_layer_ids(cfg))
   matmul = hw.matmul_tflops * 1e12
@@ -199,17 +210,19 @@ def dflash_step_time(cfg: Config, drafter: PlanWork, target: PlanWork, hw: Hardw
   ctx_kv = 2 * d.d_model * kv_row(d)  # each drafter layer's k/v of the context
   d_linear = ((draft_rows * linear_flops_per_row(d) + ctx_rows * ctx_kv * d.n_layers)
               * (3 + a.remat_forward)
-              + 3 * 2 * (ctx_rows * n_feat * m.d_model * d.d_model
-                         + draft_rows * d.d_model * m.vocab_size)) / matmul
+              + 2 * 2 * ctx_rows * n_feat * m.d_model * d.d_model
+              + (2 + a.remat_forward) * 2 * draft_rows * d.d_model * m.vocab_size) / matmul
   parts = dict(target_linear_s=t_linear, target_attention_s=depth * t_attn,
                target_attention_busy_s=depth * t_busy, drafter_linear_s=d_linear,
                drafter_attention_s=d.n_layers * (fwd + bwd),
                drafter_attention_busy_s=d.n_layers * (1 + a.attention_bwd_factor) * busy)
   compute = t_linear + parts["target_attention_s"] + d_linear + parts["drafter_attention_s"]
-  # Features from disk: a GPU waits for its own copy; the disk read is prefetched (the seed's
-  # loader thread, dflash/data.py ~325-335), exposed only where it outlasts the step.
+  # Features from disk: the disk read is prefetched (the seed's loader thread, dflash/data.py
+  # ~325-335), exposed only where it outlasts the step, for every group's sequence; a GPU
+  # waits for its own copy unless that is prefetched too.
   h2d, disk = feature_feed_s(cfg, drafter.plan, hw)
-  total = max(compute + h2d, disk)
+  disk *= settings.sequence_groups
+  total = max(compute, h2d, disk) if settings.prefetch_copy else max(compute + h2d, disk)
   return dict(total_s=total, **parts, compute_s=compute, feature_copy_s=h2d, feature_read_s=disk,
               comm_bytes_per_step=dflash_comm_bytes(cfg, drafter, a))
 
@@ -290,19 +303,28 @@ def dflash_project(hw: Hardware, a: Assumptions, seq_lens=SEQ_LENS, anchors=ANCH
 
 
 def strategy_rows(cfg: Config, hw: Hardware, a: Assumptions, strategies=None,
-                  **labels) -> list[dict]:
+                  settings: RunSettings = OURS, **labels) -> list[dict]:
   """One row per strategy (every one with a plan of its own unless given) of the dflash run
-  `cfg` on `hw`, each labelled with `labels`, its L and A."""
+  `cfg` on `hw` under `settings` (a sequence split over a group of `hw`'s GPUs, the groups
+  data parallel), each labelled with `labels`, its L and A. `seq_s`: the node's time per
+  sequence."""
   o, rows = cfg.objective, []
   useful = model_flops_per_step(cfg)
+  groups = settings.sequence_groups
+  group = dataclasses.replace(hw, gpus_per_node=hw.num_gpus // groups, nodes=1)
+  a = dataclasses.replace(a, remat_forward=settings.remat_forward,
+                          state_bytes_per_param=settings.state_bytes_per_param)
   names = strategies or distinct_plans(strategy_names(), cfg.data.seq_len, o.block_size,
-                                        hw.num_gpus, o.max_anchors)
+                                        group.num_gpus, o.max_anchors)
   for s in names:
-    drafter, target_work = dflash_works(s, cfg, hw.num_gpus)
+    drafter, target_work = dflash_works(s, cfg, group.num_gpus)
     row = dict(seq_len=cfg.data.seq_len, anchors=o.max_anchors, **labels, strategy=s,
-               **dflash_step_time(cfg, drafter, target_work, hw, a),
+               settings=settings.name, sequence_gpus=group.num_gpus,
+               **dflash_step_time(cfg, drafter, target_work, group, a, settings),
                **dflash_memory(cfg, drafter, target_work, hw, a))
-    row["seq_s"] = row["total_s"] / (1 if get_strategy(s).splits_sequences else hw.num_gpus)
+    sequences = groups * (1 if get_strategy(s).splits_sequences else group.num_gpus)
+    row["seq_s"] = row["total_s"] / sequences
+    row["seq_compute_s"] = row["compute_s"] / sequences
     row["fits"] = row["total_bytes"] <= hw.usable_bytes
     row["mfu"] = useful / (row["seq_s"] * hw.num_gpus * hw.peak_tflops * 1e12)
     row["dominant"] = _dominant(row)
@@ -317,18 +339,33 @@ def dflash2_project(hw: Hardware, a: Assumptions, recipes=DFLASH2_RECIPES,
           for row in strategy_rows(recipe_config(recipe, seq_len), hw, a, recipe=name)]
 
 
+def dflash2_seed_project(hw: Hardware, a: Assumptions, recipes=DFLASH2_RECIPES,
+                         seq_lens=SEQ_LENS) -> list[dict]:
+  """Each DFlash2 recipe at each L under the seed's settings (`SEED`): CSBP as its recipe
+  runs it (csbp_* on each group of 4 GPUs, two sequences at once) and the paper's candidate
+  baselines on the node's 8 GPUs, one sequence at a time: every draft block on every rank
+  (the paper's, `PAPER_BASELINE`: CP 8, BP 1) and the context replicated
+  (`CONTEXT_REPLICATED`: BP 8)."""
+  whole_node = dataclasses.replace(SEED, sequence_groups=1)
+  return [row for name, recipe in recipes.items() for seq_len in seq_lens
+          for strategies, settings in ((CSBP, SEED),
+                                       ((PAPER_BASELINE, CONTEXT_REPLICATED), whole_node))
+          for row in strategy_rows(recipe_config(recipe, seq_len), hw, a, strategies,
+                                   settings, recipe=name)]
+
+
 def paper_comparison(rows: list[dict]) -> list[dict]:
   """Per (recipe, L): the best fitting CSBP against the paper's baseline (every draft block
-  on every rank) and against our best fitting baseline (cp_*, bp), as the step with its
-  features fed (`seq_s`) and as its compute alone (`compute_s`: features already on the
-  GPU, as a profile with device-resident features measures)."""
+  on every rank) and against our best fitting baseline (cp_*, bp), per sequence, as the
+  step with its features fed (`seq_s`) and as its compute alone (`seq_compute_s`: features
+  already on the GPU, as a profile with device-resident features measures)."""
   out = []
   for key in dict.fromkeys((r["recipe"], r["seq_len"]) for r in rows):
     group = {r["strategy"]: r for r in rows if (r["recipe"], r["seq_len"]) == key}
     best = lambda names, part: min((group[s] for s in names if s in group and group[s]["fits"]),
                                    key=lambda r: r[part], default=None)
     row = dict(recipe=key[0], seq_len=key[1], oom=[s for s, r in group.items() if not r["fits"]])
-    for part, suffix in (("seq_s", ""), ("compute_s", "_compute")):
+    for part, suffix in (("seq_s", ""), ("seq_compute_s", "_compute")):
       csbp, ours, paper = best(CSBP, part), best(BASELINES, part), group.get(PAPER_BASELINE)
       row.update({f"csbp{suffix}": csbp, f"paper{suffix}": paper, f"ours{suffix}": ours,
                   f"over_paper{suffix}": paper[part] / csbp[part] if paper and csbp else None,

@@ -513,28 +513,57 @@ def _dflash_reading(spd: list[dict], rows: list[dict], hw: Hardware) -> str:
          else "it does not at these lengths."))
 
 
-def dflash2_section(hw: Hardware, rows: list[dict]) -> list[str]:
+def _csbp_over_paper(c: dict) -> str:
+  """The first cells of a `paper_comparison` row: recipe, L, CSBP and the paper's baseline
+  per sequence (fed / compute), and CSBP's speedup over it."""
+  csbp, paper = c["csbp"], c["paper"]
+  return (f"| {c['recipe']} | {_k(c['seq_len'])} | {csbp['seq_s']:.3f} / "
+          f"{csbp['seq_compute_s']:.3f} ({csbp['strategy']}) | {paper['seq_s']:.3f} / "
+          f"{paper['seq_compute_s']:.3f} | {_x(c['over_paper'])} / "
+          f"{_x(c['over_paper_compute'])} |")
+
+
+def dflash2_section(hw: Hardware, rows: list[dict], seed_rows: list[dict]) -> list[str]:
   """The DFlash2 recipes (features from disk) next to the paper's 8 H100 figures: CSBP over
-  the paper's baseline and over our best fitting one, fed from disk and compute alone."""
+  the paper's baseline and over our best fitting one, fed from disk and compute alone, as
+  this package runs them (`rows`) and under the seed's settings (`seed_rows`)."""
   figure = {seq_len: paper for seq_len, (paper, _) in _dflash_paper(
       [dict(seq_len=r["seq_len"]) for r in rows]).items()}
+  bp = dflash.CONTEXT_REPLICATED
   lines = [f"### DFlash2 recipes, features from disk ({hw.name})", "",
-           f"Seconds per step and CSBP's speedup, *fed*: the step with its features read "
-           f"from NVMe ({hw.disk_gb_s:.0f} GB/s a node, prefetched) and copied to each GPU "
-           f"({hw.host_gb_s:.0f} GB/s, exposed); *compute*: the features already on the GPU. "
+           f"Seconds per sequence (the node's step over the sequences it trains at once) and "
+           f"CSBP's speedup, *fed*: the step with its features read from NVMe "
+           f"({hw.disk_gb_s:.0f} GB/s a node, prefetched) and copied to each GPU "
+           f"({hw.host_gb_s:.0f} GB/s); *compute*: the features already on the GPU. "
            f"Paper baseline = {dflash.PAPER_BASELINE} (every draft block on every rank); ours "
-           f"= the best fitting of cp_*, bp.", "",
+           f"= the best fitting of cp_*, {bp}.", "",
+           f"As this package runs them ({dflash.OURS.name}: one sequence over the 8 GPUs, "
+           f"full remat, f32 weights and Adam state, each GPU's feature copy in the step):", "",
            "| recipe | L | CSBP s (fed / compute) | paper baseline s | over it (fed / compute) "
            "| paper's figure | our best baseline | over it (fed / compute) | OOM |",
            "|" + "---|" * 9]
   for c in dflash.paper_comparison(rows):
-    csbp, paper, ours = c["csbp"], c["paper"], c["ours_compute"]
+    ours = c["ours_compute"]
     lines.append(
-        f"| {c['recipe']} | {_k(c['seq_len'])} | {csbp['seq_s']:.3f} / {csbp['compute_s']:.3f} "
-        f"({csbp['strategy']}) | {paper['seq_s']:.3f} / {paper['compute_s']:.3f} | "
-        f"{_x(c['over_paper'])} / {_x(c['over_paper_compute'])} | "
-        f"{_x(figure.get(c['seq_len']))} | {ours['strategy']} {ours['compute_s']:.3f} | "
-        f"{_x(c['over_ours'])} / {_x(c['over_ours_compute'])} | {', '.join(c['oom']) or '—'} |")
+        f"{_csbp_over_paper(c)} {_x(figure.get(c['seq_len']))} | {ours['strategy']} "
+        f"{ours['seq_compute_s']:.3f} | {_x(c['over_ours'])} / {_x(c['over_ours_compute'])} | "
+        f"{', '.join(c['oom']) or '—'} |")
+  lines += ["", f"Under {dflash.SEED.name} settings (its recipe: CP 4 / BP 4, two sequences at "
+            f"once on the 8 GPUs; no activation checkpointing; bf16 weights and Adam state; the "
+            f"feature copy prefetched a batch ahead), CSBP against the paper's candidate "
+            f"baselines on all 8 GPUs, one sequence at a time, with the same settings: "
+            f"{dflash.PAPER_BASELINE} (CP 8, BP 1) and {bp} (BP 8):", "",
+            f"| recipe | L | CSBP s (fed / compute) | CP 8 all blocks s (fed / compute) | over it "
+            f"(fed / compute) | {bp} s (fed / compute) | over it (fed / compute) | paper's "
+            f"figure | OOM |", "|" + "---|" * 9]
+  for c in dflash.paper_comparison(seed_rows):
+    csbp, base = c["csbp"], next(r for r in seed_rows if (
+        r["recipe"], r["seq_len"], r["strategy"]) == (c["recipe"], c["seq_len"], bp))
+    lines.append(
+        f"{_csbp_over_paper(c)} {base['seq_s']:.3f} / {base['seq_compute_s']:.3f} | "
+        f"{_x(base['seq_s'] / csbp['seq_s'])} / "
+        f"{_x(base['seq_compute_s'] / csbp['seq_compute_s'])} | "
+        f"{_x(figure.get(c['seq_len']))} | {', '.join(c['oom']) or '—'} |")
   return lines + [""]
 
 
@@ -569,15 +598,18 @@ def report(hw: Hardware, calibration: str, compiled=None, probe: str = "`scale_p
            dflash_rows: list[dict] | None = None,
            offload: list[dict] | None = None,
            dflash2_rows: list[dict] | None = None,
-           gdn_rows: list[dict] | None = None) -> tuple[str, list[dict]]:
+           gdn_rows: list[dict] | None = None,
+           dflash2_seed_rows: list[dict] | None = None) -> tuple[str, list[dict]]:
   """(markdown, the default scenario's rows). `dflash_rows`: `dflash_project` rows on
   `h100(hw)`; `offload`: `offload_on_both_links(hw, compiled)`; `dflash2_rows`:
-  `dflash2_project` rows on `h100(hw)`; `gdn_rows`: `hybrid_rows(hw)` (each projected here
-  when not given)."""
+  `dflash2_project` rows on `h100(hw)`; `gdn_rows`: `hybrid_rows(hw)`; `dflash2_seed_rows`:
+  `dflash2_seed_project` rows on `h100(hw)` (each projected here when not given)."""
   if dflash_rows is None:
     dflash_rows = dflash_project(h100(hw), SCENARIOS["default"])
   if dflash2_rows is None:
     dflash2_rows = dflash.dflash2_project(h100(hw), SCENARIOS["default"])
+  if dflash2_seed_rows is None:
+    dflash2_seed_rows = dflash.dflash2_seed_project(h100(hw), SCENARIOS["default"])
   if offload is None:
     offload = offload_on_both_links(hw, compiled)
   if gdn_rows is None:
@@ -615,7 +647,7 @@ def report(hw: Hardware, calibration: str, compiled=None, probe: str = "`scale_p
             ""]
   lines += _paper_table(results, dflash_spd)
   lines += _dflash_section(h100(hw), default, dflash_rows, dflash_spd)
-  lines += dflash2_section(h100(hw), dflash2_rows)
+  lines += dflash2_section(h100(hw), dflash2_rows, dflash2_seed_rows)
   lines += hybrid_section(hw, gdn_rows)
   return "\n".join(lines), rows_by["default"]
 

@@ -55,14 +55,16 @@ class PlanWork:
             np.where(self.travel_pairs > 0, rows * self.n_travel, 0))
 
 
-def work_of(plan: LayoutPlan, window: int | None = None) -> PlanWork:
+def work_of(plan: LayoutPlan, window: int | None = None,
+            causal_drafts: bool = False) -> PlanWork:
   """`PlanWork` of any plan ([x_t ; x_0], a drafter's, an autoregressive one): its K/V rows
   split into the part that stays (everything, when nothing travels) and the part that
-  travels, and `attention_work` (on a layer of `window`, if given) counted against each."""
+  travels, and `attention_work` (on a layer of `window`, if given; draft blocks causal
+  inside, if `causal_drafts`) counted against each."""
   split = plan.rows_per_rank if plan.travel == "none" else plan.n_stay
-  stay = np.diagonal(plan.attention_work(window, keys=plan.rows[:, :split]))
-  return PlanWork(plan, stay, plan.attention_work(window, keys=plan.rows[:, split:]), split,
-                  plan.rows_per_rank - split)
+  work = lambda keys: plan.attention_work(window, keys=keys, causal_drafts=causal_drafts)
+  return PlanWork(plan, np.diagonal(work(plan.rows[:, :split])), work(plan.rows[:, split:]),
+                  split, plan.rows_per_rank - split)
 
 
 def plan_work(strategy: str, seq_len: int, block_size: int, num_ranks: int,

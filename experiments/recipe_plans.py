@@ -1,0 +1,194 @@
+"""The shipped recipes compiled for their own target: per strategy and per variant, compile only.
+
+  python experiments/recipe_plans.py --config configs/dflash2_muse_1m.py \
+      --strategies csbp_ring cp_replicated_drafts \
+      --variant "ours: parallel.seq=8 parallel.data=1 train.batch_size=1 model.param_dtype=float32 model.remat=full"
+
+Each (config, variant, strategy) is the config file as it ships (variant `recipe`) or with a
+variant's overrides (`--variant "name: KEY=VALUE ..."`, run.py's --set syntax), compiled with
+the train step of `mode=plan` (`step_report`) for the config's own `plan.target` (XLA:TPU
+ahead of time for a TPU recipe; needs libtpu) on as many devices as its mesh names, each in
+a fresh process (`bdlm_jax.analysis.isolated`). Per device it records the arguments, temp,
+the compiler's peak, the bound (every buffer live at once), host-resident bytes, the
+attention bytes the layout plan sends a step and compiled/plan, and whether it fits the
+target's device. `--breakdown` also reads XLA's buffer assignment for the bytes live in the
+device's own memory at the step's peak (`bdlm_jax.analysis.buffers`; the compiler's peak
+counts host-resident buffers too, where a step offloads). Writes recipe_plans.{csv,md} under
+--out; a run merges into what is there (the rows it measures replace theirs). The docs quote
+these files, and their tests compare the quoted figures with them.
+"""
+
+import argparse
+import csv
+import json
+import os
+import sys
+
+from bdlm_jax.analysis import buffers, isolated, step_report, targets
+from bdlm_jax.analysis.results import write_results_pages
+from bdlm_jax.configure import load_config, override
+from bdlm_jax.errors import ConfigError
+from bdlm_jax.parallel.mesh import make_mesh
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import scale_probe  # noqa: E402 (its provenance line)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
+GB = step_report.GB
+RECIPE = "recipe"  # the config file as it ships
+KEYS = ("config", "variant", "strategy")
+FIGURES = ("argument_bytes", "temp_bytes", "compiler_peak_bytes", "peak_bytes", "bound_bytes",
+           "host_bytes", "device_live_bytes", "attention_bytes", "attention_check", "compile_s")
+COLUMNS = (*KEYS, "overrides", "target", "devices", "device_bytes", "fits", "error", *FIGURES,
+           "command")
+
+
+def job_config(job: dict):
+  return override(load_config(os.path.join(ROOT, job["config"])),
+                  (*job["overrides"], f"parallel.strategy={job['strategy']}"))
+
+
+def devices(cfg) -> int:
+  p = cfg.parallel
+  return p.data * p.fsdp * p.seq
+
+
+def measure(job: dict, timeout_s: float) -> dict:
+  """The report row of one compile, in a fresh process, or {'error': why not}."""
+  try:
+    cfg = job_config(job)
+  except ConfigError as e:
+    return dict(error=str(e))
+  return isolated.run_worker(__file__, job, devices(cfg), cfg.plan.target, timeout_s)
+
+
+def _worker(job: dict) -> None:
+  try:
+    cfg = job_config(job)
+    target = targets.resolve(cfg.plan.target, devices(cfg))
+    mesh = make_mesh(cfg, target.devices)
+    if job["breakdown"]:
+      report, breakdown = buffers.step_breakdown(cfg, mesh)
+      row = dict(report.row(), device_live_bytes=breakdown.device_bytes)
+    else:
+      row = step_report.step_report(cfg, mesh).row()
+    row.update(target=cfg.plan.target, devices=devices(cfg),
+               device_bytes=step_report.device_memory_bytes(cfg.plan.device_memory_gb, target))
+  except ConfigError as e:
+    row = dict(error=str(e))
+  except Exception as e:  # noqa: BLE001 (a recipe that does not compile is a finding)
+    row = dict(error=f"compile failed: {type(e).__name__}: {str(e).splitlines()[0]}")
+  print(json.dumps(row))
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+  """'name: KEY=VALUE ...' -> (name, overrides)."""
+  name, sep, rest = text.partition(":")
+  if not sep or not name.strip() or name.strip() == RECIPE:
+    raise SystemExit(f"--variant {text!r}: expected 'name: KEY=VALUE ...' (name not "
+                     f"{RECIPE!r})")
+  return name.strip(), rest.split()
+
+
+def jobs(args) -> list[dict]:
+  variants = [(RECIPE, [])] + [parse_variant(v) for v in args.variant]
+  return [dict(config=args.config, variant=name, overrides=overrides, strategy=strategy,
+               breakdown=args.breakdown)
+          for name, overrides in variants for strategy in args.strategies]
+
+
+def read_rows(path: str) -> list[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return list(csv.DictReader(f))
+
+
+def merge(old: list[dict], new: list[dict]) -> list[dict]:
+  """`old` with the rows of the same (config, variant, strategy) replaced by `new`'s."""
+  key = lambda r: tuple(str(r[k]) for k in KEYS)
+  fresh = {key(r) for r in new}
+  return [r for r in old if key(r) not in fresh] + new
+
+
+def _gb(value) -> str:
+  return "" if value in (None, "") else f"{float(value) / GB:.2f}"
+
+
+def markdown(rows: list[dict]) -> str:
+  lines = ["## The shipped recipes compiled for their target (per device, compile only)", "",
+           "Each row: the config file as it ships (`recipe`) or a variant of it, compiled by "
+           "`mode=plan`'s train step for the config's `plan.target`; its command is in "
+           "recipe_plans.csv. Peak: the compiler's own (XLA:TPU); bound: arguments + temp, "
+           "every buffer live at once; host: buffers the step keeps in host memory; live on "
+           "the device: the buffer assignment's bytes in device memory at the peak "
+           "(`--breakdown`); attention: what the layout plan sends a step, check = compiled / "
+           "plan.", ""]
+  for config in dict.fromkeys(r["config"] for r in rows):
+    lines += [f"### {config}", "", "| variant | overrides | strategy | arguments GB | temp GB "
+              "| peak GB | bound GB | host GB | live on the device GB | attention GB/step | check "
+              "| fits a device |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in (r for r in rows if r["config"] == config):
+      overrides = " ".join(json.loads(r["overrides"]))
+      if r.get("error"):
+        lines.append(f"| {r['variant']} | {overrides} | {r['strategy']} | {r['error']} "
+                     f"| | | | | | | | |")
+        continue
+      check = f"{float(r['attention_check']):.2f}" if r.get("attention_check") not in (
+          None, "") else ""
+      lines.append(f"| {r['variant']} | {overrides} | {r['strategy']} "
+                   f"| {_gb(r['argument_bytes'])} | {_gb(r['temp_bytes'])} "
+                   f"| {_gb(r['peak_bytes'])} | {_gb(r['bound_bytes'])} "
+                   f"| {_gb(r['host_bytes'])} | {_gb(r.get('device_live_bytes'))} "
+                   f"| {_gb(r['attention_bytes'])} | {check} "
+                   f"| {r['fits']} ({float(r['device_bytes']) / 2**30:.2f} GiB) |")
+    commands = dict.fromkeys(r["command"] for r in rows if r["config"] == config)
+    lines += ["", *commands, ""]
+  return "\n".join(lines)
+
+
+def write(rows: list[dict], out: str) -> None:
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "recipe_plans.csv"), "w", newline="") as f:
+    writer = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+  with open(os.path.join(out, "recipe_plans.md"), "w") as f:
+    f.write(markdown(rows) + "\n")
+  write_results_pages(out)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--config", help="a config file, relative to the repository")
+  parser.add_argument("--strategies", nargs="+")
+  parser.add_argument("--variant", action="append", default=[], metavar="'NAME: KEY=VALUE ...'")
+  parser.add_argument("--breakdown", action="store_true",
+                      help="also the bytes live on the device at the peak (buffer dump)")
+  parser.add_argument("--timeout", type=float, default=1500.0, help="seconds per compile")
+  parser.add_argument("--out", default=RESULTS_DIR)
+  parser.add_argument("--worker", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.worker:
+    return _worker(json.loads(args.worker))
+  if not (args.config and args.strategies):
+    parser.error("--config and --strategies are required")
+  command = "python experiments/recipe_plans.py " + " ".join(
+      f'"{a}"' if " " in a else a for a in (argv if argv is not None else sys.argv[1:]))
+  produced = scale_probe._produced(command)
+  rows = []
+  for job in jobs(args):
+    result = measure(job, args.timeout)
+    row = dict(job, overrides=json.dumps(job["overrides"]), command=produced, **result)
+    if not row.get("error"):
+      row["fits"] = "yes" if row["peak_bytes"] <= row["device_bytes"] else "no"
+    rows.append(row)
+    print(f"{job['variant']} {job['strategy']}: " + (row.get("error") or
+          f"peak {row['peak_bytes'] / GB:.2f} GB, bound {row['bound_bytes'] / GB:.2f} GB, "
+          f"compiled in {row['compile_s']:.0f} s"), flush=True)
+  write(merge(read_rows(os.path.join(args.out, "recipe_plans.csv")), rows), args.out)
+
+
+if __name__ == "__main__":
+  main()
