@@ -24,19 +24,13 @@ compiles on simulated CPU devices (JAX_NUM_CPU_DEVICES=16; XLA:CPU has no ragged
 so add `--set parallel.moe_dispatch=all_gather` there). docs/train_diffusiongemma.md
 holds the plan table.
 
-Dropless, csbp_ring compiled with XLA:TPU for 16 v5p reads a peak of 81.87 GB a device (bound
-101.62 GB; the all-gather dispatch 80.18 GB) against 95.74 GiB = 102.8 GB, where the same
-step dropping at 1.25x capacity read 90.63 GB:
+Compiled as it ships for 16 v5p, per device (what the device allocates, what is live at its
+peak, the compiler's peak, the bound, host bytes), by
 
-  python experiments/scale_probe.py --target tpu:v5p:2x2x4 --models diffusiongemma-26b-a4b \
-      --objective diffusiongemma --lens 262144 --strategies csbp_ring --block-size 256 \
-      --remat offload --set model.row_chunks=16 model.attention_chunk=512 \
-      model.logits_chunk=1024 model.moe_drop_tokens=false --dispatch real --depth-check 0
+  python experiments/recipe_plans.py --config configs/diffusiongemma_26b_a4b_sft_256k.py \
+      --strategies csbp_ring --timeout 3000
 
-These figures were compiled before this file set `data.pack=false` and the recipe's
-optimiser settings, which should not move them (the plan compiles abstract batch shapes,
-`abstract_batch`, so how conversations fill rows does not enter, and AdamW keeps the same
-state); not recompiled since.
+into experiments/results/recipe_plans.md (docs/train_diffusiongemma.md quotes it).
 
 Where this differs from the seed's recipe (files of the seed's package `dllm_parallel`):
 

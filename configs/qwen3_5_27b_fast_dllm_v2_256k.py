@@ -16,9 +16,13 @@ parallel/recurrence.py, never their rows (docs/gdn.md).
 
 `mode=plan` compiles the step (never runs it) with XLA:TPU ahead of time for 16 TPU v5p chips
 (`plan.target`; `pip install -r requirements-tpu.txt`, no TPU); `--set plan.target=cpu`
-compiles on simulated CPU devices (JAX_NUM_CPU_DEVICES=16). docs/gdn.md holds its figures,
-compiled before this file took the seed's objective form, data stream and optimiser (the same
-shapes and optimiser state; not recompiled since).
+compiles on simulated CPU devices (JAX_NUM_CPU_DEVICES=16). Its figures per device (what the
+device allocates, what is live at its peak, the compiler's peak, the bound, host bytes):
+
+  python experiments/recipe_plans.py --config configs/qwen3_5_27b_fast_dllm_v2_256k.py \
+      --strategies csbp_ring --timeout 3000
+
+into experiments/results/recipe_plans.md (docs/gdn.md quotes it).
 
 Random weights and the embedded data, so it compiles and runs from a fresh clone; for the real
 model, uncomment `init_from` (the Hugging Face folder: `import_hf` reads `qwen3_5` text

@@ -21,6 +21,7 @@ import sys
 
 import scale_probe
 from bdlm_jax.analysis import buffers, isolated, step_report, targets
+from bdlm_jax.analysis.results import produced
 from bdlm_jax.parallel.mesh import make_mesh
 from bdlm_jax.parallel.registry import strategy_names
 
@@ -131,7 +132,7 @@ def widened(named: dict) -> list[str]:
 def markdown(named: dict, args, command: str) -> str:
   m = scale_probe.MODELS[args.model]
   lines = ["## XLA:CPU vs XLA:TPU: the buffers at each compiler's peak (compile only)", "",
-           f"{scale_probe._produced(command)} {args.model} dims (d_model {m.d_model}, "
+           f"{produced(command)} {args.model} dims (d_model {m.d_model}, "
            f"{args.layers} layers, d_ff {m.d_ff}, vocab {m.vocab_size}), L = {args.seq_len}, "
            f"{args.strategy} on {args.devices} devices, one sequence, block size "
            f"{args.block_size}, bf16 compute, f32 parameters and Adam state, remat full. "

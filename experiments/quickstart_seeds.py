@@ -24,10 +24,8 @@ import sys
 import tempfile
 import time
 
-from bdlm_jax.analysis.results import write_results_pages
+from bdlm_jax.analysis.results import produced, write_results_pages
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import scale_probe  # noqa: E402 (its provenance line)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
@@ -102,7 +100,7 @@ def main(argv=None):
   parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
   parser.add_argument("--out", default=RESULTS_DIR)
   args = parser.parse_args(argv)
-  produced = scale_probe._produced("python experiments/quickstart_seeds.py " + " ".join(
+  provenance = produced("python experiments/quickstart_seeds.py " + " ".join(
       argv if argv is not None else sys.argv[1:]))
   path = os.path.join(args.out, "quickstart_seeds.csv")
   rows = {}
@@ -112,7 +110,7 @@ def main(argv=None):
   with tempfile.TemporaryDirectory() as scratch:
     for seed in args.seeds:
       rows[args.config, seed] = dict(run_seed(args.config, seed, os.path.join(scratch, str(seed))),
-                                     produced=produced)
+                                     produced=provenance)
       print(rows[args.config, seed], flush=True)
   rows = [rows[k] for k in sorted(rows)]
   os.makedirs(args.out, exist_ok=True)

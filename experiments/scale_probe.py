@@ -69,11 +69,9 @@ import argparse
 import concurrent.futures
 import csv
 import dataclasses
-import datetime
 import json
 import os
 import runpy
-import subprocess
 import sys
 
 import jax
@@ -82,7 +80,7 @@ from bdlm_jax.analysis import buffers, isolated, step_report, targets
 from bdlm_jax.analysis.cost_model import setting
 from bdlm_jax.analysis.cost_model.memory import RAGGED_DISPATCH, peak_memory
 from bdlm_jax.analysis.cost_model.work import plan_work
-from bdlm_jax.analysis.results import write_results_pages
+from bdlm_jax.analysis.results import core_version, produced, write_results_pages
 from bdlm_jax.config import REMAT, Config, ModelConfig
 from bdlm_jax.configure import override, replace
 from bdlm_jax.errors import ConfigError
@@ -248,7 +246,7 @@ def run(args, progress=print) -> list[dict]:
 
 def breakdown_markdown(rows: list[dict], command: str) -> str:
   """`--breakdown`: each row's buffers live at the peak, under its setting."""
-  lines = ["## Memory at the peak by category (compile only)", "", f"{_produced(command)}", ""]
+  lines = ["## Memory at the peak by category (compile only)", "", f"{produced(command)}", ""]
   for r in rows:
     lines += [f"### {_line(r)}", "", r.get("breakdown") or r.get("error", ""), ""]
   return "\n".join(lines)
@@ -264,25 +262,12 @@ def _line(r: dict) -> str:
                  f" GB/step, compiled in {r['compile_s']:.1f} s")
 
 
-def _version() -> str:
-  git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True,
-                                  text=True).stdout
-  dirty = [line[3:] for line in git("status", "--short").splitlines()]
-  return git("log", "-1", "--format=%h").strip() + (
-      f" + uncommitted changes in {', '.join(dirty)}" if dirty else "")
-
-
-def _produced(command: str) -> str:
-  when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-  return f"Produced by `{command}` on {when}, core version {_version()}."
-
-
 def markdown(rows: list[dict], args, device_bytes: float, command: str) -> str:
   drafter = args.objective == "dflash"
   title = "A DFlash drafter's step" if drafter else "Compiled memory"
   compiler = "" if args.target == "cpu" else f", XLA:{targets.platform_of(args.target).upper()}"
   lines = [f"## {title} at scale (per device, compile only{compiler})", "",
-           f"{_produced(command)} {args.compiled_on} on the seq axis, one "
+           f"{produced(command)} {args.compiled_on} on the seq axis, one "
            f"sequence per step, block size {args.block_size}, bf16 compute, f32 parameters, remat "
            f"`{args.remat}`. {step_report.peak_note(rows)}"
            f"{_CPU_NOTE if args.target == 'cpu' else ''}. *attention GB/step*: K/V, dK/dV "
@@ -445,7 +430,7 @@ def ablation_markdown(rows: list[dict], args, command: str) -> str:
   """What each memory feature buys: every ablation next to every feature on."""
   r0 = rows[0]
   lines = ["## What each memory feature buys (compile only)", "",
-           f"Produced by `{command}`, core version {_version()}: {r0['model']}, L = "
+           f"Produced by `{command}`, core version {core_version()}: {r0['model']}, L = "
            f"{r0['seq_len']}, {args.compiled_on} on the seq axis, block size "
            f"{args.block_size}, {r0['layers']} layers; each row changes one thing against the "
            "first (bf16 compute, f32 parameters, remat `full`, loss in row chunks, ZeRO-3 "
@@ -649,7 +634,7 @@ def main(argv=None):
       text = f.read()
     for model in measured:  # the other sections stay as the earlier runs wrote them
       section = model_section(rows, model, args, device_bytes)
-      section.insert(2, f"{_produced(command)} This section: these rows merged into the "
+      section.insert(2, f"{produced(command)} This section: these rows merged into the "
                      "earlier ones (a row measured again replaces its figures); the setting as "
                      "above.\n")
       text = _splice(text, model, "\n".join(section))

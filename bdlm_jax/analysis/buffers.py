@@ -1,21 +1,8 @@
 """Which buffers a compiled train step holds at its memory peak, and what they are.
 
-The step is compiled once more with XLA's dump options (`dump_options`): XLA:CPU and XLA:TPU
-(libtpu, ahead of time) both write the optimised module's buffer assignment to a folder:
-
-  *after_optimizations-live-range.txt        each value's live range: the steps of the
-                                              flattened schedule (loop bodies inline, once)
-                                              it is live at
-  *after_optimizations-buffer-assignment.txt  allocations (entry parameter N, output, temp,
-                                              thread-local, constant; a memory space "color")
-                                              and the values in each: offset, bytes as
-                                              allocated (tiles included), shape and layout
-  *after_optimizations-buffer-assignment-values.txt
-                                              each value's defining instruction: opcode and
-                                              jax's metadata op_name
-  *after_optimizations-memory-usage-report.txt
-                                              the memory spaces' names (default, host, and
-                                              XLA:TPU's on-chip vmem, smem, ...)
+The step is compiled once more with XLA's dump options, and its buffer assignment read by
+analysis/buffer_assignment.py (which files, which memory spaces, how the device's allocation
+and live peak are read); this module says what the values live at that peak are.
 
 `read_dump` sweeps the live ranges of the values in device memory (parameter, temp and output
 allocations of the default space; values sharing one allocation and offset, a loop's carry
@@ -67,12 +54,11 @@ PRNG key.
 
 import collections
 import dataclasses
-import glob
-import os
 import re
 import tempfile
 
-from bdlm_jax.analysis import step_report
+from bdlm_jax.analysis import buffer_assignment, step_report
+from bdlm_jax.analysis.buffer_assignment import HOST_SPACE, array
 from bdlm_jax.config import Config
 from bdlm_jax.kernels import residuals
 from bdlm_jax.models.transformer import scan_lengths
@@ -80,7 +66,6 @@ from bdlm_jax.parallel.registry import plan_for
 from bdlm_jax.parallel.strategies import ATTENTION_SCOPE
 
 GB = step_report.GB
-HOST_MEMORY_SPACE = 5  # xla::Layout::kHostMemorySpace: S(5) in a layout
 
 HOST = "host-resident"
 STATE = "state: parameters, optimizer state"
@@ -98,16 +83,9 @@ CATEGORIES = (STATE, BATCH, GRADIENTS, WEIGHTS, RESIDUALS, RING, ATTENTION, MLP,
               ACTIVATIONS, HOST, OTHER)
 LAYER_INPUT = "layer input (scan carry)"
 
-_RANGE_RE = re.compile(r"^\s+(\S+\{[\d,]*\}):(\d+)-(\d+)$", re.M)
-_SPACE_RE = re.compile(r"^Memory Space: (\S+) \(color=(\d+)\)", re.M)
-_ALLOCATION_RE = re.compile(r"^allocation (\d+): size (\d+), (.*):$")
-_VALUE_RE = re.compile(
-    r"^ value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
 _DEFINED_RE = re.compile(r"^<\d+ (\S+)(?: \(phi\))? @\d+>")
 _INSTRUCTION_RE = re.compile(r"^ from instruction: %\S+ = .*? ([a-z][\w\-]*)\(")
 _OP_NAME_RE = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
-_ARRAY_RE = re.compile(r"^([a-z]\w*)\[([\d,]*)\]")
-_MEMORY_SPACE_RE = re.compile(r"S\((\d+)\)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,104 +170,12 @@ def _short(op_name: str, keep: int = 70) -> str:
   return op_name if len(op_name) <= keep else "..." + op_name[-keep:]
 
 
-def dump_options(folder: str) -> dict:
-  """compiler_options that make XLA write the optimised module's buffer assignment to
-  `folder` (`Lowered.compile(compiler_options=...)`)."""
-  return {"xla_dump_to": folder, "xla_dump_hlo_as_text": True}
-
-
 def step_breakdown(cfg: Config, mesh) -> tuple:
   """(StepReport, Breakdown) of `cfg`'s train step from one compile on `mesh` (its
   devices' platform is the compiler, `step_report.step_report`)."""
   with tempfile.TemporaryDirectory(prefix="bdlm_buffers_") as folder:
-    report = step_report.step_report(cfg, mesh, compiler_options=dump_options(folder))
+    report = step_report.step_report(cfg, mesh, dump_to=folder)
     return report, read_dump(folder, cfg, report, mesh.devices.flat[0].platform)
-
-
-def _dumped(folder: str, suffix: str) -> str:
-  paths = glob.glob(os.path.join(folder, f"*after_optimizations{suffix}"))
-  if len(paths) != 1:
-    raise RuntimeError(f"expected one *after_optimizations{suffix} in {folder} (XLA's dump of "
-                       f"the compiled step), found {len(paths)}")
-  with open(paths[0]) as f:
-    return f.read()
-
-
-def _live_ranges(text: str) -> dict:
-  """{value: (first, last)}: the schedule steps a value is live at, both ends included."""
-  return {m.group(1): (int(m.group(2)), int(m.group(3)))
-          for m in _RANGE_RE.finditer(text)}
-
-
-def _peak(values: list) -> tuple[int, int]:
-  """(step, bytes) where the live `values` (_Value) add up most; values that share storage
-  (one allocation at one offset: a loop's carry, an in-place update) count once, the largest."""
-  events = collections.defaultdict(lambda: ([], []))
-  for v in values:
-    events[v.first][0].append(v)
-    events[v.last][1].append(v)
-  slots = collections.defaultdict(collections.Counter)  # (allocation, offset) -> size counts
-  total, best = 0, (0, 0)
-
-  def update(v, delta):
-    nonlocal total
-    sizes = slots[(v.allocation, v.offset)]
-    before = max(sizes) if sizes else 0
-    sizes[v.nbytes] += delta
-    if not sizes[v.nbytes]:
-      del sizes[v.nbytes]
-    total += (max(sizes) if sizes else 0) - before
-
-  for step in sorted(events):
-    starting, ending = events[step]
-    for v in starting:
-      update(v, 1)
-    if total > best[1]:
-      best = (step, total)
-    for v in ending:
-      update(v, -1)
-  return best
-
-
-def _value_key(name: str) -> str:
-  """The live-range dump's spelling of a value: `fusion.3{}` for `fusion.3`."""
-  return name if name.endswith("}") else name + "{}"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Value:
-  """One value of the buffer assignment, with its live range."""
-  name: str
-  allocation: int
-  kind: str  # parameter, temp, output, thread-local, constant
-  color: int  # the allocation's memory space (0: device memory)
-  offset: int
-  nbytes: int  # as allocated: the target's tiled layout, padding included
-  shape: str  # with layout
-  first: int = -1
-  last: int = -1
-
-
-def _assignment(text: str) -> list:
-  """The `_Value`s of the buffer-assignment dump."""
-  out, allocation = [], None
-  for line in text.splitlines():
-    m = _ALLOCATION_RE.match(line)
-    if m:
-      color = re.search(r"\bcolor (\d+)", m.group(3))
-      allocation = (int(m.group(1)), _allocation_kind(m.group(3)),
-                    int(color.group(1)) if color else 0)
-      continue
-    m = _VALUE_RE.match(line)
-    if m and allocation is not None:
-      out.append(_Value(_value_key(m.group(1)), *allocation, offset=int(m.group(3)),
-                        nbytes=int(m.group(2)), shape=m.group(4)))
-  return out
-
-
-def _memory_spaces(text: str) -> dict:
-  """{color: name} from the memory-usage report ("Memory Space: host (color=4)")."""
-  return {int(m.group(2)): m.group(1) for m in _SPACE_RE.finditer(text)}
 
 
 def _definitions(text: str) -> dict:
@@ -298,29 +184,12 @@ def _definitions(text: str) -> dict:
   for line in text.splitlines():
     m = _DEFINED_RE.match(line)
     if m:
-      value = _value_key(m.group(1))
+      value = buffer_assignment.value_key(m.group(1))
     elif value and line.startswith(" from instruction:"):
       opcode = _INSTRUCTION_RE.match(line)
       op_name = _OP_NAME_RE.search(line)
       out[value] = (opcode.group(1) if opcode else "", op_name.group(1) if op_name else "")
   return out
-
-
-def _array(shape: str) -> tuple[str, tuple[int, ...], int]:
-  """(dtype, dims, memory space) of a value's shape with layout; ('', (), 0) for a tuple."""
-  m = _ARRAY_RE.match(shape)
-  if not m:
-    return "", (), 0
-  space = _MEMORY_SPACE_RE.search(shape)
-  dims = tuple(int(d) for d in m.group(2).split(",") if d)
-  return m.group(1), dims, int(space.group(1)) if space else 0
-
-
-def _allocation_kind(description: str) -> str:
-  for kind in ("parameter", "thread-local", "constant", "preallocated-temp"):
-    if kind in description:
-      return "temp" if kind == "preallocated-temp" else kind
-  return "output" if "live-out" in description else description
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,20 +288,16 @@ def _categorise(value, dtype, dims, host, kind, opcode, op_name, parameter_op_na
 
 def read_dump(folder: str, cfg: Config, report: step_report.StepReport,
               platform: str) -> Breakdown:
-  """The Breakdown of the step XLA dumped to `folder` (`dump_options`), compiled from `cfg`;
-  `report`: the same compile's StepReport."""
-  ranges = _live_ranges(_dumped(folder, "-live-range.txt"))
-  spaces = _memory_spaces(_dumped(folder, "-memory-usage-report.txt"))
-  defined = _definitions(_dumped(folder, "-buffer-assignment-values.txt"))
-  values = [dataclasses.replace(v, first=ranges[v.name][0], last=ranges[v.name][1])
-            for v in _assignment(_dumped(folder, "-buffer-assignment.txt"))
-            if v.name in ranges and v.kind in ("parameter", "temp", "output")]
-  space = lambda v: "host" if _array(v.shape)[2] == HOST_MEMORY_SPACE else \
-      spaces.get(v.color, "default")
-  step, _ = _peak([v for v in values if space(v) == "default"])
+  """The Breakdown of the step XLA dumped to `folder` (`buffer_assignment.dump_options`),
+  compiled from `cfg`; `report`: the same compile's StepReport."""
+  _, values = buffer_assignment.read(folder)
+  defined = _definitions(buffer_assignment.dumped(folder, "-buffer-assignment-values.txt"))
+  values = [v for v in values if v.first >= 0 and v.kind in ("parameter", "temp", "output")]
+  step, _ = buffer_assignment.peak(buffer_assignment.live_device_values(values))
   at_peak = {}  # one value per storage slot live at the peak: the largest, then the first
   for v in sorted((v for v in values if v.first <= step <= v.last
-                   and space(v) in ("default", "host")), key=lambda v: (-v.nbytes, v.first)):
+                   and v.space in (buffer_assignment.DEFAULT_SPACE, HOST_SPACE)),
+                  key=lambda v: (-v.nbytes, v.first)):
     at_peak.setdefault((v.allocation, v.offset), v)
   # each entry parameter's op_name (state.params[...], batch...) and dims, by allocation;
   # loop parameters aliased into its allocation are named under jit(...)
@@ -440,15 +305,15 @@ def read_dump(folder: str, cfg: Config, report: step_report.StepReport,
   for v in values:
     opcode, op_name = defined.get(v.name, ("", ""))
     if v.kind == "parameter" and opcode == "parameter" and "jit(" not in op_name:
-      parameters[v.allocation] = (op_name, _array(v.shape)[1])
+      parameters[v.allocation] = (op_name, array(v.shape)[1])
   weights = [dims for op_name, dims in parameters.values() if op_name.startswith("state")]
   d = _Dims.of(cfg)
   out = []
   for v in at_peak.values():
-    dtype, dims, _ = _array(v.shape)
+    dtype, dims, _ = array(v.shape)
     opcode, op_name = defined.get(v.name, ("", ""))
     category, residual = _categorise(
-        v.name, dtype, dims, space(v) == "host", v.kind, opcode, op_name,
+        v.name, dtype, dims, v.space == HOST_SPACE, v.kind, opcode, op_name,
         parameters.get(v.allocation, ("", ()))[0], d, weights)
     out.append(Buffer(v.name, v.nbytes, v.shape.split("{")[0] if dims else "tuple", opcode,
                       op_name, v.kind, category, residual))

@@ -1,8 +1,9 @@
 """mode=plan: the train step compiled under every strategy (`step_report`), each one's step
 time projected by the cost model, and the fastest that fits.
 
-Fit is the compiled peak of `plan.target`'s compiler, which every verdict names (XLA:TPU's own
-peak against a TPU chip's HBM; XLA:CPU's every-buffer bound against an H200's 141 GB); time
+Fit is what `plan.target`'s compiler allocates in the device's own memory (XLA's buffer
+assignment: `step_report.fit_bytes`; host-resident buffers apart) against a TPU chip's HBM or
+an H200's 141 GB, with the compiler's own peak (XLA:TPU) or bound (XLA:CPU) beside it; time
 is the cost model's (`cost_model.timing`, `cost_model.dflash` for a drafter) on the
 strategy's own plan, on H200s whatever the target, as many as the mesh has, under the
 default assumptions in the config's dtypes and remat. Least attention traffic is not the
@@ -24,6 +25,7 @@ from bdlm_jax.analysis.cost_model.dflash import dflash_step_time, dflash_works
 from bdlm_jax.analysis.cost_model.setting import GB, Assumptions, Hardware
 from bdlm_jax.analysis.cost_model.timing import step_time
 from bdlm_jax.analysis.cost_model.work import work_of
+from bdlm_jax.analysis.step_report import fit_of
 from bdlm_jax.config import Config
 from bdlm_jax.configure import override
 from bdlm_jax.errors import ConfigError
@@ -86,8 +88,8 @@ def projected_step(cfg: Config, hw: Hardware, a: Assumptions) -> dict:
 
 def fastest_that_fit(rows: list[dict], device_bytes: float) -> list[dict]:
   """The rows that compiled and fit `device_bytes`, least projected time (then peak) first."""
-  fit = [r for r in rows if not r.get("error") and r["peak_bytes"] <= device_bytes]
-  return sorted(fit, key=lambda r: (r["total_s"], r["peak_bytes"]))
+  fit = [r for r in rows if not r.get("error") and fit_of(r) <= device_bytes]
+  return sorted(fit, key=lambda r: (r["total_s"], fit_of(r)))
 
 
 def _ms(seconds: float) -> str:
@@ -95,9 +97,11 @@ def _ms(seconds: float) -> str:
 
 
 def _memory(row: dict, compiler: str) -> str:
-  """A row's peak with the compiler and the figure it is: 'XLA:TPU peak 37.6 GB'."""
+  """A row's device figure and the compiler's: '30.2 GB on the device (XLA:TPU peak 37.6
+  GB)'."""
   figure = "bound" if row.get("compiler_peak_bytes") is None else "peak"
-  return f"{compiler} {figure} {row['peak_bytes'] / GB:.3g} GB"
+  return (f"{fit_of(row) / GB:.3g} GB on the device ({compiler} {figure} "
+          f"{row['peak_bytes'] / GB:.3g} GB)")
 
 
 def verdict(rows: list[dict], device_bytes: float, where: str, compiler: str) -> list[str]:
@@ -106,7 +110,8 @@ def verdict(rows: list[dict], device_bytes: float, where: str, compiler: str) ->
   ranked = fastest_that_fit(rows, device_bytes)
   limit = f"{device_bytes / GB:g} GB"
   if not ranked:
-    return [f"chosen: none (no strategy fits {limit} per device by {compiler}'s figures)"]
+    return [f"chosen: none (no strategy fits {limit} per device by what {compiler} allocates "
+            "on it)"]
   best = ranked[0]
   fits = f"fits: {_memory(best, compiler)} of {limit}"
   if len(ranked) == 1:
@@ -123,7 +128,7 @@ def verdict(rows: list[dict], device_bytes: float, where: str, compiler: str) ->
              f"runner-up: {second['strategy']} (projected {_ms(second['total_s'])}/step, "
              f"{second['total_s'] / best['total_s']:.3g}x)"]
   over = [f"{r['strategy']} ({_ms(r['total_s'])}/step, {_memory(r, compiler)})"
-          for r in rows if not r.get("error") and r["peak_bytes"] > device_bytes
+          for r in rows if not r.get("error") and fit_of(r) > device_bytes
           and r["total_s"] < best["total_s"]]
   return lines + ([f"faster but over {limit}: {', '.join(over)}"] if over else [])
 
@@ -174,7 +179,7 @@ def plan_report(cfg: Config, progress=lambda _: None) -> str:
       f"B={cfg.objective.block_size}, {cfg.train.batch_size} sequences/step, "
       f"{step_report.describe_objective(cfg)}; {m.n_layers} layers, d_model {m.d_model}, "
       f"remat {m.remat}, {m.compute_dtype} compute). {step_report.peak_note(rows)}; fits = "
-      f"{target.compiler}'s figure against {device_memory_name(cfg, target)}; attention "
+      f"{target.compiler}'s device figure against {device_memory_name(cfg, target)}; attention "
       "= K/V, dK/dV and row metadata each device sends per step (from the layout plan); "
       "check = compiled attention collectives / the plan's.", "",
       *([f"One seq rank: every strategy is `{SINGLE_DEVICE}` (nothing splits a sequence), "
@@ -207,10 +212,9 @@ def draft_transport_lines(cfg: Config, strategies) -> list[str]:
 
 def breakdown_lines(cfg: Config, rows: list[dict], device_bytes: float, mesh) -> list[str]:
   """plan.breakdown: the buffers live at the peak of the chosen strategy's step (of the one
-  with the least peak where none fits), by category: what to turn on next."""
+  with the least device memory where none fits), by category: what to turn on next."""
   compiled = [r for r in rows if not r.get("error")]
-  ranked = fastest_that_fit(rows, device_bytes) or sorted(compiled,
-                                                          key=lambda r: r["peak_bytes"])
+  ranked = fastest_that_fit(rows, device_bytes) or sorted(compiled, key=fit_of)
   if not ranked:
     return []
   name = ranked[0]["strategy"]

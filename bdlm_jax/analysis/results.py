@@ -8,17 +8,47 @@ so that a test or a trial run never rewrites the docs.
 """
 
 import dataclasses
+import datetime
 import os
+import subprocess
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# What produces a figure: an uncommitted change elsewhere (docs, tests, results) cannot move one
+CORE = ("bdlm_jax/", "configs/", "experiments/", "run.py")
 KERNEL_CSV = "--kernel-csv experiments/results/kernel_bench.csv"
 SCALE = ("--models llama3-8b --lens 65536 262144 524288 1048576 --depth-check 0",
          "--models qwen3-8b gemma3-27b --lens 65536 262144 1048576 --strategies csbp_ring "
          "cp_ring --depth-check 0",
          "--models qwen3-30b-a3b --lens 262144 --strategies csbp_ring cp_ring --depth-check 0")
 
-MUSE = ("--config configs/dflash2_muse_1m.py --strategies csbp_ring cp_replicated_drafts "
-        "--variant \"ours: parallel.seq=8 parallel.data=1 train.batch_size=1 "
-        "model.param_dtype=float32 model.remat=full\"")
+RECIPES = ("--config configs/dflash2_muse_1m.py --strategies csbp_ring cp_replicated_drafts "
+           "--variant \"ours: parallel.seq=8 parallel.data=1 train.batch_size=1 "
+           "model.param_dtype=float32 model.remat=full\"",
+           "--config configs/qwen3_5_27b_fast_dllm_v2_256k.py --strategies csbp_ring cp_ring "
+           "csbp_allgather cp_ring_balanced cp_allgather bp --timeout 3000",
+           "--config configs/qwen3_5_27b_fast_dllm_v2_1m.py --strategies csbp_ring "
+           "--timeout 3600",
+           "--config configs/diffusiongemma_26b_a4b_sft_256k.py --strategies csbp_ring "
+           "--timeout 3000",
+           "--config configs/diffusiongemma_26b_a4b_sft_512k.py --strategies csbp_ring "
+           "--timeout 3600")
+
+
+def core_version() -> str:
+  """The commit, and the uncommitted code files (`CORE`, results aside) a figure may owe to."""
+  git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True,
+                                  text=True).stdout
+  dirty = [path for line in git("status", "--short").splitlines()
+           for path in [line[3:].split(" -> ")[-1]]
+           if path.startswith(CORE) and not path.startswith("experiments/results/")]
+  return git("log", "-1", "--format=%h").strip() + (
+      f" + uncommitted changes in {', '.join(dirty)}" if dirty else "")
+
+
+def produced(command: str) -> str:
+  """The provenance line a results file ends a section with: command, time, code."""
+  when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+  return f"Produced by `{command}` on {when}, core version {core_version()}."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +83,7 @@ PAGES = (
     Page("local_layers.md", "Local vs global layers: attention traffic",
          ("window_traffic.md",), ("python experiments/window_traffic.py",)),
     Page("recipes.md", "The shipped recipes compiled for their target",
-         ("recipe_plans.md",), (f"python experiments/recipe_plans.py {MUSE}",)),
+         ("recipe_plans.md",), tuple(f"python experiments/recipe_plans.py {a}" for a in RECIPES)),
     Page("quickstart.md", "The quickstart, seed by seed",
          ("quickstart_seeds.md",), ("python experiments/quickstart_seeds.py",)),
     Page("conversion.md", "AR -> BDLM conversion: Fast-dLLM v2 forms",

@@ -6,7 +6,11 @@
 or, with a mesh on a target's devices (`targets`: a TPU topology's, mock GPU hosts), with
 that target's compiler. XLA:CPU is not the GPU compiler: treat its memory as the structure to
 optimise (docs/memory.md). Peak memory is the compiler's own `peak_memory_in_bytes` where it
-reports one (XLA:TPU, XLA:GPU), else the bound of every buffer live at once (XLA:CPU).
+reports one (XLA:TPU, XLA:GPU), else the bound of every buffer live at once (XLA:CPU). Beside
+them, the device's own figures from XLA's buffer assignment (`buffer_assignment`, every
+compile dumps it): the bytes it allocates in device memory, which is what a fit is judged by
+(`fit_bytes`), and those live at its peak. The compiler's peak counts host-resident buffers
+where a step offloads; these do not.
 
 Attention traffic is *computed* from the layout plan, not read back, because the compiled
 bytes are not those a GPU moves: XLA:CPU widens bf16 collectives to f32 (hlo_stats), and XLA
@@ -46,6 +50,7 @@ rematerialised ring, say).
 """
 
 import dataclasses
+import tempfile
 import time
 
 import jax
@@ -59,7 +64,7 @@ from bdlm_jax.models.drafter import drafter_model, target_depth
 from bdlm_jax.models.pattern import attention_shape, gdn_shape, layer_types
 from bdlm_jax.models.transformer import reruns_attention
 from bdlm_jax.objectives import get_objective
-from bdlm_jax.analysis import hlo_stats, targets
+from bdlm_jax.analysis import buffer_assignment, hlo_stats, targets
 from bdlm_jax.parallel import query_ring, recurrence
 from bdlm_jax.parallel.layout import LayoutPlan
 from bdlm_jax.parallel.mesh import make_mesh
@@ -291,6 +296,14 @@ def expected_attention_operand_bytes(cfg: Config, platform: str | None = None) -
   return sum(config_attention_traffic(cfg, itemsize, narrow_last_hop=platform == "tpu").values())
 
 
+def expected_recurrence_operand_bytes(cfg: Config, platform: str | None = None) -> float:
+  """`recurrence_traffic` likewise, its forward re-run under remat included: what the
+  compiled Gated DeltaNet streams should add up to (`StepReport.recurrence_check`)."""
+  platform = platform or jax.default_backend()
+  return sum(recurrence_traffic(cfg, lambda dtype: _collective_itemsize(dtype, platform),
+                                reruns=cfg.model.remat != "none").values())
+
+
 @dataclasses.dataclass(frozen=True)
 class StepReport:
   """Per-device figures of one compiled train step; bytes unless named otherwise."""
@@ -311,6 +324,10 @@ class StepReport:
   recurrence_collective_bytes: dict = dataclasses.field(
       default_factory=lambda: dict.fromkeys(hlo_stats.COLLECTIVE_KINDS, 0))
   expected_recurrence_operand_bytes: float = 0.0
+  # XLA's buffer assignment (`buffer_assignment.DeviceMemory`): every allocation in the
+  # device's own memory, and the bytes of it live at the step's peak; None where not read
+  device_allocated_bytes: int | None = None
+  device_live_bytes: int | None = None
 
   @property
   def bound_bytes(self) -> int:
@@ -348,14 +365,21 @@ class StepReport:
     return compiled / self.expected_recurrence_operand_bytes \
         if self.expected_recurrence_operand_bytes else None
 
+  @property
+  def fit_bytes(self) -> int:
+    """What the device must hold to run the step: its allocation in device memory (host
+    buffers apart) where the buffer assignment was read, else `peak_bytes`."""
+    return self.peak_bytes if self.device_allocated_bytes is None \
+        else self.device_allocated_bytes
+
   def fits(self, device_bytes: float) -> bool:
-    return self.peak_bytes <= device_bytes
+    return self.fit_bytes <= device_bytes
 
   def row(self) -> dict:
     """Flat figures for a CSV row or a table."""
     out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
            if not isinstance(getattr(self, f.name), dict)}
-    out.update(peak_bytes=self.peak_bytes, bound_bytes=self.bound_bytes,
+    out.update(peak_bytes=self.peak_bytes, bound_bytes=self.bound_bytes, fit_bytes=self.fit_bytes,
                attention_check=self.attention_check, recurrence_check=self.recurrence_check,
                recurrence_bytes=sum(self.recurrence_collective_bytes.values()))
     for kind in hlo_stats.COLLECTIVE_KINDS:
@@ -367,7 +391,7 @@ class StepReport:
 
 def compile_train_step(cfg: Config, mesh, compiler_options: dict | None = None):
   """(compiled, seconds): the real train step compiled from abstract inputs (with XLA's
-  `compiler_options`, e.g. `buffers.dump_options`)."""
+  `compiler_options`, e.g. `buffer_assignment.dump_options`)."""
   key = jax.eval_shape(lambda: jax.random.key(0))
   start = time.perf_counter()
   lowered = make_train_step(cfg, mesh).lower(abstract_state(cfg, mesh),
@@ -388,14 +412,17 @@ def compiled_memory(compiled, platform: str) -> dict:
       host_bytes=host - memory.get("host_alias_size_in_bytes", 0))
 
 
-def step_report(cfg: Config, mesh=None, compiler_options: dict | None = None) -> StepReport:
+def step_report(cfg: Config, mesh=None, dump_to: str | None = None) -> StepReport:
   """Compiles `cfg`'s train step on `mesh` (default `make_mesh(cfg)`; its devices' platform
-  is the compiler, `targets`; `compiler_options` as `compile_train_step`'s) and reads its
-  costs."""
+  is the compiler, `targets`) and reads its costs, the device's memory from XLA's buffer
+  assignment, dumped to `dump_to` (default a temporary folder; buffers.py reads it further)."""
   mesh = make_mesh(cfg) if mesh is None else mesh
   platform = mesh.devices.flat[0].platform
   targets.check(cfg, platform)
-  compiled, seconds = compile_train_step(cfg, mesh, compiler_options)
+  with tempfile.TemporaryDirectory(prefix="bdlm_step_") as scratch:
+    folder = dump_to or scratch
+    compiled, seconds = compile_train_step(cfg, mesh, buffer_assignment.dump_options(folder))
+    device = buffer_assignment.device_memory(folder)
   return StepReport(
       **compiled_memory(compiled, platform),
       compile_s=seconds, collective_bytes=hlo_stats.collective_bytes(compiled),
@@ -403,9 +430,8 @@ def step_report(cfg: Config, mesh=None, compiler_options: dict | None = None) ->
       attention_bytes=hlo_stats.wire_bytes(config_attention_traffic(cfg), cfg.parallel.seq),
       expected_attention_operand_bytes=expected_attention_operand_bytes(cfg, platform),
       recurrence_collective_bytes=hlo_stats.collective_bytes(compiled, RECURRENCE_SCOPE),
-      expected_recurrence_operand_bytes=sum(recurrence_traffic(
-          cfg, lambda dtype: _collective_itemsize(dtype, platform),
-          reruns=cfg.model.remat != "none").values()))
+      expected_recurrence_operand_bytes=expected_recurrence_operand_bytes(cfg, platform),
+      device_allocated_bytes=device.allocated_bytes, device_live_bytes=device.live_bytes)
 
 
 def compare_strategies(cfg: Config, strategies=None, mesh=None,
@@ -422,7 +448,8 @@ def compare_strategies(cfg: Config, strategies=None, mesh=None,
       report = f"compile failed: {type(e).__name__}: {str(e).splitlines()[0]}"
     jax.clear_caches()  # one compiled step at a time in host memory
     progress(f"{strategy}: " + (report if isinstance(report, str) else
-                               f"peak {report.peak_bytes / GB:.2f} GB, compiled in "
+                               f"{report.fit_bytes / GB:.2f} GB on the device, peak "
+                               f"{report.peak_bytes / GB:.2f} GB, compiled in "
                                f"{report.compile_s:.1f} s"))
     out.append((strategy, report))
   return out
@@ -441,13 +468,24 @@ def format_gb(nbytes: float) -> str:
   return f"{nbytes / GB:.2f}" if nbytes == 0 or nbytes >= 0.01 * GB else f"{nbytes / GB:.1e}"
 
 
+def fit_of(row: dict) -> float:
+  """A row's `StepReport.fit_bytes`; a row written before it existed fits by its peak."""
+  return float(row.get("fit_bytes") or row["peak_bytes"])
+
+
 def peak_note(rows: list[dict]) -> str:
-  """Which figure a table's peak column holds (`peak_bytes`), for its header."""
+  """Which figures a table's memory columns hold, for its header."""
+  device = ("device = what XLA's buffer assignment allocates in device memory (host buffers "
+            "apart), which fits are judged by; live = its bytes live at the step's peak")
   if any(r.get("compiler_peak_bytes") is not None for r in rows if not r.get("error")):
     return ("Peak = the compiler's own peak_memory_in_bytes; bound = arguments + temp + output "
-            "- alias (every buffer live at once, an upper bound)")
+            f"- alias (every buffer live at once, an upper bound); {device}")
   return ("Peak = bound = arguments + temp + output - alias (every buffer live at once; "
-          "XLA:CPU reports no peak of its own)")
+          f"XLA:CPU reports no peak of its own); {device}")
+
+
+def _gb_or_dash(row: dict, key: str) -> str:
+  return "—" if row.get(key) in (None, "") else format_gb(float(row[key]))
 
 
 def table(rows: list[dict], device_bytes: float, keys=("strategy",)) -> list[str]:
@@ -456,8 +494,9 @@ def table(rows: list[dict], device_bytes: float, keys=("strategy",)) -> list[str
   limit = f"fits {device_bytes / GB:g} GB"
   # Gated DeltaNet streams' columns where a row has them: compiled operand bytes, and check
   gdn = any(r.get("expected_recurrence_operand_bytes") for r in rows if not r.get("error"))
-  head = ["arguments GB", "temp GB", "peak GB", "bound GB", "compile s", "attention GB/step",
-          "attention check", *(["GDN operand GB/step", "GDN check"] if gdn else []), limit]
+  head = ["arguments GB", "temp GB", "peak GB", "bound GB", "device GB", "live GB",
+          "compile s", "attention GB/step", "attention check",
+          *(["GDN operand GB/step", "GDN check"] if gdn else []), limit]
   lines = ["| " + " | ".join([*keys, *head]) + " |", "|" + "---|" * (len(keys) + len(head))]
   for r in rows:
     cells = [str(r[k]) for k in keys]
@@ -468,20 +507,22 @@ def table(rows: list[dict], device_bytes: float, keys=("strategy",)) -> list[str
       cells += [format_gb(r["argument_bytes"]), format_gb(r["temp_bytes"]),
                 format_gb(r["peak_bytes"]),
                 format_gb(r.get("bound_bytes") or r["peak_bytes"]),
+                _gb_or_dash(r, "device_allocated_bytes"), _gb_or_dash(r, "device_live_bytes"),
                 f"{r['compile_s']:.1f}", format_gb(r["attention_bytes"]),
                 "—" if check is None else f"{check:.2f}"]
       if gdn:
         cells += [format_gb(r["recurrence_bytes"]),
                   "—" if r["recurrence_check"] is None else f"{r['recurrence_check']:.2f}"]
-      cells.append("yes" if r["peak_bytes"] <= device_bytes else "**no**")
+      cells.append("yes" if fit_of(r) <= device_bytes else "**no**")
     lines.append("| " + " | ".join(cells) + " |")
   return lines
 
 
 def choose(rows: list[dict], device_bytes: float) -> dict | None:
-  """The row that fits with the least attention traffic (then the least peak), or None."""
-  fit = [r for r in rows if not r.get("error") and r["peak_bytes"] <= device_bytes]
-  return min(fit, key=lambda r: (r["attention_bytes"], r["peak_bytes"]), default=None)
+  """The row that fits (by `fit_of`) with the least attention traffic (then the least
+  device memory), or None."""
+  fit = [r for r in rows if not r.get("error") and fit_of(r) <= device_bytes]
+  return min(fit, key=lambda r: (r["attention_bytes"], fit_of(r)), default=None)
 
 
 def describe_objective(cfg: Config) -> str:

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from bdlm_jax.analysis import buffers, plan_mode, step_report
+from bdlm_jax.analysis import buffer_assignment, buffers, plan_mode, step_report
 from bdlm_jax.config import Config
 from bdlm_jax.configure import override, replace
 from bdlm_jax.parallel.mesh import make_mesh
@@ -75,7 +75,7 @@ def test_the_stacks_of_a_period_scan_are_saved_residuals_where_periods_do_not_di
   periodic = ("model.n_layers=7", "model.layer_pattern=local,local,global",
               "model.sliding_window=32", "model.remat=none")
   rows = buffers._Dims.of(config(*periodic)).rows
-  dims = [buffers._array(x.shape)[1] for x in breakdown(*periodic).buffers]
+  dims = [buffer_assignment.array(x.shape)[1] for x in breakdown(*periodic).buffers]
   stacks = [x for x, d in zip(breakdown(*periodic).buffers, dims)
             if len(d) > 2 and d[0] == 2 and rows in d[1:]]
   assert stacks and {x.category for x in stacks} == {buffers.RESIDUALS}

@@ -24,10 +24,12 @@ GB = sr.GB
 BENCH = dict(d_model=128, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=16, d_ff=256)
 
 
-def row(strategy, total_ms, peak_gb, attention_gb, compute_ms=0.0):
+def row(strategy, total_ms, peak_gb, attention_gb, compute_ms=0.0, device_gb=None):
+  """A plan row; `device_gb`: what the device allocates (default the peak)."""
   s = total_ms / 1e3
   return dict(strategy=strategy, total_s=s, compute_s=compute_ms / 1e3,
               wait_s=s - compute_ms / 1e3, peak_bytes=peak_gb * GB,
+              fit_bytes=(peak_gb if device_gb is None else device_gb) * GB,
               attention_bytes=attention_gb * GB)
 
 
@@ -40,20 +42,33 @@ def test_the_pick_is_the_fastest_that_fits_not_the_least_traffic():
       ["csbp_ring", "cp_ring", "bp"]
   chosen, runner_up, over = pm.verdict(rows, 80 * GB, "on test hardware", "XLA:CPU")
   assert chosen.startswith("chosen: csbp_ring (projected 10 ms/step on test hardware; fits: "
-                           "XLA:CPU bound 10 GB of 80 GB; the fastest of the 3 that fit: 2 ms "
-                           "less K/V transfer and waiting than the runner-up")
+                           "10 GB on the device (XLA:CPU bound 10 GB) of 80 GB; the fastest of "
+                           "the 3 that fit: 2 ms less K/V transfer and waiting than the "
+                           "runner-up")
   assert runner_up == "runner-up: cp_ring (projected 12 ms/step, 1.2x)"
-  assert over == "faster but over 80 GB: cp_allgather (5 ms/step, XLA:CPU bound 90 GB)"
+  assert over == ("faster but over 80 GB: cp_allgather (5 ms/step, 90 GB on the device "
+                  "(XLA:CPU bound 90 GB))")
 
 
 def test_when_one_strategy_fits_or_none_the_verdict_says_so():
   rows = [row("bp", 30.0, 10, 0), dict(row("csbp_ring", 10.0, 90, 1), compiler_peak_bytes=1)]
   assert pm.verdict(rows, 80 * GB, "on X", "XLA:TPU") == [
-      "chosen: bp (projected 30 ms/step on X; fits: XLA:TPU bound 10 GB of 80 GB, the only "
-      "strategy that does)", "runner-up: none",
-      "faster but over 80 GB: csbp_ring (10 ms/step, XLA:TPU peak 90 GB)"]
+      "chosen: bp (projected 30 ms/step on X; fits: 10 GB on the device (XLA:TPU bound 10 GB) "
+      "of 80 GB, the only strategy that does)", "runner-up: none",
+      "faster but over 80 GB: csbp_ring (10 ms/step, 90 GB on the device (XLA:TPU peak 90 "
+      "GB))"]
   assert pm.verdict(rows, 1 * GB, "on X", "XLA:CPU") == [
-      "chosen: none (no strategy fits 1 GB per device by XLA:CPU's figures)"]
+      "chosen: none (no strategy fits 1 GB per device by what XLA:CPU allocates on it)"]
+
+
+def test_the_pick_goes_by_what_the_device_allocates_not_the_compilers_peak():
+  """XLA:TPU's peak of 90 GB counts host-resident buffers; the device allocates 50 GB of its
+  own memory: csbp_ring fits 80 GB and is the pick."""
+  rows = [row("bp", 30.0, 10, 0), dict(row("csbp_ring", 10.0, 90, 1, device_gb=50),
+                                       compiler_peak_bytes=90 * GB)]
+  chosen, _ = pm.verdict(rows, 80 * GB, "on X", "XLA:TPU")
+  assert chosen.startswith("chosen: csbp_ring (projected 10 ms/step on X; fits: 50 GB on the "
+                           "device (XLA:TPU peak 90 GB) of 80 GB")
 
 
 def test_the_projection_sends_the_bytes_the_table_prints():

@@ -5,6 +5,7 @@ collective bytes are the plan's bytes (XLA:CPU widens bf16 collectives). Each re
 full train-step compile, shared by the tests that read it.
 """
 
+import dataclasses
 import functools
 import types
 
@@ -117,7 +118,11 @@ def test_report_figures_are_positive_and_add_up():
   assert r.attention_collective_bytes["all-gather"] == 0  # the ring only permutes
   # XLA hoists the layer-invariant metadata hops out of the layer scan: slightly below 1.
   assert 0.97 <= r.attention_check <= 1.0
-  assert r.fits(r.peak_bytes) and not r.fits(r.peak_bytes - 1)
+  # XLA:CPU's buffer assignment: the bound, plus its constants and thread-local scratch
+  assert r.bound_bytes <= r.device_allocated_bytes <= r.bound_bytes + 4096
+  assert r.argument_bytes < r.device_live_bytes <= r.device_allocated_bytes
+  assert r.fit_bytes == r.device_allocated_bytes == r.row()["fit_bytes"]
+  assert r.fits(r.fit_bytes) and not r.fits(r.fit_bytes - 1)
 
 
 def _memory(peak, host, argument=100, temp=700, output=90, alias=80) -> sr.StepReport:
@@ -137,6 +142,23 @@ def test_device_peak_is_the_compilers_unless_host_memory_inflates_it(peak, host,
   assert r.bound_bytes == 810 and r.peak_bytes == device
   assert r.fits(device) and not r.fits(device - 1)
   assert r.row()["peak_bytes"] == device and r.row()["host_bytes"] == host
+
+
+def test_a_fit_is_judged_by_the_devices_allocation_where_the_buffer_assignment_was_read():
+  """XLA:TPU's peak 900 counts 500 host bytes; the device allocates 700 of its own memory:
+  the step fits 700 and is chosen at 700, whatever its peak and bound (810). A row from
+  before the allocation was read fits by its peak."""
+  r = dataclasses.replace(_memory(900, 500), device_allocated_bytes=700, device_live_bytes=650)
+  assert (r.peak_bytes, r.fit_bytes) == (810, 700)
+  assert r.fits(700) and not r.fits(699)
+  rows = [dict(r.row(), strategy="csbp_ring", attention_bytes=1.0),
+          dict(_memory(600, 0).row(), strategy="cp_ring", attention_bytes=2.0)]
+  assert sr.fit_of(rows[1]) == 600
+  assert sr.choose(rows, 700)["strategy"] == "csbp_ring"
+  assert sr.choose(rows, 650)["strategy"] == "cp_ring"
+  assert sr.choose(rows, 599) is None
+  text = "\n".join(sr.table(rows, 650))
+  assert "device GB | live GB" in text and "| 7.0e-07 | 6.5e-07 |" in text and "**no**" in text
 
 
 class _Compiled:
