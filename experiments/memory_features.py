@@ -16,9 +16,9 @@ Attention always runs in its tiles (kernels/xla.py). Every compile runs in its o
 
 Per device: *peak*, the compiler's own where it reports one (XLA:TPU), else the every-buffer
 bound (XLA:CPU), and with buffers in host memory the smaller of the two (XLA:TPU's peak then
-counts the host's: docs/measuring.md); *device peak*, with --breakdown, the device's high-water
-mark read from the compiler's buffer assignment (bdlm_jax.analysis.buffers; one compile with
-XLA's dumps). Writes memory_features[_cpu].{csv,md} under --out; a run replaces the rows it
+counts the host's: docs/measuring.md); *device peak*, the device's high-water mark read from
+the compiler's buffer assignment (bdlm_jax.analysis.buffer_assignment, which every compile
+dumps). Writes memory_features[_cpu].{csv,md} under --out; a run replaces the rows it
 measures.
 """
 
@@ -28,7 +28,7 @@ import json
 import os
 import sys
 
-from bdlm_jax.analysis import buffers, isolated, step_report, targets
+from bdlm_jax.analysis import isolated, step_report, targets
 from bdlm_jax.configure import load_config
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.parallel.mesh import make_mesh
@@ -74,11 +74,8 @@ def _worker(job: dict) -> None:
   try:
     cfg = job_config(job)
     mesh = make_mesh(cfg, targets.resolve(job["target"], cfg.parallel.seq).devices)
-    if job.get("breakdown"):
-      report, breakdown = buffers.step_breakdown(cfg, mesh)
-      row = dict(report.row(), device_peak_bytes=breakdown.device_bytes)
-    else:
-      row = step_report.step_report(cfg, mesh).row()
+    report = step_report.step_report(cfg, mesh)
+    row = dict(report.row(), device_peak_bytes=report.device_live_bytes)
   except ConfigError as e:
     row = dict(error=str(e))
   except Exception as e:  # noqa: BLE001 (a step that does not fit is a finding)
@@ -105,7 +102,7 @@ def markdown(rows: list[dict], compiler: str) -> str:
            "peak*: XLA:TPU's peak_memory_in_bytes, which counts host-resident buffers too "
            "(docs/measuring.md); *peak*: the compiler's where nothing is in host memory, else the "
            "smaller of the two; *device peak*: the device's high-water mark from the compiler's "
-           "buffer assignment, where measured (`--breakdown`); *host*: what the step keeps in "
+           "buffer assignment, where measured; *host*: what the step keeps in "
            "host memory (the offloaded residuals). Produced by `python "
            "experiments/memory_features.py` (see its docstring).", ""]
   for recipe, (path, overrides, _, budget, _) in RECIPES.items():
@@ -142,8 +139,6 @@ def main(argv=None):
   parser.add_argument("--target", default="tpu",
                       help="tpu (each recipe's TPU topology) or cpu (simulated devices)")
   parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per compile")
-  parser.add_argument("--breakdown", action="store_true",
-                      help="also the device's high-water mark from the buffer assignment")
   parser.add_argument("--out", default=RESULTS_DIR)
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -157,7 +152,7 @@ def main(argv=None):
       for s in steps if i == 0 else steps[-1:]:
         label, overrides = STEPS[s]
         job = dict(recipe=recipe, step=label, strategy=strategy, target=target,
-                   overrides=list(overrides), breakdown=args.breakdown)
+                   overrides=list(overrides))
         rows.append(measure(job, args.timeout))
         r = rows[-1]
         print(f"{recipe} | {label} | {strategy}: "
