@@ -5,6 +5,7 @@ memory_breakdown)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -36,6 +37,18 @@ def run_worker(script: str, job: dict, devices: int, target: str, timeout_s: flo
     return dict(error=f"compile timed out after {timeout_s:.0f} s")
   lines = done.stdout.strip().splitlines()
   if done.returncode or not lines:
-    why = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    return dict(error=f"crashed (exit {done.returncode}): {why}")
+    return dict(error=crash_reason(done.returncode, done.stderr))
   return json.loads(lines[-1])
+
+
+def crash_reason(returncode: int, stderr: str) -> str:
+  """Why a worker ended without its row: the signal that killed it (SIGKILL without a word
+  on stderr is, on Linux, the out-of-memory killer: the compile needed more host memory than
+  the machine has), else its exit code and last line on stderr."""
+  if returncode < 0:
+    name = signal.Signals(-returncode).name
+    hint = " (on Linux, usually the out-of-memory killer: the compile needed more host " \
+           "memory than this machine has)" if -returncode == signal.SIGKILL else ""
+    return f"killed by {name}{hint}"
+  why = (stderr.strip().splitlines() or ["no output"])[-1]
+  return f"crashed (exit {returncode}): {why}"
