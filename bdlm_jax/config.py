@@ -24,7 +24,7 @@ from bdlm_jax.errors import ConfigError
 ANCHOR_SAMPLING = ("uniform", "strided", "locality")  # objective.anchors (dflash)
 DFLASH_LOSSES = ("", "dflash", "dpace", "dpace-cumulative-confidence-only",
                  "dpace-continuation-value-only")  # objective.dflash_loss
-ATTENTION_IMPLS = ("xla", "pallas")
+ATTENTION_IMPLS = ("xla", "pallas", "splash")
 LAYER_TYPES = ("global", "local", "gdn")  # gdn: Gated DeltaNet (docs/gdn.md)
 MLP_TYPES = ("dense", "moe")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama, Qwen3), GeGLU (Gemma 3)

@@ -113,7 +113,8 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 
 def jobs(args) -> list[dict]:
-  variants = [(RECIPE, [])] + [parse_variant(v) for v in args.variant]
+  variants = [] if args.variants_only else [(RECIPE, [])]
+  variants += [parse_variant(v) for v in args.variant]
   return [dict(config=args.config, variant=name, overrides=overrides, strategy=strategy)
           for name, overrides in variants for strategy in args.strategies]
 
@@ -190,6 +191,8 @@ def main(argv=None):
   parser.add_argument("--config", help="a config file, relative to the repository")
   parser.add_argument("--strategies", nargs="+")
   parser.add_argument("--variant", action="append", default=[], metavar="'NAME: KEY=VALUE ...'")
+  parser.add_argument("--variants-only", action="store_true",
+                      help="compile only the variants (the recipe's own rows are kept as they are)")
   parser.add_argument("--timeout", type=float, default=1500.0, help="seconds per compile")
   parser.add_argument("--out", default=RESULTS_DIR)
   parser.add_argument("--worker", help=argparse.SUPPRESS)

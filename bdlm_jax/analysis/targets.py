@@ -81,7 +81,10 @@ def check(cfg: Config, platform: str) -> None:
   """Refuses, with the setting to change, a step `platform`'s compiler cannot build."""
   if platform == "tpu" and cfg.model.attention_impl == "pallas":
     raise ConfigError("model.attention_impl=pallas is a Triton (GPU) kernel, which XLA:TPU "
-                      "cannot compile; set model.attention_impl=xla for a TPU target")
+                      "cannot compile; set model.attention_impl=splash (or xla) for a TPU target")
+  if platform == "gpu" and cfg.model.attention_impl == "splash":
+    raise ConfigError("model.attention_impl=splash is a TPU (Mosaic) kernel, which XLA:GPU "
+                      "cannot compile; set model.attention_impl=pallas (or xla) for a GPU target")
   check_dispatch_runs_here(cfg, platform)
 
 

@@ -12,7 +12,10 @@ def get_kernel(name: str):
   if name == "pallas":
     from bdlm_jax.kernels import pallas
     return pallas
-  raise ConfigError(f"unknown model.attention_impl {name!r}; valid: 'xla', 'pallas'")
+  if name == "splash":
+    from bdlm_jax.kernels import splash
+    return splash
+  raise ConfigError(f"unknown model.attention_impl {name!r}; valid: 'xla', 'pallas', 'splash'")
 
 
 def with_windows(attend, block_size: int):

@@ -142,7 +142,7 @@ def _sharded(cfg: Config, mesh, body, n_kv: int):
   # pallas_call outputs carry no varying-axes type, so shard_map cannot check them.
   return jax.shard_map(body, mesh=mesh, in_specs=(heads, heads, heads, meta, meta, *extra),
                        out_specs=(heads, P(BATCH_AXES, "seq", None)),
-                       check_vma=cfg.model.attention_impl != "pallas")
+                       check_vma=cfg.model.attention_impl == "xla")
 
 
 def draft_transport(cfg: Config, plan: LayoutPlan) -> str:
