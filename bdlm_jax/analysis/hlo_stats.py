@@ -207,10 +207,35 @@ def _parse_instr(line: str) -> _Instr | None:
     return _Instr(name, shape, m.group(1), operands, rest[close + 1:])
 
 
+_QUOTED_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _open_braces(line: str) -> int:
+    unquoted = _QUOTED_RE.sub("", line)
+    return unquoted.count("{") - unquoted.count("}")
+
+
+def _logical_lines(text: str):
+    """The HLO text's lines, each instruction whole: an attribute that spans lines (a Mosaic
+    kernel's `frontend_attributes`) joins them, so none of its lines reads as a "}" closing
+    the computation."""
+    pending = []
+    for raw in text.splitlines():
+        if not pending and not (raw[:1].isspace() and raw.lstrip().startswith(("%", "ROOT "))):
+            yield raw
+            continue
+        pending.append(raw)
+        if _open_braces(" ".join(pending)) <= 0:
+            yield " ".join(pending)
+            pending = []
+    if pending:
+        yield " ".join(pending)
+
+
 def _parse_module(text: str) -> tuple[dict[str, _Computation], str]:
     comps: dict[str, _Computation] = {}
     entry, cur = None, None
-    for raw in text.splitlines():
+    for raw in _logical_lines(text):
         line = _COMMENT_RE.sub("", raw).strip()
         if cur is None:
             if line.endswith("{") and not line.startswith("HloModule"):

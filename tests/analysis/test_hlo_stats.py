@@ -361,6 +361,19 @@ def test_tpu_loops_read_trip_counts_from_their_bounds_and_chains_count_once():
     }
 
 
+def test_an_attribute_spanning_lines_stays_inside_its_instruction():
+    """A Mosaic kernel's custom call (Splash) prints its frontend_attributes over three lines,
+    the last starting with "}}": the loop body it sits in keeps its root and its trips."""
+    kernel = ('  %kernel = f32[8,16]{1,0} custom-call(%x), custom_call_target="tpu_custom_call", '
+              'frontend_attributes={kernel_metadata={\n"xprof_metadata":"{\\"block_q\\": 128}"\n'
+              '}}, backend_config={"custom_call_config":{"body":"TUzvUgFN"}}\n')
+    text = TPU_HLO.replace("  %one = s32[]{:T(128)} constant(1)\n  %next = s32[]{:T(128)} add(%i, %one)\n"
+                           "  %cp = ", "  %one = s32[]{:T(128)} constant(1)\n" + kernel +
+                           "  %next = s32[]{:T(128)} add(%i, %one)\n  %cp = ", 1)
+    assert "\n}}, backend_config" in text
+    assert collective_bytes(text) == collective_bytes(TPU_HLO)
+
+
 def test_a_chain_only_inside_a_data_dependent_loop_is_an_error():
     text = TPU_HLO.replace("  %first = f32[8,16]{1,0} fusion(%w), kind=kOutput, calls=%piece.0\n", "")
     with pytest.raises(ValueError, match="chain 0 runs only inside loops"):
