@@ -618,8 +618,13 @@ class PlanConfig(Section):
   # also print the chosen strategy's memory at its peak by category, read from XLA's buffer
   # assignment (analysis/buffers.py; one more compile)
   breakdown: bool = False
+  # the attention each strategy compiles with: auto = splash on a TPU target (falling back
+  # to model.attention_impl where it does not compile), model.attention_impl elsewhere; or
+  # one of xla, pallas, splash for every row
+  attention: str = "auto"
 
   RULES = dict(device_memory_gb=Holds(">= 0 (0: the target's)", lambda x: x >= 0),
+               attention=OneOf(("auto", *ATTENTION_IMPLS)),
                target=Holds("cpu, gpu or tpu:<topology> (e.g. tpu:v5p:2x2x4)",
                             lambda x: x in ("cpu", "gpu") or (x.startswith("tpu:") and
                                                               len(x) > len("tpu:"))))

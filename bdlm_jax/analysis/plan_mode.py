@@ -163,14 +163,16 @@ def plan_report(cfg: Config, progress=lambda _: None) -> str:
   strategies = (strategy_names_for(cfg.objective.name, splits_sequences=True) if p.seq > 1
                 else (SINGLE_DEVICE,))
   hw, a = mesh_hardware(p.data * p.fsdp * p.seq), assumptions(cfg)
-  rows = []
-  for name, r in step_report.compare_strategies(cfg, strategies, mesh, progress):
+  rows, fallbacks = [], []
+  for name, impl, r, tried in compile_each(cfg, strategies, mesh, target, progress):
+    fallbacks += [f"{name}: attention {impl}, since {other} did not compile ({why})"
+                  for other, why in tried]
     if isinstance(r, str):
-      rows.append({"strategy": name, "projected ms/step": "", "error": r})
+      rows.append({"strategy": name, "attention": impl, "projected ms/step": "", "error": r})
       continue
     step = projected_step(override(cfg, [f"parallel.strategy={name}"]), hw, a)
-    rows.append({"strategy": name, "projected ms/step": f"{step['total_s'] * 1e3:.3g}",
-                 **step, **r.row()})
+    rows.append({"strategy": name, "attention": impl,
+                 "projected ms/step": f"{step['total_s'] * 1e3:.3g}", **step, **r.row()})
   m = cfg.model
   time_caveat = f" (no model of a {target.chip}'s time)" if target.platform == "tpu" else ""
   return "\n".join([
@@ -188,10 +190,36 @@ def plan_report(cfg: Config, progress=lambda _: None) -> str:
       f"{sequences(cfg)} sequences per device as one batch. It models H200s only: the memory "
       f"is {target.compiler}'s, the time an H200's{time_caveat}.", "",
       *draft_transport_lines(cfg, strategies),
-      *step_report.table(rows, device, keys=("strategy", "projected ms/step")), "",
+      *step_report.table(rows, device, keys=("strategy", "attention", "projected ms/step")),
+      *fallbacks, "",
       *verdict(rows, device, f"on {hw.name}, default assumptions{time_caveat}",
                target.compiler),
       *(breakdown_lines(cfg, rows, device, mesh) if cfg.plan.breakdown else [])])
+
+
+def attention_impls(cfg: Config, target: targets.Target) -> tuple[str, ...]:
+  """The attention implementations a strategy's step compiles with, in order of preference
+  (`plan.attention`): auto puts Splash, the TPU's kernel, first on a TPU target."""
+  if cfg.plan.attention != "auto":
+    return (cfg.plan.attention,)
+  own = cfg.model.attention_impl
+  return ("splash", own) if target.platform == "tpu" and own != "splash" else (own,)
+
+
+def compile_each(cfg: Config, strategies, mesh, target: targets.Target, progress):
+  """[(strategy, attention impl, StepReport or why not, [(impl, why not) tried before])]:
+  each strategy compiled with the first of `attention_impls` that compiles."""
+  impls = attention_impls(cfg, target)
+  done, tried = {}, {name: [] for name in strategies}
+  for i, impl in enumerate(impls):
+    pending = [name for name in strategies if name not in done]
+    for name, r in step_report.compare_strategies(
+        override(cfg, [f"model.attention_impl={impl}"]), pending, mesh, progress):
+      if isinstance(r, str) and i < len(impls) - 1:
+        tried[name].append((impl, r))
+      else:
+        done[name] = (impl, r)
+  return [(name, *done[name], tried[name]) for name in strategies if name in done]
 
 
 def draft_transport_lines(cfg: Config, strategies) -> list[str]:
@@ -217,7 +245,8 @@ def breakdown_lines(cfg: Config, rows: list[dict], device_bytes: float, mesh) ->
   ranked = fastest_that_fit(rows, device_bytes) or sorted(compiled, key=fit_of)
   if not ranked:
     return []
-  name = ranked[0]["strategy"]
-  _, breakdown = buffers.step_breakdown(override(cfg, [f"parallel.strategy={name}"]), mesh)
+  name, impl = ranked[0]["strategy"], ranked[0].get("attention", cfg.model.attention_impl)
+  _, breakdown = buffers.step_breakdown(
+      override(cfg, [f"parallel.strategy={name}", f"model.attention_impl={impl}"]), mesh)
   return ["", f"Breakdown of {name}'s step (compiled again with XLA's buffer-assignment dump):",
           "", *breakdown.lines()]

@@ -336,3 +336,21 @@ def _attend_bwd_rule(chunk, res, cts):
 
 
 attend.defvjp(_attend_fwd_rule, _attend_bwd_rule)
+
+
+def computed_pairs(q_meta: RowMeta, k_meta: RowMeta) -> int:
+  """(query, key) pairs the kernels compute for one call of one sequence (NumPy or jax
+  metadata, [R] or [1, R]): the visited tiles' area over both streams and every key chunk,
+  padding rows included. The work Splash does, to set beside the pairs the mask allows."""
+  one = lambda m, rows: RowMeta(*(jnp.pad(jnp.asarray(x, jnp.int32).reshape(-1),
+                                          (0, rows - x.shape[-1])) for x in m[:4]), None)
+  rq, rk = _padded(q_meta.seg.shape[-1]), _padded(k_meta.seg.shape[-1])
+  q = one(q_meta, rq)._replace(lo=jnp.pad(jnp.asarray(q_meta.lo, jnp.int32).reshape(-1),
+                                          (0, rq - q_meta.seg.shape[-1])))
+  tiles_per_call = _visited_tiles(q, one(k_meta, rk))
+  return sum(int(n) * _tile(rq) * _tile(min(MAX_KEYS, rk)) for n in tiles_per_call)
+
+
+@jax.jit
+def _visited_tiles(q_meta: RowMeta, k_meta: RowMeta) -> list:
+  return [c.fwd.block_mask.sum() for c in plan_calls(q_meta, k_meta)[1]]

@@ -113,7 +113,7 @@ def test_plan_report_prints_the_projection_and_never_chooses_what_does_not_fit(m
                       lambda *_: [(s, fake(s, gb * GB)) for s, gb in peaks.items()])
   lines = pm.plan_report(replace(config(), plan=dict(device_memory_gb=0.01))).splitlines()
   assert "on 8x H200 (1 node x 8): 600 TFLOP/s GEMM" in lines[2]
-  assert lines[4].startswith("| strategy | projected ms/step | arguments GB |")
+  assert lines[4].startswith("| strategy | attention | projected ms/step | arguments GB |")
   chosen, runner_up, over = lines[-3:]
   assert chosen.startswith("chosen: csbp_ring (projected ")
   assert runner_up.startswith("runner-up: cp_ring (projected ")
@@ -162,3 +162,29 @@ def test_bp_computes_less_than_one_device_only_by_the_unread_last_clean_block():
   attention = (last_block_pairs * timing.pair_s(m, hw) * m.n_layers
                * (1 + a.attention_bwd_factor))
   assert compute["none"] - compute["bp"] == pytest.approx(linear + attention, rel=1e-9)
+
+
+def test_a_tpu_target_compiles_splash_first_and_falls_back_where_it_does_not(monkeypatch):
+  """plan.attention=auto: on a TPU target each strategy compiles with Splash, and with
+  model.attention_impl where Splash does not compile (the table and a line say so); on
+  CPU, or with plan.attention set, one implementation for every row."""
+  kinds = dict.fromkeys(hlo_stats.COLLECTIVE_KINDS, 0)
+  compiled = sr.StepReport(GB, 0, 0, 0, None, 0, 0.0, kinds, kinds, 0.0, 0.0)
+  asked = []
+
+  def fake(cfg, strategies, *_):
+    impl = cfg.model.attention_impl
+    asked.append((impl, list(strategies)))
+    return [(s, "compile failed: boom" if (impl, s) == ("splash", "bp") else compiled)
+            for s in strategies]
+  monkeypatch.setattr(sr, "compare_strategies", fake)
+  tpu, cpu = pm.targets.Target("tpu:v5p:2x2x1", "tpu", ()), pm.targets.Target("cpu", "cpu", ())
+  out = pm.compile_each(config(), ["csbp_ring", "bp"], None, tpu, print)
+  assert [(name, impl, tried) for name, impl, _, tried in out] == [
+      ("csbp_ring", "splash", []), ("bp", "xla", [("splash", "compile failed: boom")])]
+  assert asked == [("splash", ["csbp_ring", "bp"]), ("xla", ["bp"])]
+  asked.clear()
+  assert [impl for _, impl, _, _ in pm.compile_each(config(), ["bp"], None, cpu, print)] == ["xla"]
+  fixed = replace(config(), plan=dict(attention="xla"))
+  assert [impl for _, impl, _, _ in pm.compile_each(fixed, ["bp"], None, tpu, print)] == ["xla"]
+  assert asked == [("xla", ["bp"])] * 2

@@ -80,6 +80,17 @@ def test_tpu_peak_is_the_compilers_own_and_below_the_every_buffer_bound():
   assert r.weight_collective_bytes["all-gather"] > 0  # ZeRO-3's weight gathers, chains counted
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["csbp_ring", "csbp_allgather"])
+def test_splash_steps_compile_for_tpu_and_move_the_same_attention_bytes(strategy):
+  """attention_impl=splash: the kernels compile through Mosaic inside the real step (ring
+  steps, an all-gather), and the transport around them sends what it sends with xla."""
+  cfg = config(strategy, model=dict(TINY, attention_impl="splash"))
+  r = sr.step_report(cfg, make_mesh(cfg, targets.resolve(TARGET).devices))
+  assert r.attention_check == 1.0
+  assert r.attention_collective_bytes == report(strategy).attention_collective_bytes
+
+
 def test_plan_names_the_compiler_the_chip_and_the_peak_its_pick_fits_by(monkeypatch):
   monkeypatch.setattr(sr, "compare_strategies",
                       lambda *_: [(s, report(s)) for s in ("cp_ring", "csbp_ring")])
