@@ -27,11 +27,10 @@ import jax.numpy as jnp
 from bdlm_jax.analysis.results import produced
 from bdlm_jax.configure import load_config, override
 from bdlm_jax.kernels import splash, tiles
-from bdlm_jax.parallel.registry import get_strategy, plan_for
+from bdlm_jax.parallel.registry import get_strategy, plan_for, strategy_names_for
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULT_CONFIG = "configs/qwen3_5_27b_fast_dllm_v2_256k.py"
-STRATEGIES = ("csbp_ring", "csbp_allgather", "cp_ring", "cp_ring_balanced", "cp_allgather", "bp")
 COLUMNS = ("config", "strategy", "calls", "pairs", "allowed_pairs", "computed_pairs",
            "mask_density", "computed_fraction", "computed_per_allowed", "largest_call",
            "build_mflop", "build_mb", "attention_gflop", "produced")
@@ -107,14 +106,16 @@ def write(rows: list[dict], out: str) -> None:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--config", default=DEFAULT_CONFIG)
-  parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+  parser.add_argument("--strategies", nargs="+",
+                      help="default: every one that can train the config's objective")
   parser.add_argument("--out", default=RESULTS_DIR)
   args = parser.parse_args(argv)
   cfg = load_config(args.config)
+  strategies = args.strategies or strategy_names_for(cfg.objective.name)
   command = " ".join(["python experiments/splash_tiles.py",
                       *(sys.argv[1:] if argv is None else argv)])
   rows = []
-  for strategy in args.strategies:
+  for strategy in strategies:
     start = time.time()
     rows.append(dict(config=args.config, **measure(cfg, strategy),
                      **mask_build_cost(cfg, strategy), produced=produced(command)))

@@ -31,7 +31,14 @@ RECIPES = ("--config configs/dflash2_muse_1m.py --strategies csbp_ring cp_replic
            "--config configs/diffusiongemma_26b_a4b_sft_256k.py --strategies csbp_ring "
            "--timeout 3000",
            "--config configs/diffusiongemma_26b_a4b_sft_512k.py --strategies csbp_ring "
-           "--timeout 3600")
+           "--timeout 3600",
+           *(f"--config {c} --strategies csbp_ring --variant \"splash: "
+             "model.attention_impl=splash\" --variants-only --timeout 3000"
+             for c in ("configs/dflash2_muse_1m.py", "configs/qwen3_5_27b_fast_dllm_v2_256k.py",
+                       "configs/diffusiongemma_26b_a4b_sft_256k.py")))
+SPLASH_TILES = ("configs/qwen3_5_27b_fast_dllm_v2_256k.py",
+                "configs/qwen3_5_27b_fast_dllm_v2_1m.py",
+                "configs/diffusiongemma_26b_a4b_sft_256k.py")
 
 
 def core_version() -> str:
@@ -84,6 +91,9 @@ PAGES = (
          ("window_traffic.md",), ("python experiments/window_traffic.py",)),
     Page("recipes.md", "The shipped recipes compiled for their target",
          ("recipe_plans.md",), tuple(f"python experiments/recipe_plans.py {a}" for a in RECIPES)),
+    Page("splash.md", "Splash attention: the pairs it computes, per strategy",
+         ("splash_tiles.md",),
+         tuple(f"python experiments/splash_tiles.py --config {c}" for c in SPLASH_TILES)),
     Page("quickstart.md", "The quickstart, seed by seed",
          ("quickstart_seeds.md",), ("python experiments/quickstart_seeds.py",)),
     Page("conversion.md", "AR -> BDLM conversion: Fast-dLLM v2 forms",

@@ -105,8 +105,9 @@ def key_intervals(q_meta: RowMeta, keys: SortedKeys):
   clean_hi = _first_at_least(keys, zero, q_meta.block + clean_q.astype(jnp.int32))
   clean_lo = jnp.searchsorted(jnp.where(keys.rank == 0, keys.pos, _BIG), q_meta.lo,
                               side="left").astype(jnp.int32)
-  # Noisy keys: the query's own block of its own document, from its window start (a real
-  # window never cuts into the own block, kernels/mask.py), to its position if causal.
+  # Noisy keys: the query's own block of its own document, from its window start (which a
+  # local layer's window never puts inside the block, kernels/mask.py: kept for the rule's
+  # sake), to its position if causal.
   own = (zero + 1, q_meta.block, q_meta.seg)
   noisy_lo = _first_at_least(keys, *own, q_meta.lo)
   causal = q_meta.stream == NOISY_CAUSAL
@@ -280,6 +281,9 @@ def _padded_inputs(q, k, v, q_meta: RowMeta, k_meta: RowMeta):
 
 
 def _check(q, k, v):
+  if jax.default_backend() == "gpu":
+    raise ConfigError("model.attention_impl=splash is a TPU (Mosaic) kernel and would run "
+                      "interpreted here; on a GPU set model.attention_impl=pallas (or xla)")
   if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
     raise ConfigError(f"splash attention wants q [S, Rq, Hq, D] and k, v [S, Rk, Hkv, D] of one "
                       f"shape; got q {q.shape}, k {k.shape}, v {v.shape}")

@@ -108,9 +108,9 @@ def test_plan_names_the_compiler_the_chip_and_the_peak_its_pick_fits_by(monkeypa
           f"{r.compiler_peak_bytes / sr.GB:.3g} GB) of 16.9114 GB") in chosen
 
 
-def test_tpu_target_refuses_the_triton_kernel_and_names_xla():
+def test_tpu_target_refuses_the_triton_kernel_and_names_splash():
   cfg = override(config(), ["model.attention_impl=pallas"])
-  with pytest.raises(ConfigError, match="set model.attention_impl=xla"):
+  with pytest.raises(ConfigError, match="set model.attention_impl=splash"):
     sr.step_report(cfg, make_mesh(cfg, targets.resolve(TARGET).devices))
 
 
