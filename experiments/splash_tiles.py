@@ -111,7 +111,7 @@ def main(argv=None):
   parser.add_argument("--out", default=RESULTS_DIR)
   args = parser.parse_args(argv)
   cfg = load_config(args.config)
-  strategies = args.strategies or strategy_names_for(cfg.objective.name)
+  strategies = args.strategies or strategy_names_for(cfg.objective.name, splits_sequences=True)
   command = " ".join(["python experiments/splash_tiles.py",
                       *(sys.argv[1:] if argv is None else argv)])
   rows = []
