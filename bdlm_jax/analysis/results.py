@@ -35,7 +35,9 @@ RECIPES = ("--config configs/dflash2_muse_1m.py --strategies csbp_ring cp_replic
            *(f"--config {c} --strategies csbp_ring --variant \"splash: "
              "model.attention_impl=splash\" --variants-only --timeout 3000"
              for c in ("configs/dflash2_muse_1m.py", "configs/qwen3_5_27b_fast_dllm_v2_256k.py",
-                       "configs/diffusiongemma_26b_a4b_sft_256k.py")))
+                       "configs/diffusiongemma_26b_a4b_sft_256k.py")),
+           "--config configs/llama3_8b_bdlm_1m.py --strategies csbp_ring --variant \"splash: "
+           "model.attention_impl=splash\" --timeout 3000")
 SPLASH_TILES = ("configs/qwen3_5_27b_fast_dllm_v2_256k.py",
                 "configs/qwen3_5_27b_fast_dllm_v2_1m.py",
                 "configs/diffusiongemma_26b_a4b_sft_256k.py")
