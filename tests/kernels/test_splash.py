@@ -89,10 +89,10 @@ def test_bf16_matches_f32_oracle_within_2e_2():
 @pytest.mark.parametrize("objective, strategy", [
     ("bd3lm", "cp_allgather"), ("fast_dllm_v2", "csbp_ring"), ("ar", "cp_ring")])
 def test_loss_and_grads_with_splash_equal_one_device_with_xla(objective, strategy):
-  """Splash inside each transport on 4 ranks (ring steps, all-gathers) gives the
+  """Splash inside each transport on 2 ranks (ring steps, all-gathers) gives the
   single-device xla loss and gradients (tests/parallel/test_strategies.py's batch)."""
   block = 1 if objective == "ar" else 4
-  cfg = replace(_cfg(strategy, block, objective, seq=4), model=dict(attention_impl="splash"))
+  cfg = replace(_cfg(strategy, block, objective, seq=2), model=dict(attention_impl="splash"))
   assert_close(*_loss_and_grads(cfg, make_mesh(cfg)), *_reference(block, objective))
 
 
@@ -100,7 +100,7 @@ def test_loss_and_grads_with_splash_equal_one_device_with_xla(objective, strateg
 def test_diffusiongemma_with_splash_equals_one_device_with_xla():
   """Packed conversations, a local (windowed) and a global layer, self-conditioning."""
   dg = test_diffusiongemma
-  cfg = replace(dg._cfg("csbp_ring", seq=4), model=dict(attention_impl="splash"))
+  cfg = replace(dg._cfg("csbp_ring", seq=2), model=dict(attention_impl="splash"))
   assert_close(*test_gemma4.loss_and_grads(cfg, make_mesh(cfg), dg._packed_batch()),
                *dg._one_device())
 
@@ -110,7 +110,7 @@ def test_dflash2_drafter_with_splash_equals_one_device_with_xla():
   """Causal sliding-window draft slots (NOISY_CAUSAL), pruned context, the draft queries
   rotating past the context (the query ring)."""
   d2 = test_dflash2
-  cfg = replace(d2._cfg2("csbp_ring", seq=4, draft_transport="query"),
+  cfg = replace(d2._cfg2("csbp_ring", seq=2, draft_transport="query"),
                 model=dict(attention_impl="splash"))
   mesh = make_mesh(cfg)
   params, _, ref_loss, _, ref_grads = d2._single_device()
@@ -124,7 +124,7 @@ def test_dflash2_drafter_with_splash_equals_one_device_with_xla():
 def test_dflash_drafter_with_splash_under_replicated_drafts_equals_one_device_with_xla():
   """Every draft block on every rank, the context all-gathered, documents and padding."""
   d1 = test_dflash
-  cfg = replace(d1._cfg("cp_replicated_drafts", seq=4), model=dict(attention_impl="splash"))
+  cfg = replace(d1._cfg("cp_replicated_drafts", seq=2), model=dict(attention_impl="splash"))
   loss, grads = d1._loss_and_grads(cfg, make_mesh(cfg))
   ref_loss, ref_grads = d1._reference()
   assert_close(loss, grads["drafter"], ref_loss, ref_grads["drafter"])
