@@ -37,33 +37,35 @@ COLUMNS = ("config", "strategy", "calls", "pairs", "allowed_pairs", "computed_pa
 
 
 def measure(cfg, strategy: str) -> dict:
+  """One strategy's row: its calls' pairs, allowed and computed, and what building its
+  largest call's masks costs (`mask_build_cost`)."""
   cfg = override(cfg, [f"parallel.strategy={strategy}"])
   plan = plan_for(cfg)
   calls = pairs = computed = 0
+  largest = None
   for q_meta, k_meta in tiles.kernel_calls(plan, get_strategy(plan.strategy).transport):
     calls += 1
+    call_pairs = splash.computed_pairs(q_meta, k_meta)
     pairs += q_meta.seg.shape[1] * k_meta.seg.shape[1]
-    computed += splash.computed_pairs(q_meta, k_meta)
+    computed += call_pairs
+    if largest is None or q_meta.seg.size * k_meta.seg.size > largest[0]:
+      largest = (q_meta.seg.size * k_meta.seg.size, q_meta, k_meta, call_pairs)
   allowed = int(plan.attention_work().sum())
   return dict(strategy=strategy, calls=calls, pairs=pairs, allowed_pairs=allowed,
               computed_pairs=computed, mask_density=f"{allowed / pairs:.4f}",
               computed_fraction=f"{computed / pairs:.4f}",
-              computed_per_allowed=f"{computed / allowed:.3f}")
+              computed_per_allowed=f"{computed / allowed:.3f}",
+              **mask_build_cost(cfg, *largest[1:]))
 
 
-def mask_build_cost(cfg, strategy: str) -> dict:
-  """XLA:CPU's cost analysis of building the largest call's masks (sort, intervals, tile
-  maps) beside the forward attention FLOPs of the pairs it then computes."""
-  cfg = override(cfg, [f"parallel.strategy={strategy}"])
-  plan = plan_for(cfg)
-  q_meta, k_meta = max(tiles.kernel_calls(plan, get_strategy(plan.strategy).transport),
-                       key=lambda c: c[0].seg.size * c[1].seg.size)
+def mask_build_cost(cfg, q_meta, k_meta, call_pairs: int) -> dict:
+  """XLA:CPU's cost analysis of building one call's masks (sort, intervals, tile maps)
+  beside the forward attention FLOPs of the `call_pairs` it then computes."""
   one = lambda m: jax.tree.map(lambda x: jnp.asarray(x[0]), m)
   cost = jax.jit(splash.plan_calls).lower(one(q_meta), one(k_meta._replace(lo=None)))
   cost = cost.compile().cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
-  m = cfg.model
-  attention = 4 * splash.computed_pairs(q_meta, k_meta) * m.n_heads * m.head_dim
+  attention = 4 * call_pairs * cfg.model.n_heads * cfg.model.head_dim
   return dict(largest_call=f"{q_meta.seg.shape[1]}x{k_meta.seg.shape[1]}",
               build_mflop=f"{cost.get('flops', 0.0) / 1e6:.1f}",
               build_mb=f"{cost.get('bytes accessed', 0.0) / 1e6:.1f}",
@@ -117,8 +119,7 @@ def main(argv=None):
   rows = []
   for strategy in strategies:
     start = time.time()
-    rows.append(dict(config=args.config, **measure(cfg, strategy),
-                     **mask_build_cost(cfg, strategy), produced=produced(command)))
+    rows.append(dict(config=args.config, **measure(cfg, strategy), produced=produced(command)))
     print(f"{strategy}: {rows[-1]} ({time.time() - start:.0f} s)", flush=True)
   write(rows, args.out)
 

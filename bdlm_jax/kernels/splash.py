@@ -41,7 +41,7 @@ from bdlm_jax.errors import ConfigError
 from bdlm_jax.kernels import residuals
 from bdlm_jax.kernels.mask import CLEAN, NOISY_CAUSAL, RowMeta
 from bdlm_jax.kernels.tiles import EMPTY, tile_kinds
-from bdlm_jax.kernels.xla import NEG_INF
+from bdlm_jax.kernels.xla import NEG_INF, merge
 
 LANES = 128  # Splash tiles are multiples of the TPU's 128 lanes
 TILE = 512  # rows per query and key tile where a call has that many
@@ -229,15 +229,9 @@ def _sequence_fwd(q, k, v, q_meta, k_meta, *, interpret):
         block_sizes=_block_sizes(rq, c.size), residual_checkpoint_name=None,
         save_residuals=True, mask_function=in_interval, interpret=interpret)
     seen = lse_c > NEG_INF  # a query with no key here: Splash leaves 0/0 or -inf
-    out, lse = _merge(out, lse, jnp.where(seen[..., None], o_c.astype(jnp.float32), 0.0),
+    out, lse = merge(out, lse, jnp.where(seen[..., None], o_c.astype(jnp.float32), 0.0),
                       jnp.where(seen, lse_c, NEG_INF))
   return _heads_first(out), _heads_first(lse)
-
-
-def _merge(out, lse, out_i, lse_i):
-  lse_new = jnp.logaddexp(lse, lse_i)
-  return (out * jnp.exp(lse - lse_new)[..., None] + out_i * jnp.exp(lse_i - lse_new)[..., None],
-          lse_new)
 
 
 def _sequence_bwd(q, k, v, q_meta, k_meta, lse, dout, delta, *, interpret):
@@ -251,12 +245,12 @@ def _sequence_bwd(q, k, v, q_meta, k_meta, lse, dout, delta, *, interpret):
   do_h, lse_h, delta_h = _heads_first(dout), _heads_first(lse), _heads_first(delta)
   dq = jnp.zeros(q_h.shape, jnp.float32)
   dk, dv = jnp.zeros(k_h.shape, jnp.float32), jnp.zeros(v_h.shape, jnp.float32)
+  common = dict(is_mqa=False, mask_value=sk.DEFAULT_MASK_VALUE, attn_logits_soft_cap=None,
+                q_layout=sk.QKVLayout.HEAD_DIM_MINOR, k_layout=sk.QKVLayout.HEAD_DIM_MINOR,
+                v_layout=sk.QKVLayout.HEAD_DIM_MINOR, mask_function=in_interval,
+                interpret=interpret)
   for c in calls:
     keys = slice(c.start, c.start + c.size)
-    common = dict(is_mqa=False, mask_value=sk.DEFAULT_MASK_VALUE, attn_logits_soft_cap=None,
-                  q_layout=sk.QKVLayout.HEAD_DIM_MINOR, k_layout=sk.QKVLayout.HEAD_DIM_MINOR,
-                  v_layout=sk.QKVLayout.HEAD_DIM_MINOR, mask_function=in_interval,
-                  interpret=interpret)
     args = (q_h, k_h[:, keys], v_h[:, keys], c.segments, None, lse_h, do_h, delta_h)
     bs = _block_sizes(rq, c.size)
     dq = dq + sk._splash_attention_bwd_dq(  # noqa: SLF001

@@ -26,6 +26,14 @@ from bdlm_jax.kernels.mask import RowMeta, allowed
 NEG_INF = -1e30  # finite: exp() of it is 0 and it never makes NaN through an untaken branch
 
 
+def merge(out, lse, out_i, lse_i):
+  """Two partial (out, lse) of the same queries over disjoint keys, as one: a ring's steps,
+  a kernel's calls."""
+  lse_new = jnp.logaddexp(lse, lse_i)
+  out = out * jnp.exp(lse - lse_new)[..., None] + out_i * jnp.exp(lse_i - lse_new)[..., None]
+  return out, lse_new
+
+
 def _chunked_keys(k, v, k_meta, chunk):
   """[S, Rk, ...] -> [n, S, chunk, ...] with padding keys marked seg=0."""
   rk = k.shape[1]

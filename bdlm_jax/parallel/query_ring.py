@@ -27,10 +27,11 @@ import jax.numpy as jnp
 from bdlm_jax.config import Config
 from bdlm_jax.kernels import residuals
 from bdlm_jax.kernels.mask import RowMeta
+from bdlm_jax.kernels.xla import merge
 from bdlm_jax.models.drafter import drafter_model
 from bdlm_jax.parallel.layout import LayoutPlan
 from bdlm_jax.parallel.prune import context_rows
-from bdlm_jax.parallel.ring import merge, partial_attend, partial_grads, shift
+from bdlm_jax.parallel.ring import partial_attend, partial_grads, shift
 
 # The int32 metadata fields a row sends: a key's lack its window start (`mask.as_keys`), a
 # travelling query's its position (`_travelling`).

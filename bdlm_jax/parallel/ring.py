@@ -16,14 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from bdlm_jax.kernels import residuals
-from bdlm_jax.kernels.xla import NEG_INF
-
-
-def merge(out, lse, out_i, lse_i):
-  """Two partial (out, lse) of the same queries over disjoint keys, as one."""
-  lse_new = jnp.logaddexp(lse, lse_i)
-  out = out * jnp.exp(lse - lse_new)[..., None] + out_i * jnp.exp(lse_i - lse_new)[..., None]
-  return out, lse_new
+from bdlm_jax.kernels.xla import NEG_INF, merge
 
 
 def partial_attend(kernel, chunk, q, k, v, q_meta, k_meta):
