@@ -31,7 +31,7 @@ MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama, Qwen3), GeGLU (Gemma 3
 MOE_DISPATCHES = ("ragged_all_to_all", "all_gather")  # parallel.moe_dispatch
 DTYPES = ("float32", "bfloat16")
 DRAFT_TRANSPORTS = ("auto", "kv", "query", "seed")  # parallel.draft_transport
-REMAT = ("none", "full", "offload", "offload_input")
+REMAT = ("none", "full", "offload", "offload_input", "offload_period")
 MODES = ("train", "eval", "sample", "export", "plan", "prepare")
 # "tokens": a folder of token ids written by mode=prepare (bdlm_jax/data/prepare.py).
 DATA_SOURCES = ("arithmetic", "text", "jsonl", "array_record", "tokens")
@@ -175,9 +175,13 @@ class ModelConfig(Section):
   # "full": a layer keeps only its input and the attention core's output + LSE for the
   # backward, and recomputes projections, norms and the MLP; "offload": the same, kept in
   # host memory; "offload_input": only the layer input, in host memory, the backward
-  # re-running the whole layer, attention and its K/V transport included; "none" keeps
-  # everything.
+  # re-running the whole layer, attention and its K/V transport included; "offload_period":
+  # only each scan step's input (`scan_period` layers), in host memory, the backward re-running
+  # the step's forward and then its layers as under "full"; "none" keeps everything.
   remat: str = "none"
+  # Layers per step of the layer scan: a multiple of the patterns' period (the lcm of
+  # `layer_pattern`'s and `mlp_pattern`'s lengths); 0: that period.
+  scan_period: int = 0
   # A layer's row-wise work (norms, q/k/v/o projections, RoPE, MLP or experts) in this many
   # chunks of each device's rows (the last one shorter if need be), each rematerialised: no
   # [rows, d_ff] intermediate exists whole. 1: all rows at once.
@@ -207,6 +211,7 @@ class ModelConfig(Section):
       global_n_kv_heads=Holds(">= 0 (0: model.n_kv_heads)", lambda x: x >= 0),
       global_partial_rotary_factor=Holds("in (0, 1]", lambda x: 0 < x <= 1),
       row_chunks=AT_LEAST_1, gdn_conv=AT_LEAST_1,
+      scan_period=Holds(">= 0 (0: the patterns' period)", lambda x: x >= 0),
       gdn_key_heads=Holds(">= 0 (0: model.n_heads)", lambda x: x >= 0),
       gdn_value_heads=Holds(">= 0 (0: model.n_heads)", lambda x: x >= 0),
       gdn_key_dim=Holds(">= 0 (0: model.head_dim)", lambda x: x >= 0),
@@ -225,7 +230,16 @@ class ModelConfig(Section):
     """The MLP kinds of one period of `mlp_pattern` (default: all MoE with experts)."""
     return comma_list(self.mlp_pattern) or (("moe",) if self.moe_experts else ("dense",))
 
+  @property
+  def scan_step(self) -> int:
+    """Layers per step of the layer scan: `scan_period`, else the patterns' period."""
+    return self.scan_period or math.lcm(len(self.layer_period), len(self.mlp_period))
+
   def check(self) -> None:
+    period = math.lcm(len(self.layer_period), len(self.mlp_period))
+    if self.scan_period % period:
+      raise ConfigError(f"model.scan_period={self.scan_period} must be a multiple of the "
+                        f"layer and MLP patterns' period, {period}")
     for t in self.layer_period:
       if t not in LAYER_TYPES:
         raise ConfigError(f"model.layer_pattern={self.layer_pattern!r} has the layer type "

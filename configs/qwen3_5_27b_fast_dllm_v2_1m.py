@@ -6,13 +6,17 @@ optimiser) at four times the seed's length, past the paper's.
   python experiments/recipe_plans.py --config configs/qwen3_5_27b_fast_dllm_v2_1m.py \
       --strategies csbp_ring --timeout 3600
 
-A rank holds 2 x 65,536 rows. What changes from 256K, and why:
-* `model.remat=offload_input`: `offload` would keep each layer's saved residuals in host
-  memory, four times 256K's 56 GB, past the 128 GiB XLA:TPU allows a chip; the layer inputs
-  alone are 64 layers x 131,072 rows x 5120 x 2 B = 85.9 GB there, and the backward re-runs
-  each layer's forward (its K/V ring and Gated DeltaNet chain included).
+A rank holds 2 x 2 x 65,536 rows (the two complementary copies, each noisy and clean). What
+changes from 256K, and why:
+* `model.remat=offload_period`: `offload` would keep each layer's saved residuals in host
+  memory, four times 256K's 56 GB, past the 128 GiB XLA:TPU allows a chip, and even the layer
+  inputs alone (`offload_input`) are 64 layers x 262,144 rows x 5120 x 2 B = 171.8 GB there.
+  The host keeps the input of each scan step, one period of the pattern (3 Gated DeltaNet
+  layers and 1 attention layer): 43.0 GB. The backward re-runs a step's forward (its K/V ring
+  and Gated DeltaNet chain included), its layers' inputs and attention output then on the
+  device, and recomputes each layer's projections and MLP once more (docs/memory.md).
 * `model.row_chunks=64`: each layer's row-wise work (MLP, projections, the dropless loss)
-  in chunks of 2,048 rows, as 256K's 16 chunks were of 2,048.
+  in chunks of 2,048 rows, as 256K's 16 chunks were.
 The 16 attention layers carry the length; the 48 Gated DeltaNet layers' cross-device state
 (the chain's per-head state and conv tails) is the same at any L (docs/gdn.md).
 """
@@ -26,5 +30,5 @@ from bdlm_jax.configure import load_config, replace
 def get_config() -> Config:
   recipe = load_config(os.path.join(os.path.dirname(__file__),
                                     "qwen3_5_27b_fast_dllm_v2_256k.py"))
-  return replace(recipe, model=dict(remat="offload_input", row_chunks=64),
+  return replace(recipe, model=dict(remat="offload_period", row_chunks=64),
                  data=dict(seq_len=1 << 20))

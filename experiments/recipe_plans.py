@@ -39,7 +39,9 @@ RECIPE = "recipe"  # the config file as it ships
 KEYS = ("config", "variant", "strategy")
 FIGURES = ("argument_bytes", "temp_bytes", "compiler_peak_bytes", "peak_bytes", "bound_bytes",
            "host_bytes", "device_allocated_bytes", "device_live_bytes", "attention_bytes",
-           "attention_check", "compile_s")
+           "attention_check", "compile_s", "dot_flops", "dot_flops_uncounted",
+           "collective_total_bytes", "attention_collective_total_bytes", "recurrence_bytes",
+           "weight_collective_total_bytes")
 # the program's collective operand bytes a step (no compile), as each row's check compares
 OPERANDS = ("expected_attention_operand_bytes", "expected_recurrence_operand_bytes")
 COLUMNS = (*KEYS, "overrides", "target", "devices", "device_bytes", "fits", "error", *FIGURES,
@@ -137,6 +139,18 @@ def _gb(value) -> str:
   return "" if value in (None, "") else f"{float(value) / GB:.2f}"
 
 
+def _tflop(row: dict) -> str:
+  if row.get("dot_flops") in (None, ""):
+    return ""
+  return f"{float(row['dot_flops']) / 1e12:.1f} (+ {float(row['dot_flops_uncounted']) / 1e12:.2f})"
+
+
+def _collectives(row: dict) -> str:
+  keys = ("collective_total_bytes", "attention_collective_total_bytes", "recurrence_bytes",
+          "weight_collective_total_bytes")
+  return "" if row.get(keys[0]) in (None, "") else " / ".join(_gb(row[k]) for k in keys)
+
+
 def markdown(rows: list[dict]) -> str:
   lines = ["## The shipped recipes compiled for their target (per device, compile only)", "",
            "Each row: the config file as it ships (`recipe`) or a variant of it, compiled by "
@@ -147,18 +161,23 @@ def markdown(rows: list[dict]) -> str:
            "apart), which fits are judged by; live: its bytes live at the step's peak; "
            "attention: what the layout plan sends a step, check = compiled / plan; GDN / "
            "attention: the program's Gated DeltaNet collective operand bytes over its "
-           "attention's (`step_report.recurrence_traffic`, `config_attention_traffic`). "
-           "Empty: a row compiled before the figure was read.", ""]
+           "attention's (`step_report.recurrence_traffic`, `config_attention_traffic`); "
+           "dot TFLOP: the compiled matmuls a step (`hlo_stats.dot_flops`; + one run of "
+           "the loops whose trip count is data-dependent, the attention kernel's over the key "
+           "chunks it reaches); collectives: the compiled operand bytes a step, in all and "
+           "those of the attention, the Gated DeltaNet streams and the weights' ZeRO-3 "
+           "gathers and reduce-scatters. Empty: a row compiled before the figure was read.", ""]
   for config in dict.fromkeys(r["config"] for r in rows):
     lines += [f"### {config}", "", "| variant | overrides | strategy | arguments GB | temp GB "
               "| peak GB | bound GB | host GB | on the device GB | live GB | attention GB/step "
-              "| check | GDN / attention | fits a device |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| check | GDN / attention | dot TFLOP (+ one run) | collectives GB: all / "
+              "attention / GDN / weights | fits a device |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["config"] == config):
       overrides = " ".join(json.loads(r["overrides"]))
       if r.get("error"):
         lines.append(f"| {r['variant']} | {overrides} | {r['strategy']} | {r['error']} "
-                     f"| | | | | | | | | {_ratio(r)} | |")
+                     f"| | | | | | | | | {_ratio(r)} | | | |")
         continue
       check = f"{float(r['attention_check']):.2f}" if r.get("attention_check") not in (
           None, "") else ""
@@ -168,6 +187,7 @@ def markdown(rows: list[dict]) -> str:
                    f"| {_gb(r['host_bytes'])} | {_gb(r.get('device_allocated_bytes'))} "
                    f"| {_gb(r.get('device_live_bytes'))} "
                    f"| {_gb(r['attention_bytes'])} | {check} | {_ratio(r)} "
+                   f"| {_tflop(r)} | {_collectives(r)} "
                    f"| {r['fits']} ({float(r['device_bytes']) / 2**30:.2f} GiB) |")
     commands = dict.fromkeys(r["command"] for r in rows if r["config"] == config)
     lines += ["", *commands, ""]

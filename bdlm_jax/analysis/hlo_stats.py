@@ -12,6 +12,7 @@ tested.
   algorithms, so all-gather and collective-permute transports compare on one scale.
 * :func:`memory_stats` -- per-device buffer sizes from ``compiled.memory_analysis()``.
 * :func:`flops` -- ``compiled.cost_analysis()['flops']``.
+* :func:`dot_flops` -- the matmuls' FLOPs per step, loop trip counts multiplied in.
 
 Byte convention (one device, one execution of the program)
 -----------------------------------------------------------
@@ -89,7 +90,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["COLLECTIVE_KINDS", "collective_bytes", "total_collective_bytes", "wire_bytes",
-           "memory_stats", "flops"]
+           "memory_stats", "flops", "dot_flops"]
 
 COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute",
                     "all-to-all")
@@ -591,6 +592,43 @@ def memory_stats(compiled: Any) -> dict[str, int]:
         if getattr(stats, k, None) is not None:
             out[k] = int(getattr(stats, k))
     return out
+
+
+_CONTRACTING_RE = re.compile(r"lhs_contracting_dims=\{([\d,\s]*)\}")
+
+
+def _dims(shape: str) -> list[int]:
+    dims = _ARRAY_RE.search(shape).group(2)
+    return [int(d.strip().lstrip("<=")) for d in dims.split(",") if d.strip()]
+
+
+def dot_flops(compiled: Any) -> tuple[float, float]:
+    """(FLOPs, FLOPs per run inside loops of unknown trip count) of the program's ``dot``
+    instructions, fused ones included, per execution: 2 x output elements x contracted
+    elements each, times how often it runs (while-loop trip counts multiply, unlike
+    :func:`flops`). Work in custom calls (Pallas/Mosaic kernels) is not seen. A loop whose
+    trip count is data-dependent (the attention kernel's loop over the key chunks a query
+    tile reaches) cannot be counted: its dots' FLOPs for one run of its body are the
+    second figure."""
+    comps, entry = _parse_module(_hlo_text(compiled))
+    counts, _ = _execution_counts(comps, entry)
+    known = unknown = 0.0
+    for name, times in counts.items():
+        comp = comps[name]
+        for instr in comp.instrs:
+            if instr.opcode != "dot":
+                continue
+            lhs_shape, lhs = instr.operands[0]
+            lhs_dims = _dims(lhs_shape or comp.shapes[lhs])
+            contracting = _CONTRACTING_RE.search(instr.attrs)
+            axes = [int(a) for a in contracting.group(1).split(",") if a.strip()] \
+                if contracting else []
+            run = 2.0 * math.prod(_dims(instr.shape)) * math.prod(lhs_dims[a] for a in axes)
+            if times is None:
+                unknown += run
+            else:
+                known += times * run
+    return known, unknown
 
 
 def flops(compiled: Any) -> float:

@@ -27,7 +27,9 @@ RECIPES = ("--config configs/dflash2_muse_1m.py --strategies csbp_ring cp_replic
            "--config configs/qwen3_5_27b_fast_dllm_v2_256k.py --strategies csbp_ring cp_ring "
            "csbp_allgather cp_ring_balanced cp_allgather bp --timeout 3000",
            "--config configs/qwen3_5_27b_fast_dllm_v2_1m.py --strategies csbp_ring "
-           "--timeout 3600",
+           "csbp_allgather cp_allgather cp_ring cp_ring_balanced bp --timeout 3600",
+           "--config configs/llama3_8b_bdlm_1m_4chips.py --strategies csbp_ring cp_ring "
+           "cp_ring_balanced csbp_allgather cp_allgather bp --timeout 3600",
            "--config configs/diffusiongemma_26b_a4b_sft_256k.py --strategies csbp_ring "
            "--timeout 3000",
            "--config configs/diffusiongemma_26b_a4b_sft_512k.py --strategies csbp_ring "

@@ -62,7 +62,7 @@ from bdlm_jax.configure import override
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.models.drafter import drafter_model, target_depth
 from bdlm_jax.models.pattern import attention_shape, gdn_shape, layer_types
-from bdlm_jax.models.transformer import reruns_attention
+from bdlm_jax.models.transformer import reruns_attention, stream_reruns
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.analysis import buffer_assignment, hlo_stats, targets
 from bdlm_jax.parallel import query_ring, recurrence
@@ -301,7 +301,7 @@ def expected_recurrence_operand_bytes(cfg: Config, platform: str | None = None) 
   compiled Gated DeltaNet streams should add up to (`StepReport.recurrence_check`)."""
   platform = platform or jax.default_backend()
   return sum(recurrence_traffic(cfg, lambda dtype: _collective_itemsize(dtype, platform),
-                                reruns=cfg.model.remat != "none").values())
+                                reruns=stream_reruns(cfg.model.remat)).values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,6 +328,10 @@ class StepReport:
   # device's own memory, and the bytes of it live at the step's peak; None where not read
   device_allocated_bytes: int | None = None
   device_live_bytes: int | None = None
+  # the matmuls' FLOPs a step (`hlo_stats.dot_flops`), and those of one run of the loops
+  # whose trip count is data-dependent (not in the first figure)
+  dot_flops: float | None = None
+  dot_flops_uncounted: float | None = None
 
   @property
   def bound_bytes(self) -> int:
@@ -381,7 +385,10 @@ class StepReport:
            if not isinstance(getattr(self, f.name), dict)}
     out.update(peak_bytes=self.peak_bytes, bound_bytes=self.bound_bytes, fit_bytes=self.fit_bytes,
                attention_check=self.attention_check, recurrence_check=self.recurrence_check,
-               recurrence_bytes=sum(self.recurrence_collective_bytes.values()))
+               recurrence_bytes=sum(self.recurrence_collective_bytes.values()),
+               collective_total_bytes=sum(self.collective_bytes.values()),
+               attention_collective_total_bytes=sum(self.attention_collective_bytes.values()),
+               weight_collective_total_bytes=sum(self.weight_collective_bytes.values()))
     for kind in hlo_stats.COLLECTIVE_KINDS:
       key = kind.replace("-", "_")
       out[f"attention_{key}_bytes"] = self.attention_collective_bytes[kind]
@@ -431,7 +438,8 @@ def step_report(cfg: Config, mesh=None, dump_to: str | None = None) -> StepRepor
       expected_attention_operand_bytes=expected_attention_operand_bytes(cfg, platform),
       recurrence_collective_bytes=hlo_stats.collective_bytes(compiled, RECURRENCE_SCOPE),
       expected_recurrence_operand_bytes=expected_recurrence_operand_bytes(cfg, platform),
-      device_allocated_bytes=device.allocated_bytes, device_live_bytes=device.live_bytes)
+      device_allocated_bytes=device.allocated_bytes, device_live_bytes=device.live_bytes,
+      **dict(zip(("dot_flops", "dot_flops_uncounted"), hlo_stats.dot_flops(compiled))))
 
 
 def compare_strategies(cfg: Config, strategies=None, mesh=None,

@@ -23,14 +23,13 @@ def over_row_chunks(fn, chunk: int, *xs_BR, remat: bool = False, add_rows_to=Non
   `sums` (a pytree) added up. Exact where `fn`'s rows depend on their own row alone and its
   sums are sums over rows. `chunk <= 0` runs all rows at once. `remat`: each chunk is
   rematerialised, so a differentiated caller keeps only a chunk's inputs, never its
-  intermediates, for the backward. `add_rows_to`: arrays shaped as the joined rows that
-  each chunk's rows are added into, in the loop's carry (updated in place), returned as the
-  rows: a running sum over calls, without a stacked copy of the chunks' rows beside it."""
+  intermediates, for the backward.
+
+  Each chunk writes its rows into one buffer of the joined rows in the loop's carry, updated
+  in place, rather than the loop stacking them to be joined after it (two copies of the rows
+  at once). `add_rows_to`: arrays shaped as the joined rows that the chunks' rows are added
+  into instead, returned as the rows: a running sum over calls."""
   n = jax.tree.leaves(xs_BR)[0].shape[1]
-  add_at = lambda acc, rows, start: jax.tree.map(
-      lambda a, r: jax.lax.dynamic_update_slice_in_dim(
-          a, jax.lax.dynamic_slice_in_dim(a, start, r.shape[1], axis=1) + r, start, axis=1),
-      acc, rows)
   if chunk <= 0 or chunk >= n:
     rows, sums = fn(*xs_BR)
     return (rows if add_rows_to is None else jax.tree.map(jnp.add, add_rows_to, rows)), sums
@@ -39,26 +38,28 @@ def over_row_chunks(fn, chunk: int, *xs_BR, remat: bool = False, add_rows_to=Non
   def rows_from(start, size):
     return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1), xs_BR)
 
+  def put(acc, rows, start):
+    if add_rows_to is not None:
+      rows = jax.tree.map(lambda a, r: jax.lax.dynamic_slice_in_dim(a, start, r.shape[1], axis=1)
+                          + r, acc, rows)
+    return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, start, axis=1),
+                        acc, rows)
+
   run = jax.checkpoint(fn) if remat else fn
   first, sums = run(*rows_from(0, chunk))
-  acc = None if add_rows_to is None else add_at(add_rows_to, first, 0)
+  # The buffer starts as the first chunk's rows, padded: inside shard_map it then varies over
+  # the mesh axes the rows vary over.
+  acc = (jax.tree.map(lambda r: jnp.pad(r, [(0, 0), (0, n - chunk)] + [(0, 0)] * (r.ndim - 2)),
+                      first) if add_rows_to is None else put(add_rows_to, first, 0))
 
   def body(carry, i):
     sums, acc = carry
     rows, more = run(*rows_from(i * chunk, chunk))
-    sums = jax.tree.map(jnp.add, sums, more)
-    if acc is None:
-      return (sums, acc), rows
-    return (sums, add_at(acc, rows, i * chunk)), None
+    return (jax.tree.map(jnp.add, sums, more), put(acc, rows, i * chunk)), None
 
-  (sums, acc), rest_KB = jax.lax.scan(body, (sums, acc), jnp.arange(1, full))
-  tails = []
+  (sums, acc), _ = jax.lax.scan(body, (sums, acc), jnp.arange(1, full))
   if tail:
     tail_rows, tail_sums = run(*rows_from(full * chunk, tail))
-    tails.append(tail_rows)
+    acc = put(acc, tail_rows, full * chunk)
     sums = jax.tree.map(jnp.add, sums, tail_sums)
-  if acc is not None:
-    return (add_at(acc, tails[0], full * chunk) if tails else acc), sums
-  rows = [first, jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape(
-      y.shape[1], -1, *y.shape[3:]), rest_KB), *tails]
-  return jax.tree.map(lambda *r: jnp.concatenate(r, axis=1), *rows), sums
+  return acc, sums

@@ -302,7 +302,7 @@ def scan_runs(cfg: ModelConfig, depth: int | None = None) -> tuple[int, int, lis
   the layer and MLP patterns); then each run in `runs` (consecutive layers of one kind in
   one stack) as a scan of its own."""
   kinds, slots = layer_types(cfg)[:depth], layer_slots(cfg)[:depth]
-  period = math.lcm(len(cfg.layer_period), len(cfg.mlp_period))
+  period = cfg.scan_step
   n_scanned = min(len(kinds) // period * period, periodic_layers(cfg, period))
   runs = [list(run) for _, run in itertools.groupby(range(n_scanned, len(kinds)),
                                                      key=lambda i: (kinds[i], slots[i][0]))]
@@ -345,24 +345,50 @@ def remat_policy(remat: str):
   rest. `offload_input` keeps only the layer input, in host memory: half of `offload`'s host
   bytes, for a backward that re-runs each layer's whole forward, attention and its
   collectives included (what makes one 1M-token sequence fit 8 devices' host memory).
+  Under `offload_period` a layer inside a scan step keeps what `full` keeps, and the step
+  itself is checkpointed (`step_remat`).
   """
   if remat == "none":
     return lambda fn: fn
-  policies = jax.checkpoint_policies
-  if remat.startswith("offload"):
-    policy = policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=(), offload_src="device", offload_dst="pinned_host",
-        names_which_can_be_offloaded=(residuals.LAYER_INPUT,) if remat == "offload_input"
-        else residuals.SAVED)
-  else:
-    policy = policies.save_only_these_names(*residuals.SAVED)
-  return functools.partial(jax.checkpoint, policy=policy)
+  if remat == "offload":
+    return _offloading(*residuals.SAVED)
+  if remat == "offload_input":
+    return _offloading(residuals.LAYER_INPUT)
+  return functools.partial(jax.checkpoint,
+                           policy=jax.checkpoint_policies.save_only_these_names(*residuals.SAVED))
+
+
+def step_remat(remat: str):
+  """What a whole scan step of `model.scan_step` layers keeps for its backward: under
+  `offload_period` its input alone, in host memory (1 / scan_step of `offload_input`'s host
+  bytes). The backward re-runs the step's forward, its layers then keeping what `full` keeps
+  on the device for that step only, and recomputes each layer's projections and MLP once
+  more: the attention forward runs twice, as under `offload_input`, the rest three times."""
+  if remat == "offload_period":
+    return _offloading(residuals.STEP_INPUT)
+  return lambda fn: fn
+
+
+def _offloading(*names):
+  """A checkpoint that keeps the arrays named `names`, in host memory, and nothing else."""
+  return functools.partial(jax.checkpoint, policy=jax.checkpoint_policies
+                           .save_and_offload_only_these_names(
+                               names_which_can_be_saved=(), names_which_can_be_offloaded=names,
+                               offload_src="device", offload_dst="pinned_host"))
 
 
 def reruns_attention(remat: str) -> bool:
   """Whether the backward re-runs each layer's attention forward, its K/V transport included
-  (remat `offload_input` saves nothing of the attention): one more forward pass of traffic."""
-  return remat == "offload_input"
+  (remat `offload_input` and `offload_period` save nothing of the attention in host memory):
+  one more forward pass of traffic."""
+  return remat in ("offload_input", "offload_period")
+
+
+def stream_reruns(remat: str) -> int:
+  """Forward re-runs of a Gated DeltaNet layer's stream, its collectives included, in the
+  backward: one under any remat (the stream is recomputed, never saved), two under
+  `offload_period` (the step's re-run, then the layer's own)."""
+  return 0 if remat == "none" else 2 if remat == "offload_period" else 1
 
 
 class LayerStack(nnx.Module):
@@ -399,7 +425,12 @@ class LayerStack(nnx.Module):
     period, n_scanned, runs = scan_runs(self.cfg, depth)
     per_period = {name: sum(n == name for n, _ in slots[:period]) for name in stacks}
 
-    def one_layer(kind, stack):
+    # Under offload_period a whole step is checkpointed (`step_remat`) and the layers inside
+    # it keep what `full` keeps; a remainder layer, a step of its own, keeps its input alone.
+    layer_remat = "full" if remat == "offload_period" else remat
+    remainder_remat = "offload_input" if remat == "offload_period" else remat
+
+    def one_layer(kind, stack, remat):
       # A layer reads its weights (`index` on its stack) from the stacked arrays themselves,
       # inside the remat'd function: what it saves is then the arrays as given, never a copy
       # of a slice. Per-layer inputs `xs` are indexed by the layer's position `layer`.
@@ -415,23 +446,26 @@ class LayerStack(nnx.Module):
 
     layered = ({name: state for name, (_, state) in stacks.items()}, xs)
 
-    def run_period(x, p):
+    @step_remat(remat)
+    def run_period(x, p, layered):
+      x = residuals.keep_step_input(x)
       outs = []
       for i in range(period):
         stack, rank = slots[i]
-        x, y = one_layer(kinds[i], stack)(x, p * period + i, p * per_period[stack] + rank,
-                                          layered)
+        x, y = one_layer(kinds[i], stack, layer_remat)(
+            x, p * period + i, p * per_period[stack] + rank, layered)
         outs.append(y)
       return x, jax.tree.map(lambda *y: jnp.stack(y), *outs)
 
     ys = []
     if n_scanned:
-      x, y = jax.lax.scan(run_period, x, jnp.arange(n_scanned // period))
+      x, y = jax.lax.scan(lambda x, p: run_period(x, p, layered), x,
+                          jnp.arange(n_scanned // period))
       ys.append(jax.tree.map(lambda a: a.reshape(n_scanned, *a.shape[2:]), y))
     # The remainder, in scans over runs of one kind: in a loop the weights' gradient
     # accumulates in one buffer, where two unrolled layers would add a full-size one.
     for run in runs:
-      body = one_layer(kinds[run[0]], slots[run[0]][0])
+      body = one_layer(kinds[run[0]], slots[run[0]][0], remainder_remat)
       x, y = jax.lax.scan(lambda x, li: body(x, *li, layered), x,
                           (jnp.asarray(run), jnp.asarray([slots[i][1] for i in run])))
       ys.append(y)

@@ -21,6 +21,7 @@ from bdlm_jax.analysis.plan_mode import mesh_hardware
 from bdlm_jax.analysis.step_report import META_ROW_BYTES
 from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
+from bdlm_jax.metrics import linear_flops_per_row
 from bdlm_jax.parallel.strategies import exchange_for
 from experiments import cost_model
 
@@ -198,3 +199,21 @@ def test_offload_input_reruns_an_all_gathers_compute_but_not_its_gather():
                              timing.step_time(offload, work, hw, F32)["attention_s"]
                              + m.n_layers * busy)
   assert step_comm_bytes(work, m, F32) == step_comm_bytes(work, offload, F32)
+
+
+def test_offload_period_keeps_a_steps_input_and_reruns_the_linear_layers_once_more():
+  """remat=offload_period, 2 layers a scan step: host memory holds half of offload_input's
+  (one layer input a step), the device a step's `full` saves while it runs backward, and the
+  backward runs each layer's linear forward once more than offload_input's."""
+  work = plan_work("csbp_ring", L, B, 4)
+  m = dataclasses.replace(_cfg("csbp_ring", 4).model, n_layers=4, remat="offload_input")
+  period = dataclasses.replace(m, remat="offload_period", scan_period=2)
+  hw = setting.Hardware(nodes=1, gpus_per_node=4)
+  inputs, steps = (peak_memory(x, work, hw, F32) for x in (m, period))
+  assert steps["host_bytes"] == inputs["host_bytes"] / 2
+  full = saved_layer_bytes(dataclasses.replace(m, remat="full"), work, None, F32)
+  assert steps["saved_bytes"] == 2 * full
+  t_in, t_step = (timing.step_time(x, work, hw, F32) for x in (m, period))
+  linear = work.plan.rows_per_rank * linear_flops_per_row(m) / (hw.matmul_tflops * 1e12)
+  assert t_step["attention_s"] == t_in["attention_s"]
+  assert t_step["linear_s"] - t_in["linear_s"] == pytest.approx(linear)

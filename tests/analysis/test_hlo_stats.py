@@ -11,7 +11,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from bdlm_jax.analysis.hlo_stats import (
-    COLLECTIVE_KINDS, collective_bytes, flops, memory_stats, total_collective_bytes, wire_bytes)
+    COLLECTIVE_KINDS, collective_bytes, dot_flops, flops, memory_stats, total_collective_bytes,
+    wire_bytes)
 
 N = 8  # devices on the 'x' axis
 RING = [(i, (i + 1) % N) for i in range(N)]
@@ -259,6 +260,18 @@ def test_flops_of_a_matmul_is_2mnk():
     m, k, n = 4, 32, 16
     c = jax.jit(lambda x, w: x @ w).lower(jnp.ones((m, k)), jnp.ones((k, n))).compile()
     assert flops(c) == 2 * m * n * k
+
+
+def test_dot_flops_multiply_a_loops_trip_count_and_set_aside_a_data_dependent_one():
+    """cost_analysis counts a loop body once; dot_flops 7 times for 7 steps. A loop of
+    data-dependent length (a traced bound) gives one run of its body apart."""
+    x, w = jnp.ones((16, 64)), jnp.ones((64, 64))
+    step = lambda i, x: jnp.tanh(x @ w)
+    fixed = jax.jit(lambda x: jax.lax.fori_loop(0, 7, step, x)).lower(x).compile()
+    assert dot_flops(fixed) == (7 * 2 * 16 * 64 * 64, 0.0)
+    assert flops(fixed) < 2 * 2 * 16 * 64 * 64
+    dynamic = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, step, x)).lower(x, 3).compile()
+    assert dot_flops(dynamic) == (0.0, 2 * 16 * 64 * 64)
 
 
 # XLA:TPU prints no known_trip_count: a loop's trips come from its bounds. `%scan` steps

@@ -106,6 +106,20 @@ def test_offload_input_counts_what_the_compiled_step_moves(strategy):
     assert r.attention_collective_bytes == report("csbp_allgather").attention_collective_bytes
 
 
+@pytest.mark.slow
+def test_offload_period_reruns_each_attention_forward_once():
+  """remat=offload_period, both layers one scan step: the backward re-runs the step's forward
+  and then each layer's projections, never its attention again. The compiled ring moves what
+  offload_input's re-run moves, one more P-1 hops a layer, not two."""
+  cfg = config(model=dict(TINY, remat="offload_period", scan_period=2))
+  r = sr.step_report(cfg)
+  assert 0.97 <= r.attention_check <= 1.0
+  assert sr.config_attention_traffic(cfg) == sr.config_attention_traffic(
+      config(model=dict(TINY, remat="offload_input")))
+  assert r.attention_collective_bytes == offload_input_report("csbp_ring") \
+      .attention_collective_bytes
+
+
 def test_report_figures_are_positive_and_add_up():
   r = report()
   assert min(r.argument_bytes, r.temp_bytes, r.output_bytes, r.compile_s) > 0

@@ -158,23 +158,55 @@ def test_offload_puts_the_saved_residuals_in_host_memory(tmp_path):
   assert offload.device_live_bytes == breakdown.device_bytes <= offload.device_allocated_bytes
 
 
-def _offloading_scan_memory(layers: int, rows=8192, width=256):
+@pytest.mark.slow
+def test_offload_period_keeps_a_steps_input_in_host_memory():
+  """model.remat=offload_period, both layers one scan step: host memory holds one layer
+  input a step with its row metadata, half of what offload_input keeps there (one a
+  layer)."""
+  reports = {}
+  for remat, extra in (("offload_input", {}), ("offload_period", dict(scan_period=2))):
+    cfg = config(model=dict(TINY, remat=remat, **extra))
+    reports[remat] = sr.step_report(cfg, make_mesh(cfg, targets.resolve(TARGET).devices))
+  rows = 2 * 128 // 4  # [x_t ; x_0] over 4 ranks
+  per_row = TINY["d_model"] * 2 + 6 * 4 + 4
+  host_input, host_period = (reports[r].host_bytes for r in ("offload_input", "offload_period"))
+  assert TINY["n_layers"] * rows * per_row <= host_input
+  assert rows * per_row <= host_period < host_input
+  assert host_input - host_period >= rows * per_row
+
+
+@pytest.mark.slow
+def test_a_4_gib_step_input_offloads_in_halves():
+  """XLA:TPU aborts compiling the copy to host of an array of exactly 4 GiB (libtpu 0.0.42.1):
+  `residuals.keep_step_input` offloads such an array in two halves, and the step compiles,
+  holding all of it in host memory (on a v5p chip: a v5e's 16 GB cannot hold the step)."""
+  memory = _offloading_scan_memory(2, rows=1 << 19, width=4096, remat="offload_period",
+                                   target="tpu:v5p:2x2x1")
+  assert memory["host_bytes"] == 2 * (1 << 32)
+
+
+def _offloading_scan_memory(layers: int, rows=8192, width=256, remat="offload_input",
+                            target=TARGET):
   """memory_analysis() of the gradient of a layer scan whose per-layer input is offloaded to
-  host memory (the layers' own policy, model.remat=offload_input), one chip of TARGET."""
+  host memory (the layers' own policy, model.remat=offload_input; or each layer a scan step
+  of its own under offload_period), one chip of `target`."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
   from bdlm_jax.kernels import residuals
-  from bdlm_jax.models.transformer import remat_policy
+  from bdlm_jax.models.transformer import remat_policy, step_remat
 
-  device = NamedSharding(Mesh(targets.resolve(TARGET).devices[:1], ("x",)), PartitionSpec())
+  device = NamedSharding(Mesh(targets.resolve(target).devices[:1], ("x",)), PartitionSpec())
 
   def layer(x, w):
-    return jnp.tanh(residuals.keep_input(x) @ w).astype(x.dtype), None
+    x = residuals.keep_step_input(x) if remat == "offload_period" else residuals.keep_input(x)
+    return jnp.tanh(x @ w).astype(x.dtype), None
+
+  policy = step_remat(remat) if remat == "offload_period" else remat_policy(remat)
 
   def loss(w, x):
-    return jnp.sum(jax.lax.scan(remat_policy("offload_input")(layer), x, w)[0])
+    return jnp.sum(jax.lax.scan(policy(layer), x, w)[0])
 
   shapes = (jax.ShapeDtypeStruct((layers, width, width), jnp.bfloat16, sharding=device),
             jax.ShapeDtypeStruct((rows, width), jnp.bfloat16, sharding=device))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax._src.ad_checkpoint import saved_residuals
 
-from bdlm_jax import init_params, loss_fn, make_batch, make_mesh
+from bdlm_jax import ConfigError, init_params, loss_fn, make_batch, make_mesh
 from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
 from tests.close import assert_trees_close
@@ -109,9 +109,19 @@ def _assert_same_loss_and_grads(ref_cfg, cfg, seed=0):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("remat", ["none", "full", "offload", "offload_input"])
+@pytest.mark.parametrize("remat", ["none", "full", "offload", "offload_input", "offload_period"])
 def test_remat_keeps_loss_and_grads(remat):
   _assert_same_loss_and_grads(_cfg("none", n_layers=2), _cfg(remat, n_layers=2))
+
+
+@pytest.mark.slow
+def test_offload_period_keeps_loss_and_grads_over_steps_and_a_remainder():
+  """A local, global pattern scanned 4 layers a step: one checkpointed step of 4 layers, then
+  a remainder of 1 that keeps its input alone."""
+  layers = dict(layer_pattern="local,global", sliding_window=8)
+  ref_cfg = _cfg("none", n_layers=5, layers=layers)
+  _assert_same_loss_and_grads(
+      ref_cfg, replace(ref_cfg, model=dict(remat="offload_period", scan_period=4)), seed=2)
 
 
 def test_offload_saves_what_full_saves():
@@ -125,6 +135,26 @@ def test_offload_input_saves_only_the_layer_input():
   rows = 2 * L
   assert _saved_per_layer(_cfg("offload_input")) == sorted(
       [("f", (4, 2, rows, D)), *[("i", (4, 2, rows))] * 6])
+
+
+def test_offload_period_saves_only_each_steps_input():
+  """remat=offload_period, 2 layers a scan step: the 2 steps' inputs with their row metadata
+  are all the layers keep ([steps, ...]); nothing a layer deep ([layers, ...])."""
+  cfg = replace(_cfg("offload_period"), model=dict(scan_period=2))
+  params = init_params(cfg, jax.random.key(0))
+  saved = sorted((a.dtype.kind, tuple(a.shape))
+                 for a, source in saved_residuals(_loss(cfg), params)
+                 if a.ndim >= 3 and not source.startswith("from the argument"))
+  rows = 2 * L
+  steps = [("f", (2, 2, rows, D)), *[("i", (2, 2, rows))] * 6]
+  assert [s for s in saved if s[1][0] == 2 and s[1][1:2] == (2,)] == sorted(steps)
+  assert not [s for s in saved if s[1][0] == cfg.model.n_layers]
+
+
+def test_scan_period_must_be_a_multiple_of_the_patterns_period():
+  with pytest.raises(ConfigError, match="model.scan_period=3 must be a multiple .* 2"):
+    _cfg(n_layers=6, layers=dict(layer_pattern="local,global", sliding_window=8,
+                                 scan_period=3)).model.check()
 
 
 MOE = dict(moe_experts=4, moe_top_k=2, moe_aux_weight=0.01, moe_z_weight=0.01)

@@ -105,6 +105,14 @@ def test_gdn_hybrid_loss_and_grads_equal_single_device(strategy, case):
 
 
 @pytest.mark.slow
+def test_gdn_hybrid_under_offload_period_equals_single_device():
+  """remat=offload_period, the Gated DeltaNet and the global layer one scan step: the
+  backward re-runs the step (chain and ring), then each layer as under `full`."""
+  cfg = replace(_cfg("csbp_ring", *CASES["N=2P"]), model=dict(remat="offload_period"))
+  assert_close(*_loss_and_grads(cfg), *_reference(*CASES["N=2P"][:2]))
+
+
+@pytest.mark.slow
 def test_gdn_hybrid_autoregressive_under_context_parallelism():
   cfg = _cfg("cp_ring", 32, 4, 4, objective="ar")
   assert_close(*_loss_and_grads(cfg), *_reference(32, 4, "ar"))
@@ -129,6 +137,7 @@ def test_whole_stream_zigzag_fetches_one_copy_a_rank():
 @pytest.mark.parametrize("strategy, seq_len, remat", [
     ("csbp_ring", 24, "none"),  # greedy blocks: chain, tails, fetched copies
     ("cp_ring", 32, "full"),  # the whole-stream zigzag's copy; the backward's re-run
+    ("csbp_ring", 32, "offload_period"),  # the step's re-run, then the layer's own
 ])
 def test_compiled_recurrence_collectives_are_the_programs(strategy, seq_len, remat):
   cfg = replace(_cfg(strategy, seq_len, 4, 4), model=dict(remat=remat))

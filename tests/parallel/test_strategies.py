@@ -107,6 +107,15 @@ def test_loss_and_grads_equal_single_device_on_composed_meshes(strategy, mesh_sh
 
 
 @pytest.mark.slow
+def test_offload_period_reruns_a_ring_step_exactly():
+  """remat=offload_period, both layers one scan step: the backward re-runs the step's
+  forward, its ring included, then each layer's projections against the kept attention."""
+  cfg = replace(_cfg("csbp_ring", BLOCKS["N=2P"], seq=8),
+                model=dict(remat="offload_period", scan_period=2))
+  _assert_matches_reference(cfg, make_mesh(cfg))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["N=P", "N=2P", "P<N<2P"])
 @pytest.mark.parametrize("strategy", ["bp", "csbp_ring"])
 def test_block_counts_around_the_rank_count(strategy, case):

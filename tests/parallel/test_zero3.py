@@ -53,10 +53,13 @@ def test_layer_axis_and_vectors_are_never_sharded():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_shape", [dict(seq=8), dict(fsdp=2, seq=4),
-                                        dict(data=2, fsdp=2, seq=2)])
-def test_sharded_state_keeps_loss_and_grads(mesh_shape):
-  cfg = _cfg(**mesh_shape)
+@pytest.mark.parametrize("mesh_shape, tie", [
+    (dict(seq=8), True), (dict(fsdp=2, seq=4), True), (dict(data=2, fsdp=2, seq=2), True),
+    (dict(data=2, fsdp=2, seq=2), False)])
+def test_sharded_state_keeps_loss_and_grads(mesh_shape, tie):
+  """Tied and untied (a head apart from the embedding, gathered once a step)."""
+  model = dict(tie_embeddings=tie)
+  cfg = replace(_cfg(**mesh_shape), model=model)
   mesh = make_mesh(cfg)
   tokens = np.random.default_rng(2).integers(0, 250, (4, L))
 
@@ -67,7 +70,7 @@ def test_sharded_state_keeps_loss_and_grads(mesh_shape):
                                                         mesh)[0]))(params)
 
   loss, grads = value_and_grad(cfg, mesh)
-  ref_loss, ref_grads = value_and_grad(_cfg("none"), None)
+  ref_loss, ref_grads = value_and_grad(replace(_cfg("none"), model=model), None)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
     assert np.linalg.norm(g - ref) <= 1e-5 * np.linalg.norm(ref)

@@ -71,7 +71,12 @@ def peak_memory(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions) ->
   logits_tmp = 2 * chunk * m.vocab_size * 4
   transient = max(transient, logits_tmp)
   host = 0.0
-  if m.remat.startswith("offload"):  # in host memory, but for the layer streaming out or in
+  if m.remat == "offload_period":  # each scan step's input; a step's layers keep `full`'s
+    full = dataclasses.replace(m, remat="full")  # saves on the device while it runs backward
+    host = m.n_layers * step_share(m) * layer_input_bytes(m, work, a)
+    saved = m.scan_step * max([saved_layer_bytes(full, work, w, a) for w, _ in
+                               attention_kinds(m)] + [layer_input_bytes(m, work, a)])
+  elif m.remat.startswith("offload"):  # in host memory, but for the layer streaming out or in
     host, saved = saved, 2 * max([saved_layer_bytes(m, work, w, a) for w, _ in
                                   attention_kinds(m)] + [layer_input_bytes(m, work, a)])
   total = states + saved + transient
@@ -86,16 +91,23 @@ def layer_input_bytes(m: ModelConfig, work: PlanWork, a: Assumptions) -> float:
   return work.plan.rows_per_rank * (m.d_model * a.compute_bytes + INPUT_META_BYTES_PER_ROW)
 
 
+def step_share(m: ModelConfig) -> float:
+  """The share of a layer's input that remat keeps: under `offload_period` one scan step's
+  input stands for its `scan_step` layers'."""
+  return 1 / m.scan_step if m.remat == "offload_period" else 1.0
+
+
 def saved_layer_bytes(m: ModelConfig, work: PlanWork, window: int | None,
                       a: Assumptions) -> float:
   """Bytes per rank one layer (global: `window` None) saves for its backward under remat
   `full`, or copies to host memory and back under `offload` (`models.transformer.
   remat_policy`): the layer input with its row metadata, the attention core's output and
   LSE, and a local layer's exchanged K/V rows with theirs; q, K/V and any gathered K/V are
-  recomputed. Under `offload_input`, the layer input with its row metadata only."""
+  recomputed. Under `offload_input`, the layer input with its row metadata only; under
+  `offload_period`, a layer's share of its scan step's input."""
   rows = work.plan.rows_per_rank
   if reruns_attention(m.remat):
-    return layer_input_bytes(m, work, a)
+    return layer_input_bytes(m, work, a) * step_share(m)
   saved = rows * ((m.d_model + m.n_heads * m.head_dim) * a.compute_bytes
                   + INPUT_META_BYTES_PER_ROW + 4 * m.n_heads)
   if window is not None and window_transport(work.plan, window) == "exchange":

@@ -11,10 +11,12 @@ each way, beside the layer's own time: only what outlasts it adds to the step; u
 ring's hops and an exchange's too; an all-gather's gather there is the backward's own).
 """
 
+import dataclasses
+
 import numpy as np
 
 from bdlm_jax.analysis.cost_model import gdn
-from bdlm_jax.analysis.cost_model.memory import layer_input_bytes, saved_layer_bytes
+from bdlm_jax.analysis.cost_model.memory import layer_input_bytes, saved_layer_bytes, step_share
 from bdlm_jax.analysis.cost_model.setting import GB, Assumptions, Hardware
 from bdlm_jax.analysis.cost_model.work import (PlanWork, attention_kinds, expert_params,
                                                kv_row, moe_layers, step_comm_bytes)
@@ -200,6 +202,9 @@ def step_time(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions,
   rows = work.plan.rows_per_rank  # padding rows run through the linear layers too
   matmul = hw.matmul_tflops * 1e12
   layer_linear = rows * linear_flops_per_row(m) / m.n_layers / matmul  # a mean layer's forward
+  # Under offload_period the backward re-runs each scan step's forward before its layers'
+  # own re-runs: one more forward of everything but the attention (kept by the layers).
+  a = dataclasses.replace(a, remat_forward=a.remat_forward + (m.remat == "offload_period"))
   attention = busy = 0.0
   layers = []
   for window, n in attention_kinds(m):
@@ -220,7 +225,7 @@ def step_time(m: ModelConfig, work: PlanWork, hw: Hardware, a: Assumptions,
   gdn_fwd, gdn_bwd, gdn_busy = (gdn_layer_s(m, work, hw, a, gdn_transport) if n_gdn
                                 else (0.0, 0.0, 0.0))
   if n_gdn:
-    layers.append((n_gdn, layer_input_bytes(m, work, a), layer_linear + gdn_fwd,
+    layers.append((n_gdn, layer_input_bytes(m, work, a) * step_share(m), layer_linear + gdn_fwd,
                    (2 + a.remat_forward) * layer_linear + gdn_bwd))
   linear = m.n_layers * layer_linear * (3 + a.remat_forward)
   logits = 3 * 2 * work.plan.n_noisy * m.d_model * m.vocab_size / matmul
