@@ -595,6 +595,25 @@ def memory_stats(compiled: Any) -> dict[str, int]:
 
 
 _CONTRACTING_RE = re.compile(r"lhs_contracting_dims=\{([\d,\s]*)\}")
+_DIM_LABELS_RE = re.compile(r"dim_labels=(\w+)_\w+->\w+")
+_WINDOW_SIZE_RE = re.compile(r"window=\{[^}]*size=([\dx]+)")
+_GROUPS_RE = re.compile(r"feature_group_count=(\d+)")
+
+
+def _contracted(instr: _Instr, lhs_dims: list[int]) -> int:
+    """Elements each output element of a `dot` or `convolution` sums over: the lhs's
+    contracting dims; for a convolution (how XLA:TPU writes a matmul) its input features
+    (the lhs's `f` label) times its window, over its feature groups."""
+    if instr.opcode == "dot":
+        m = _CONTRACTING_RE.search(instr.attrs)
+        axes = [int(a) for a in m.group(1).split(",") if a.strip()] if m else []
+        return math.prod(lhs_dims[a] for a in axes)
+    labels = _DIM_LABELS_RE.search(instr.attrs).group(1)
+    window = _WINDOW_SIZE_RE.search(instr.attrs)
+    groups = _GROUPS_RE.search(instr.attrs)
+    return (lhs_dims[labels.index("f")] * math.prod(
+        int(d) for d in (window.group(1).split("x") if window else []))
+        // (int(groups.group(1)) if groups else 1))
 
 
 def _dims(shape: str) -> list[int]:
@@ -604,7 +623,8 @@ def _dims(shape: str) -> list[int]:
 
 def dot_flops(compiled: Any) -> tuple[float, float]:
     """(FLOPs, FLOPs per run inside loops of unknown trip count) of the program's ``dot``
-    instructions, fused ones included, per execution: 2 x output elements x contracted
+    and ``convolution`` instructions (XLA:TPU writes matmuls as the latter), fused ones
+    included, per execution: 2 x output elements x contracted
     elements each, times how often it runs (while-loop trip counts multiply, unlike
     :func:`flops`). Work in custom calls (Pallas/Mosaic kernels) is not seen. A loop whose
     trip count is data-dependent (the attention kernel's loop over the key chunks a query
@@ -616,14 +636,11 @@ def dot_flops(compiled: Any) -> tuple[float, float]:
     for name, times in counts.items():
         comp = comps[name]
         for instr in comp.instrs:
-            if instr.opcode != "dot":
+            if instr.opcode not in ("dot", "convolution"):
                 continue
             lhs_shape, lhs = instr.operands[0]
             lhs_dims = _dims(lhs_shape or comp.shapes[lhs])
-            contracting = _CONTRACTING_RE.search(instr.attrs)
-            axes = [int(a) for a in contracting.group(1).split(",") if a.strip()] \
-                if contracting else []
-            run = 2.0 * math.prod(_dims(instr.shape)) * math.prod(lhs_dims[a] for a in axes)
+            run = 2.0 * math.prod(_dims(instr.shape)) * _contracted(instr, lhs_dims)
             if times is None:
                 unknown += run
             else:

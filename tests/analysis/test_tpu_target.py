@@ -226,3 +226,21 @@ def test_xla_tpus_peak_counts_host_memory():
   assert bound(eight) - bound(two) < residual  # only the 6 more layers' weights
   assert eight["compiler_peak_bytes"] - two["compiler_peak_bytes"] > 3 * residual
   assert eight["compiler_peak_bytes"] > bound(eight) + eight["host_bytes"] / 2
+
+
+def test_dot_flops_count_the_convolutions_xla_tpu_writes_matmuls_as():
+  """XLA:TPU compiles a matmul as a `convolution` (dim_labels bf_io->bf): 7 loop steps of a
+  [256, 512] x [512, 512] matmul, counted with the loop's trip count."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  from bdlm_jax.analysis import hlo_stats
+
+  device = NamedSharding(Mesh(targets.resolve(TARGET).devices[:1], ("x",)), PartitionSpec())
+  step = lambda x, w: jax.lax.fori_loop(0, 7, lambda i, x: jnp.tanh(x @ w), x)
+  shapes = (jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=device),
+            jax.ShapeDtypeStruct((512, 512), jnp.bfloat16, sharding=device))
+  compiled = jax.jit(step).lower(*shapes).compile()
+  assert "convolution(" in compiled.as_text()
+  assert hlo_stats.dot_flops(compiled) == (7 * 2 * 256 * 512 * 512, 0.0)
