@@ -231,15 +231,19 @@ class ModelConfig(Section):
     return comma_list(self.mlp_pattern) or (("moe",) if self.moe_experts else ("dense",))
 
   @property
+  def pattern_period(self) -> int:
+    """Layers after which both `layer_pattern` and `mlp_pattern` repeat."""
+    return math.lcm(len(self.layer_period), len(self.mlp_period))
+
+  @property
   def scan_step(self) -> int:
     """Layers per step of the layer scan: `scan_period`, else the patterns' period."""
-    return self.scan_period or math.lcm(len(self.layer_period), len(self.mlp_period))
+    return self.scan_period or self.pattern_period
 
   def check(self) -> None:
-    period = math.lcm(len(self.layer_period), len(self.mlp_period))
-    if self.scan_period % period:
+    if self.scan_period % self.pattern_period:
       raise ConfigError(f"model.scan_period={self.scan_period} must be a multiple of the "
-                        f"layer and MLP patterns' period, {period}")
+                        f"layer and MLP patterns' period, {self.pattern_period}")
     for t in self.layer_period:
       if t not in LAYER_TYPES:
         raise ConfigError(f"model.layer_pattern={self.layer_pattern!r} has the layer type "
