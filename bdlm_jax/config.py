@@ -640,12 +640,20 @@ class PlanConfig(Section):
   # to model.attention_impl where it does not compile), model.attention_impl elsewhere; or
   # one of xla, pallas, splash for every row
   attention: str = "auto"
+  # the strategies to compile, comma-separated (e.g. "csbp_ring,cp_ring": at model scale each
+  # compile takes minutes); empty: every strategy that can train the objective
+  strategies: str = ""
 
   RULES = dict(device_memory_gb=Holds(">= 0 (0: the target's)", lambda x: x >= 0),
                attention=OneOf(("auto", *ATTENTION_IMPLS)),
                target=Holds("cpu, gpu or tpu:<topology> (e.g. tpu:v5p:2x2x4)",
                             lambda x: x in ("cpu", "gpu") or (x.startswith("tpu:") and
                                                               len(x) > len("tpu:"))))
+
+  @property
+  def strategy_names(self) -> tuple[str, ...]:
+    """`strategies` as a tuple of names (empty: every strategy)."""
+    return comma_list(self.strategies)
 
 
 @dataclasses.dataclass

@@ -597,23 +597,27 @@ def memory_stats(compiled: Any) -> dict[str, int]:
 _CONTRACTING_RE = re.compile(r"lhs_contracting_dims=\{([\d,\s]*)\}")
 _DIM_LABELS_RE = re.compile(r"dim_labels=(\w+)_\w+->\w+")
 _WINDOW_SIZE_RE = re.compile(r"window=\{[^}]*size=([\dx]+)")
+_LHS_DILATE_RE = re.compile(r"window=\{[^}]*lhs_dilate=([\dx]+)")
 _GROUPS_RE = re.compile(r"feature_group_count=(\d+)")
 
 
 def _contracted(instr: _Instr, lhs_dims: list[int]) -> int:
     """Elements each output element of a `dot` or `convolution` sums over: the lhs's
     contracting dims; for a convolution (how XLA:TPU writes a matmul) its input features
-    (the lhs's `f` label) times its window, over its feature groups."""
+    (the lhs's `f` label) times the window's taps that land on input elements, over its
+    feature groups. XLA:TPU writes a batched matmul's batch axes as spatial ones whose
+    window equals the lhs dilation (`size=2x8 lhs_dilate=2x8`): one tap each, not 16."""
     if instr.opcode == "dot":
         m = _CONTRACTING_RE.search(instr.attrs)
         axes = [int(a) for a in m.group(1).split(",") if a.strip()] if m else []
         return math.prod(lhs_dims[a] for a in axes)
     labels = _DIM_LABELS_RE.search(instr.attrs).group(1)
-    window = _WINDOW_SIZE_RE.search(instr.attrs)
-    groups = _GROUPS_RE.search(instr.attrs)
-    return (lhs_dims[labels.index("f")] * math.prod(
-        int(d) for d in (window.group(1).split("x") if window else []))
-        // (int(groups.group(1)) if groups else 1))
+    window, dilate, groups = (r.search(instr.attrs)
+                              for r in (_WINDOW_SIZE_RE, _LHS_DILATE_RE, _GROUPS_RE))
+    sizes = [int(d) for d in window.group(1).split("x")] if window else []
+    dilation = [int(d) for d in dilate.group(1).split("x")] if dilate else [1] * len(sizes)
+    taps = math.prod(-(-w // d) for w, d in zip(sizes, dilation))
+    return lhs_dims[labels.index("f")] * taps // (int(groups.group(1)) if groups else 1)
 
 
 def _dims(shape: str) -> list[int]:
@@ -626,7 +630,9 @@ def dot_flops(compiled: Any) -> tuple[float, float]:
     and ``convolution`` instructions (XLA:TPU writes matmuls as the latter), fused ones
     included, per execution: 2 x output elements x contracted
     elements each, times how often it runs (while-loop trip counts multiply, unlike
-    :func:`flops`). Work in custom calls (Pallas/Mosaic kernels) is not seen. A loop whose
+    :func:`flops`). Work in custom calls (Pallas/Mosaic kernels; on XLA:TPU `ragged_dot`'s
+    forward and input gradient) is not seen; what XLA computes densely (XLA:TPU's
+    `ragged_dot` weight gradient: every token against every expert) is counted as run. A loop whose
     trip count is data-dependent (the attention kernel's loop over the key chunks a query
     tile reaches) cannot be counted: its dots' FLOPs for one run of its body are the
     second figure."""

@@ -154,14 +154,27 @@ def device_memory_name(cfg: Config, target: targets.Target) -> str:
           "an H200's 141 GB (the target reports no device memory)")
 
 
+def planned_strategies(cfg: Config) -> tuple[str, ...]:
+  """The strategies mode=plan compiles: `plan.strategies`, else every one that splits a
+  sequence and can train the objective; one device's where nothing splits a sequence."""
+  if cfg.parallel.seq == 1:
+    return (SINGLE_DEVICE,)
+  every = strategy_names_for(cfg.objective.name, splits_sequences=True)
+  asked = cfg.plan.strategy_names
+  if unknown := [name for name in asked if name not in every]:
+    raise ConfigError(f"plan.strategies={cfg.plan.strategies!r}: {', '.join(unknown)} cannot "
+                      f"split a {cfg.objective.name} sequence here; choose among "
+                      f"{', '.join(every)}")
+  return asked or every
+
+
 def plan_report(cfg: Config, progress=lambda _: None) -> str:
   """mode=plan: `cfg`'s step compiled under every strategy, side by side, and the pick."""
   p = cfg.parallel
   target = targets.resolve(cfg.plan.target, p.data * p.fsdp * p.seq)
   mesh = make_mesh(cfg, target.devices)  # too few devices is the config's error
   device = step_report.device_memory_bytes(cfg.plan.device_memory_gb, target)
-  strategies = (strategy_names_for(cfg.objective.name, splits_sequences=True) if p.seq > 1
-                else (SINGLE_DEVICE,))
+  strategies = planned_strategies(cfg)
   hw, a = mesh_hardware(p.data * p.fsdp * p.seq), assumptions(cfg)
   rows, fallbacks = [], []
   for name, impl, r, tried in compile_each(cfg, strategies, mesh, target, progress):

@@ -33,7 +33,7 @@ RECIPES = ("--config configs/dflash2_muse_1m.py --strategies csbp_ring cp_replic
            "--config configs/diffusiongemma_26b_a4b_sft_256k.py --strategies csbp_ring "
            "--timeout 3000",
            "--config configs/diffusiongemma_26b_a4b_sft_512k.py --strategies csbp_ring "
-           "--timeout 3600",
+           "cp_allgather csbp_allgather cp_ring cp_ring_balanced bp --timeout 3600",
            *(f"--config {c} --strategies csbp_ring --variant \"splash: "
              "model.attention_impl=splash\" --variants-only --timeout 3000"
              for c in ("configs/dflash2_muse_1m.py", "configs/qwen3_5_27b_fast_dllm_v2_256k.py",

@@ -23,10 +23,11 @@ def keep(out, lse):
   return checkpoint_name(out, OUT), checkpoint_name(lse, LSE)
 
 
-def keep_input(x):
+def keep_input(x, offloaded: bool):
   """The layer input `x` (a pytree), tagged so that remat can put it in host memory: as the
-  remat'd function's argument it is kept anyway, but only a named array can be offloaded."""
-  return jax.tree.map(lambda a: checkpoint_name(a, LAYER_INPUT), x)
+  remat'd function's argument it is kept anyway, but only a named array can be offloaded.
+  `offloaded`: the layer's remat policy does put it there."""
+  return jax.tree.map(lambda a: _named(a, LAYER_INPUT, offloaded), x)
 
 
 def keep_exchanged(rows):
@@ -34,10 +35,11 @@ def keep_exchanged(rows):
   return jax.tree.map(lambda x: checkpoint_name(x, EXCHANGED), rows)
 
 
-def keep_step_input(x):
+def keep_step_input(x, offloaded: bool):
   """The layer scan step's input `x` (a pytree), tagged apart from its first layer's input:
-  remat `offload_period` puts it in host memory and keeps the layers' inputs on the device."""
-  return jax.tree.map(lambda a: _in_offloadable_parts(a, STEP_INPUT), x)
+  remat `offload_period` puts it in host memory (`offloaded`) and keeps the layers' inputs
+  on the device."""
+  return jax.tree.map(lambda a: _named(a, STEP_INPUT, offloaded), x)
 
 
 # XLA:TPU (libtpu 0.0.42.1) aborts compiling a copy to host memory of an array whose bytes are
@@ -47,11 +49,11 @@ def keep_step_input(x):
 _DMA_WRAP = 1 << 32
 
 
-def _in_offloadable_parts(a, name):
-  """`a` named `name`, in two halves of its last axis where its size is a multiple of 4 GiB
-  (per device it is only if it is globally): each half is then offloaded on its own. The
-  backward joins the halves again, one transient copy of `a`."""
-  if a.nbytes % _DMA_WRAP or a.shape[-1] % 2:
+def _named(a, name, offloaded: bool):
+  """`a` named `name`; where it goes to host memory and its size is a multiple of 4 GiB (per
+  device it is only if it is globally), in two halves of its last axis, each then offloaded
+  on its own. The backward joins the halves again, one transient copy of `a`."""
+  if not offloaded or a.nbytes % _DMA_WRAP or a.shape[-1] % 2:
     return checkpoint_name(a, name)
   halves = jnp.split(a, 2, axis=-1)
   return jnp.concatenate([checkpoint_name(h, name) for h in halves], axis=-1)

@@ -332,6 +332,9 @@ def is_stacked(path) -> bool:
   return any(getattr(k, "key", None) in STACKS for k in path)
 
 
+OFFLOADING_INPUT = ("offload", "offload_input")  # the policies that put the layer input on the host
+
+
 def remat_policy(remat: str):
   """What a layer keeps for its backward: `full` saves only the layer input (the scan carry),
   the attention core's output and LSE and, on a local layer, the K/V rows its windowed
@@ -435,7 +438,7 @@ class LayerStack(nnx.Module):
       # inside the remat'd function: what it saves is then the arrays as given, never a copy
       # of a slice. Per-layer inputs `xs` are indexed by the layer's position `layer`.
       def run(x, layer, index, layered):
-        x = residuals.keep_input(x)
+        x = residuals.keep_input(x, offloaded=remat in OFFLOADING_INPUT)
         take = lambda i: lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
         weights = jax.tree.map(take(index), layered[0][stack])
         rest = jax.tree.map(take(layer), layered[1])
@@ -448,7 +451,7 @@ class LayerStack(nnx.Module):
 
     @step_remat(remat)
     def run_period(x, p, layered):
-      x = residuals.keep_step_input(x)
+      x = residuals.keep_step_input(x, offloaded=remat == "offload_period")
       outs = []
       for i in range(period):
         stack, rank = slots[i]

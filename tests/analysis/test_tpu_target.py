@@ -176,11 +176,13 @@ def test_offload_period_keeps_a_steps_input_in_host_memory():
 
 
 @pytest.mark.slow
-def test_a_4_gib_step_input_offloads_in_halves():
+@pytest.mark.parametrize("remat", ["offload_input", "offload_period"])
+def test_a_4_gib_layer_input_offloads_in_halves(remat):
   """XLA:TPU aborts compiling the copy to host of an array of exactly 4 GiB (libtpu 0.0.42.1):
-  `residuals.keep_step_input` offloads such an array in two halves, and the step compiles,
-  holding all of it in host memory (on a v5p chip: a v5e's 16 GB cannot hold the step)."""
-  memory = _offloading_scan_memory(2, rows=1 << 19, width=4096, remat="offload_period",
+  `residuals.keep_input` and `keep_step_input` offload such an array in two halves, and the
+  step compiles, holding all of it in host memory (on a v5p chip: a v5e's 16 GB cannot hold
+  the step)."""
+  memory = _offloading_scan_memory(2, rows=1 << 19, width=4096, remat=remat,
                                    target="tpu:v5p:2x2x1")
   assert memory["host_bytes"] == 2 * (1 << 32)
 
@@ -200,7 +202,8 @@ def _offloading_scan_memory(layers: int, rows=8192, width=256, remat="offload_in
   device = NamedSharding(Mesh(targets.resolve(target).devices[:1], ("x",)), PartitionSpec())
 
   def layer(x, w):
-    x = residuals.keep_step_input(x) if remat == "offload_period" else residuals.keep_input(x)
+    x = (residuals.keep_step_input(x, offloaded=True) if remat == "offload_period"
+         else residuals.keep_input(x, offloaded=True))
     return jnp.tanh(x @ w).astype(x.dtype), None
 
   policy = step_remat(remat) if remat == "offload_period" else remat_policy(remat)
@@ -244,3 +247,22 @@ def test_dot_flops_count_the_convolutions_xla_tpu_writes_matmuls_as():
   compiled = jax.jit(step).lower(*shapes).compile()
   assert "convolution(" in compiled.as_text()
   assert hlo_stats.dot_flops(compiled) == (7 * 2 * 256 * 512 * 512, 0.0)
+
+
+@pytest.mark.parametrize("equation, shapes, flops", [
+    # attention's scores: the batch axes (2 sequences x 8 heads) become spatial axes whose
+    # window equals the lhs dilation (size=2x8 lhs_dilate=2x8): one tap each, not 16
+    ("sqhd,skhd->shqk", ((2, 1024, 8, 128), (2, 2048, 8, 128)), 2 * 2 * 1024 * 2048 * 8 * 128),
+    ("etd,edf->etf", ((16, 4096, 512), (16, 512, 1024)), 2 * 16 * 4096 * 512 * 1024)])
+def test_dot_flops_count_a_batched_matmul_once_per_batch_element(equation, shapes, flops):
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  from bdlm_jax.analysis import hlo_stats
+
+  device = NamedSharding(Mesh(targets.resolve(TARGET).devices[:1], ("x",)), PartitionSpec())
+  compiled = jax.jit(lambda a, b: jnp.einsum(equation, a, b)).lower(
+      *(jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=device) for s in shapes)).compile()
+  assert "lhs_dilate" in compiled.as_text()
+  assert hlo_stats.dot_flops(compiled) == (flops, 0.0)

@@ -54,9 +54,20 @@ def test_a_toy_strategys_compiled_attention_bytes_are_its_plans(toy):
   assert report.attention_bytes > 0 and 0.99 <= report.attention_check <= 1.01
 
 
+def test_mode_plan_lists_a_toy_strategy_and_plans_only_the_named_ones(toy):
+  cfg = report_config("csbp_ring", seq=2)
+  assert toy in plan_mode.planned_strategies(cfg)
+  named = override(cfg, [f"plan.strategies={toy},cp_ring"])
+  assert plan_mode.planned_strategies(named) == (toy, "cp_ring")
+  with pytest.raises(ConfigError, match=r"plan.strategies='cp_ring,ring': ring cannot split a "
+                                        r"bd3lm sequence here; choose among .*csbp_ring"):
+    plan_mode.planned_strategies(override(cfg, ["plan.strategies=cp_ring,ring"]))
+
+
 @pytest.mark.slow
-def test_mode_plan_compiles_and_lists_a_toy_strategy(toy):
-  text = plan_mode.plan_report(report_config("csbp_ring", seq=2))
+def test_mode_plan_compiles_a_toy_strategy(toy):
+  cfg = override(report_config("csbp_ring", seq=2), [f"plan.strategies={toy},csbp_ring"])
+  text = plan_mode.plan_report(cfg)
   row = next(line for line in text.splitlines() if line.startswith(f"| {toy} |"))
   assert "not run" not in row and "chosen:" in text
 
