@@ -3,7 +3,9 @@
 A linear router scores E experts per token; the float32 softmax over all of them gives the
 top-k experts and their weights (renormalised to sum to 1 when `model.moe_norm_topk`). The
 (token, expert) pairs are sorted by expert and each expert's SwiGLU runs on its own rows as a
-grouped matmul (`jax.lax.ragged_dot`), never on all E x tokens. Each call also returns the
+grouped matmul (`jax.lax.ragged_dot`), never on all E x tokens (except, on XLA:TPU, the
+experts' weight gradient, which XLA computes as one dense matmul of every expert against all
+the rows: E x the work; docs/measuring.md). Each call also returns the
 router statistics that the load-balancing and z losses need, summed over the rows that count.
 
 With `model.moe_router_norm` (Gemma 4) the layer reads the un-normed residual: the router
