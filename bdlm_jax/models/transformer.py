@@ -332,7 +332,8 @@ def is_stacked(path) -> bool:
   return any(getattr(k, "key", None) in STACKS for k in path)
 
 
-OFFLOADING_INPUT = ("offload", "offload_input")  # the policies that put the layer input on the host
+# What each offloading layer policy puts in host memory, by name (`remat_policy`).
+OFFLOADED = {"offload": residuals.SAVED, "offload_input": (residuals.LAYER_INPUT,)}
 
 
 def remat_policy(remat: str):
@@ -353,10 +354,8 @@ def remat_policy(remat: str):
   """
   if remat == "none":
     return lambda fn: fn
-  if remat == "offload":
-    return _offloading(*residuals.SAVED)
-  if remat == "offload_input":
-    return _offloading(residuals.LAYER_INPUT)
+  if remat in OFFLOADED:
+    return _offloading(*OFFLOADED[remat])
   return functools.partial(jax.checkpoint,
                            policy=jax.checkpoint_policies.save_only_these_names(*residuals.SAVED))
 
@@ -438,7 +437,7 @@ class LayerStack(nnx.Module):
       # inside the remat'd function: what it saves is then the arrays as given, never a copy
       # of a slice. Per-layer inputs `xs` are indexed by the layer's position `layer`.
       def run(x, layer, index, layered):
-        x = residuals.keep_input(x, offloaded=remat in OFFLOADING_INPUT)
+        x = residuals.keep_input(x, offloaded=residuals.LAYER_INPUT in OFFLOADED.get(remat, ()))
         take = lambda i: lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
         weights = jax.tree.map(take(index), layered[0][stack])
         rest = jax.tree.map(take(layer), layered[1])

@@ -187,6 +187,12 @@ def test_a_4_gib_layer_input_offloads_in_halves(remat):
   assert memory["host_bytes"] == 2 * (1 << 32)
 
 
+def _one_chip(target: str):
+  """A sharding that places an array on one chip of `target`."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+  return NamedSharding(Mesh(targets.resolve(target).devices[:1], ("x",)), PartitionSpec())
+
+
 def _offloading_scan_memory(layers: int, rows=8192, width=256, remat="offload_input",
                             target=TARGET):
   """memory_analysis() of the gradient of a layer scan whose per-layer input is offloaded to
@@ -194,12 +200,11 @@ def _offloading_scan_memory(layers: int, rows=8192, width=256, remat="offload_in
   of its own under offload_period), one chip of `target`."""
   import jax
   import jax.numpy as jnp
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
   from bdlm_jax.kernels import residuals
   from bdlm_jax.models.transformer import remat_policy, step_remat
 
-  device = NamedSharding(Mesh(targets.resolve(target).devices[:1], ("x",)), PartitionSpec())
+  device = _one_chip(target)
 
   def layer(x, w):
     x = (residuals.keep_step_input(x, offloaded=True) if remat == "offload_period"
@@ -236,11 +241,10 @@ def test_dot_flops_count_the_convolutions_xla_tpu_writes_matmuls_as():
   [256, 512] x [512, 512] matmul, counted with the loop's trip count."""
   import jax
   import jax.numpy as jnp
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
   from bdlm_jax.analysis import hlo_stats
 
-  device = NamedSharding(Mesh(targets.resolve(TARGET).devices[:1], ("x",)), PartitionSpec())
+  device = _one_chip(TARGET)
   step = lambda x, w: jax.lax.fori_loop(0, 7, lambda i, x: jnp.tanh(x @ w), x)
   shapes = (jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=device),
             jax.ShapeDtypeStruct((512, 512), jnp.bfloat16, sharding=device))
@@ -257,11 +261,10 @@ def test_dot_flops_count_the_convolutions_xla_tpu_writes_matmuls_as():
 def test_dot_flops_count_a_batched_matmul_once_per_batch_element(equation, shapes, flops):
   import jax
   import jax.numpy as jnp
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
   from bdlm_jax.analysis import hlo_stats
 
-  device = NamedSharding(Mesh(targets.resolve(TARGET).devices[:1], ("x",)), PartitionSpec())
+  device = _one_chip(TARGET)
   compiled = jax.jit(lambda a, b: jnp.einsum(equation, a, b)).lower(
       *(jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=device) for s in shapes)).compile()
   assert "lhs_dilate" in compiled.as_text()
