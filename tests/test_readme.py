@@ -96,7 +96,7 @@ def in_order() -> list[tuple[str, str]]:
       continue
     for c in run_here(body):
       shorter = SHORTER.get(c, "--set train.steps=2")
-      out.append((c, f"{c} {shorter} --set eval.prompts=16 --no-progress"
+      out.append((c, f"{c} {shorter} --set eval.prompts=4 --no-progress"
                   if c.startswith("python run.py") else c))
   return out
 

@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,13 +15,17 @@ from bdlm_jax.checkpoint import restore_state
 from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
 from bdlm_jax.errors import ConfigError
+from bdlm_jax.metrics import last_evaluated
 from bdlm_jax.data import ArithmeticSource, ByteTokenizer
 from bdlm_jax.params import merge
 from bdlm_jax.sample import KVCache, _steps, sample_checkpoint
 from bdlm_jax.parallel.strategies import make_attend
+from tests import conftest
 from tests.data.conftest import save_word_level
 
 PROMPT = list(b"12+7=")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART_BD3LM = "configs/quickstart_bd3lm.py"
 
 
 LOCAL = dict(n_layers=3, layer_pattern="local,global", sliding_window=6, rope_local_theta=500.0)
@@ -147,20 +153,33 @@ def test_a_mask_id_the_tokenizer_uses_is_refused_before_sampling():
     sample(init_params(cfg, jax.random.key(0)), cfg, PROMPT, jax.random.key(1))
 
 
+def _trained(workdir, overrides: list[str]) -> str:
+  """`workdir` after `python run.py --config configs/quickstart_bd3lm.py` with `overrides`, in
+  a fresh process at XLA's own optimisation level: the suite compiles at -O0
+  (tests/conftest.py), where this model's steps run 2.2x slower, and these runs are hundreds
+  of steps. run.py picks its devices itself, as in a fresh shell."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if f not in conftest.FAST_COMPILE)
+  sets = [a for o in overrides for a in ("--set", o)]
+  out = subprocess.run([sys.executable, "run.py", "--config", QUICKSTART_BD3LM, "--workdir",
+                        str(workdir), "--no-progress", *sets], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return str(workdir)
+
+
 @pytest.mark.slow
 def test_a_trained_ar_model_answers_held_out_arithmetic_far_above_chance(tmp_path):
   """Under a minute of CPU training (the quickstart's model at half its width, 400 steps),
   then the in-loop eval completes 100 held-out "... a+b=" prompts. Chance is measured: the
   same completions scored against the other prompts' answers. Measured: 20-21% vs 1.6% chance
   (seeds 0 and 1; 12-15% at 300 steps; the full width takes 3x the time for 17-20% at 300). A BDLM needs 3x the steps for 5x chance (the quickstart; docs/evaluate.md)."""
-  from bdlm_jax.loop import train
-  config = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart_bd3lm.py")
-  cfg = load_config(config, ["objective.name=ar", "model.n_layers=2", "model.d_model=64",
-                             "model.head_dim=16", "model.d_ff=192", "data.seq_len=64",
-                             "train.batch_size=32", "train.steps=400", "train.eval_every=400",
-                             "train.log_every=400", "train.ckpt_every=400", "eval.prompts=100",
-                             "eval.batches=1"])
-  last = train(cfg, str(tmp_path), progress=False)[-1]
+  last = last_evaluated(_trained(tmp_path / "run", [
+      "objective.name=ar", "model.n_layers=2", "model.d_model=64", "model.head_dim=16",
+      "model.d_ff=192", "data.seq_len=64", "train.batch_size=32", "train.steps=400",
+      "train.eval_every=400", "train.log_every=400", "train.ckpt_every=400", "eval.prompts=100",
+      "eval.batches=1"]))
   print(f"accuracy {last['eval_accuracy']:.3f}, chance {last['eval_chance']:.4f}")
   assert last["eval_accuracy"] >= 5 * last["eval_chance"] and last["eval_accuracy"] >= 0.1
 
@@ -178,15 +197,12 @@ def _well_formed_fraction(completions) -> float:
 def test_trained_model_writes_well_formed_statements_far_above_chance(tmp_path):
   """A short CPU run of a BDLM learns the statement grammar of the embedded data (its sums
   take longer: see the AR test above). Chance: the same sampler on the untrained init."""
-  from bdlm_jax.loop import train
-  config = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart_bd3lm.py")
-  cfg = load_config(config, ["data.seq_len=32", "objective.block_size=4", "model.n_layers=2",
-                             "model.d_model=64", "model.head_dim=16", "model.d_ff=192",
-                             "train.steps=250", "train.batch_size=32", "train.lr=3e-3",
-                             "train.ckpt_every=250", "train.log_every=100", "train.eval_every=0",
-                             "sample.temperature=0"])
-  train(cfg, str(tmp_path), progress=False)
-  _, state = restore_state(cfg, str(tmp_path), make_mesh(cfg))
+  overrides = ["data.seq_len=32", "objective.block_size=4", "model.n_layers=2",
+               "model.d_model=64", "model.head_dim=16", "model.d_ff=192", "train.steps=250",
+               "train.batch_size=32", "train.lr=3e-3", "train.ckpt_every=250",
+               "train.log_every=100", "train.eval_every=0", "sample.temperature=0"]
+  cfg = load_config(os.path.join(REPO, QUICKSTART_BD3LM), overrides)
+  _, state = restore_state(cfg, _trained(tmp_path / "run", overrides), make_mesh(cfg))
   tok = ByteTokenizer()
   prompts = [ArithmeticSource(seed=999)[i].split(" ")[0] + " " for i in range(8)]
 

@@ -16,7 +16,12 @@ import jax
 import jax.numpy as jnp
 
 
-def over_row_chunks(fn, chunk: int, *xs_BR, remat: bool = False, add_rows_to=None):
+def _added(acc, rows):
+  """`over_row_chunks`' default fold: the chunk's rows added into the running rows."""
+  return jax.tree.map(jnp.add, acc, rows)
+
+
+def over_row_chunks(fn, chunk: int, *xs_BR, remat: bool = False, into=None, fold=_added):
   """`fn(*xs) -> (rows, sums)` over contiguous chunks of `chunk` rows (axis 1 of every array
   in `xs`; None entries pass through), the last one shorter where `chunk` does not divide the
   rows: the chunks' `rows` (a pytree of [B, r, ...]) joined back on the row axis, their
@@ -27,21 +32,22 @@ def over_row_chunks(fn, chunk: int, *xs_BR, remat: bool = False, add_rows_to=Non
 
   Each chunk writes its rows into one buffer of the joined rows in the loop's carry, updated
   in place, rather than the loop stacking them to be joined after it (two copies of the rows
-  at once). `add_rows_to`: arrays shaped as the joined rows that the chunks' rows are added
-  into instead, returned as the rows: a running sum over calls."""
+  at once). `into`: arrays shaped as the joined rows that the chunks' rows are folded into
+  instead, `fold(into's rows, chunk's rows) -> rows` (default: added), returned as the rows:
+  a running sum (dq) or a running softmax (out, lse) over calls, updated a chunk at a time."""
   n = jax.tree.leaves(xs_BR)[0].shape[1]
   if chunk <= 0 or chunk >= n:
     rows, sums = fn(*xs_BR)
-    return (rows if add_rows_to is None else jax.tree.map(jnp.add, add_rows_to, rows)), sums
+    return (rows if into is None else fold(into, rows)), sums
   full, tail = divmod(n, chunk)
 
   def rows_from(start, size):
     return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1), xs_BR)
 
   def put(acc, rows, start):
-    if add_rows_to is not None:
-      rows = jax.tree.map(lambda a, r: jax.lax.dynamic_slice_in_dim(a, start, r.shape[1], axis=1)
-                          + r, acc, rows)
+    if into is not None:
+      rows = fold(jax.tree.map(lambda a, r: jax.lax.dynamic_slice_in_dim(a, start, r.shape[1],
+                                                                       axis=1), acc, rows), rows)
     return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, start, axis=1),
                         acc, rows)
 
@@ -50,7 +56,7 @@ def over_row_chunks(fn, chunk: int, *xs_BR, remat: bool = False, add_rows_to=Non
   # The buffer starts as the first chunk's rows, padded: inside shard_map it then varies over
   # the mesh axes the rows vary over.
   acc = (jax.tree.map(lambda r: jnp.pad(r, [(0, 0), (0, n - chunk)] + [(0, 0)] * (r.ndim - 2)),
-                      first) if add_rows_to is None else put(add_rows_to, first, 0))
+                      first) if into is None else put(into, first, 0))
 
   def body(carry, i):
     sums, acc = carry

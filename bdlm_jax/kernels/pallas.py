@@ -29,7 +29,7 @@ from bdlm_jax.errors import ConfigError
 from bdlm_jax.kernels import residuals
 from bdlm_jax.kernels.mask import RowMeta, allowed
 from bdlm_jax.kernels.tiles import pad_meta, tile_kinds, tile_list
-from bdlm_jax.kernels.xla import NEG_INF
+from bdlm_jax.kernels.xla import NEG_INF, merge
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -234,11 +234,14 @@ def _forward(q, k, v, q_meta: RowMeta, k_meta: RowMeta, out_dtype, tiles):
   return out[:, :rq], lse[:, :rq]
 
 
-def attend_fwd(q, k, v, q_meta: RowMeta, k_meta: RowMeta, chunk: int = 512, tiles=None):
-  """(out f32 [S, Rq, Hq, D], lse f32 [S, Rq, Hq]). `chunk` is the xla path's key chunk; the
-  kernel walks tiles instead (`tiles`: a Tiles, default per backend)."""
+def attend_fwd(q, k, v, q_meta: RowMeta, k_meta: RowMeta, chunk: int = 512, into=None,
+               tiles=None):
+  """(out f32 [S, Rq, Hq, D], lse f32 [S, Rq, Hq]), merged into a ring's running (out, lse)
+  where given one (`into`). `chunk` is the xla path's key chunk; the kernel walks tiles
+  instead (`tiles`: a Tiles, default per backend)."""
   del chunk
-  return _forward(q, k, v, q_meta, k_meta, _F32, tiles)
+  out, lse = _forward(q, k, v, q_meta, k_meta, _F32, tiles)
+  return (out, lse) if into is None else merge(*into, out, lse)
 
 
 # ---- backward --------------------------------------------------------------------------------

@@ -286,13 +286,15 @@ def _check(q, k, v):
                       f"({k.shape[2]}) for grouped-query attention")
 
 
-def attend_fwd(q, k, v, q_meta: RowMeta, k_meta: RowMeta, chunk: int = 512):
+def attend_fwd(q, k, v, q_meta: RowMeta, k_meta: RowMeta, chunk: int = 512, into=None):
+  """(out, lse) f32, merged into a ring's running (out, lse) where given one (`into`)."""
   del chunk
   _check(q, k, v)
   rows = q.shape[1]
   per_sequence = _on_platform(_sequence_fwd)
   out, lse = jax.lax.map(lambda a: per_sequence(*a), _padded_inputs(q, k, v, q_meta, k_meta))
-  return out[:, :rows], lse[:, :rows]
+  out, lse = out[:, :rows], lse[:, :rows]
+  return (out, lse) if into is None else merge(*into, out, lse)
 
 
 def attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse=None, chunk: int = 512, dq=None):

@@ -1,14 +1,15 @@
 """The `xla` attention: plain jnp, flash-style over tiles; the oracle and CPU default.
 
 Interface shared by every implementation (docs/kernels.md):
-  attend_fwd(q, k, v, q_meta, k_meta) -> (out, lse)
+  attend_fwd(q, k, v, q_meta, k_meta, chunk, into) -> (out, lse)
   attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse, chunk, dq) -> (dq, dk, dv)
 q: [S, Rq, Hq, D]; k, v: [S, Rk, Hkv, D] (grouped-query: Hq a multiple of Hkv);
 lse: f32 [S, Rq, Hq], natural log. The raw fwd/bwd return float32 (out, dq, dk, dv) so a
 ring can merge and accumulate in full precision; the differentiable `attend` casts back to
 the input dtypes. The backward takes the *global* out and lse, so a ring can hand it the
 merged statistics of all steps, and adds its dq into the ring's running f32 sum where given
-one (`dq`): the ring then holds one [Rq, Hq, D] f32 array, not that and this call's own.
+one (`dq`): the ring then holds one [Rq, Hq, D] f32 array, not that and this call's own. The
+forward likewise merges its (out, lse) into the ring's running pair where given one (`into`).
 The work runs in tiles of `chunk` queries x `chunk` keys, so no (Rq x Rk) score matrix, nor
 an (Rq x chunk) one, is ever live: memory grows with chunk^2 per tile, and a tile of queries
 visits only the key chunks its mask reaches.
@@ -79,7 +80,11 @@ def _split_heads(x, hkv):
   return x.reshape(s, r, hkv, hq // hkv, d)
 
 
-def attend_fwd(q, k, v, q_meta: RowMeta, k_meta: RowMeta, chunk: int = 512):
+def attend_fwd(q, k, v, q_meta: RowMeta, k_meta: RowMeta, chunk: int = 512, into=None):
+  """(out, lse) f32 of q against this (k, v) block; with `into`, a running (out, lse) of the
+  same queries over other keys (a ring's), each query tile's result is merged into its rows
+  in place, so the call holds one tile's (out, lse) beside the running pair, not a second
+  whole pair."""
   hkv = k.shape[2]
   k_n, v_n, km_n = _chunked_keys(k, v, k_meta, min(chunk, k.shape[1]))
 
@@ -109,7 +114,8 @@ def attend_fwd(q, k, v, q_meta: RowMeta, k_meta: RowMeta, chunk: int = 512):
     out = jnp.moveaxis(out, 3, 1).reshape(s, rq, hq, d)
     return (out, jnp.moveaxis(lse, 3, 1).reshape(s, rq, hq)), ()
 
-  return over_row_chunks(tile, chunk, q, q_meta)[0]
+  return over_row_chunks(tile, chunk, q, q_meta, into=into,
+                         fold=lambda run, part: merge(*run, *part))[0]
 
 
 def attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse=None, chunk: int = 512, dq=None):
@@ -153,8 +159,7 @@ def attend_bwd(q, k, v, q_meta, k_meta, out, lse, dout, dlse=None, chunk: int = 
     return dq.reshape(q.shape), (dk_n, dv_n)
 
   dq = jnp.zeros_like(q, jnp.float32) if dq is None else dq
-  dq, (dk_n, dv_n) = over_row_chunks(tile, chunk, q, q_meta, out, lse, dout, dlse,
-                                     add_rows_to=dq)
+  dq, (dk_n, dv_n) = over_row_chunks(tile, chunk, q, q_meta, out, lse, dout, dlse, into=dq)
 
   def unchunk(x):
     return jnp.moveaxis(x, 0, 1).reshape(s, -1, hkv, d)[:, :rk]

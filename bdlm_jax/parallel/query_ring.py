@@ -189,8 +189,8 @@ def _fwd(kernel, axis, num_ranks, chunk, grad_dtype, q, k_own, v_own, k_ctx, v_c
                               ctx_meta)
     return (visiting if part is None else merge(*part, *visiting)), ()
 
-  home = merge(*partial_attend(kernel, chunk, q, k_own, v_own, q_meta, own_meta),
-               *partial_attend(kernel, chunk, q, k_ctx, v_ctx, q_meta, ctx_meta))
+  home = partial_attend(kernel, chunk, q, k_ctx, v_ctx, q_meta, ctx_meta,
+                        into=partial_attend(kernel, chunk, q, k_own, v_own, q_meta, own_meta))
   away, _ = _rotate(axis, num_ranks, (q, _travelling(q_meta)), visit)
   out, lse = merge(*home, *away)
   out, lse = residuals.keep(out.astype(q.dtype), lse)

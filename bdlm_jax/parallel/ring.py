@@ -16,15 +16,19 @@ import jax
 import jax.numpy as jnp
 
 from bdlm_jax.kernels import residuals
-from bdlm_jax.kernels.xla import NEG_INF, merge
+from bdlm_jax.kernels.xla import NEG_INF
 
 
-def partial_attend(kernel, chunk, q, k, v, q_meta, k_meta):
-  """(out, lse) in float32 of q against one K/V part; an empty part contributes nothing."""
+def partial_attend(kernel, chunk, q, k, v, q_meta, k_meta, into=None):
+  """(out, lse) in float32 of q against one K/V part, merged into the running (out, lse) of
+  the parts before where given (`into`: the kernel merges tile by tile, so no second whole
+  f32 output exists beside the running one); an empty part contributes nothing."""
   if k.shape[1] == 0:
+    if into is not None:
+      return into
     out = jnp.zeros_like(q, jnp.float32)  # zeros_like keeps q's varying mesh axes
     return out, out[..., 0] + NEG_INF
-  return kernel.attend_fwd(q, k, v, q_meta, k_meta, chunk)
+  return kernel.attend_fwd(q, k, v, q_meta, k_meta, chunk, into=into)
 
 
 def partial_grads(kernel, chunk, q, k, v, q_meta, k_meta, out, lse, dout, dlse, dq=None):
@@ -55,11 +59,11 @@ def _ring_fwd(kernel, axis, num_ranks, chunk, grad_dtype, q, k_stay, v_stay, k_t
   def step(carry, _):
     out, lse, kv = carry
     kv_next = shift(kv, axis, num_ranks)
-    out, lse = merge(out, lse, *partial_attend(kernel, chunk, q, *kv[:2], q_meta, kv[2]))
+    out, lse = partial_attend(kernel, chunk, q, *kv[:2], q_meta, kv[2], into=(out, lse))
     return (out, lse, kv_next), None
 
   (out, lse, kv), _ = jax.lax.scan(step, (out, lse, (k_tr, v_tr, tr_meta)), length=num_ranks - 1)
-  out, lse = merge(out, lse, *partial_attend(kernel, chunk, q, *kv[:2], q_meta, kv[2]))
+  out, lse = partial_attend(kernel, chunk, q, *kv[:2], q_meta, kv[2], into=(out, lse))
   out, lse = residuals.keep(out.astype(q.dtype), lse)
   return (out, lse), (q, k_stay, v_stay, k_tr, v_tr, q_meta, stay_meta, tr_meta, out, lse)
 

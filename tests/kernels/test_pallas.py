@@ -214,9 +214,9 @@ def test_attention_impl_pallas_runs_the_pallas_kernel(monkeypatch):
   from bdlm_jax import init_params, loss_fn, make_batch, make_mesh
   calls = []
 
-  def broken_attend_fwd(q, k, v, q_meta, k_meta, chunk=512, tiles=None):
+  def broken_attend_fwd(q, k, v, q_meta, k_meta, chunk=512, into=None, tiles=None):
     calls.append(q.shape)
-    out, lse = xla.attend_fwd(q, k, v, q_meta, k_meta, chunk)
+    out, lse = xla.attend_fwd(q, k, v, q_meta, k_meta, chunk, into)
     return jnp.zeros_like(out), lse
 
   monkeypatch.setattr(pallas, "attend_fwd", broken_attend_fwd)

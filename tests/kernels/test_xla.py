@@ -106,6 +106,21 @@ def test_the_backward_adds_dq_into_a_running_sum_in_place(rows):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("rows", [32, 40])
+def test_the_forward_merges_into_a_running_output_in_place(rows):
+  """A ring hands attend_fwd its running (out, lse) over other keys: the result is the two
+  merged, exactly as merging this part's own (out, lse) after it; rows that no key reached
+  before (lse -1e30) or now stay finite."""
+  q, k, v, meta, rng = _inputs(7, r=rows)
+  _, k2, v2, meta2, _ = _inputs(8, r=rows)
+  running = xla.attend_fwd(q, k2, v2, meta, meta2, 16)
+  merged = jax.jit(xla.attend_fwd, static_argnums=5)(q, k, v, meta, meta, 16, running)
+  expected = xla.merge(*running, *xla.attend_fwd(q, k, v, meta, meta, 16))
+  for a, b in zip(merged, expected):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  assert bool(jnp.isfinite(merged[0]).all())
+
+
 def test_bf16_inputs_accumulate_in_f32():
   """With f32 statistics and accumulators, the bf16 output is off the f32 oracle by little more
   than rounding the oracle to bf16 (RMS 1.1x on these inputs); attention done wholly in bf16
