@@ -184,10 +184,9 @@ def query_ring_attend(kernel, axis, num_ranks, chunk, grad_dtype, q, k_own, v_ow
 
 def _fwd(kernel, axis, num_ranks, chunk, grad_dtype, q, k_own, v_own, k_ctx, v_ctx, q_meta,
          own_meta, ctx_meta):
-  def visit(packet, part=None):
-    visiting = partial_attend(kernel, chunk, packet[0], k_ctx, v_ctx, _arrived(packet[1]),
-                              ctx_meta)
-    return (visiting if part is None else merge(*part, *visiting)), ()
+  def visit(packet, part=None):  # merged into the packet's running part as it is computed
+    return partial_attend(kernel, chunk, packet[0], k_ctx, v_ctx, _arrived(packet[1]),
+                          ctx_meta, into=part), ()
 
   home = partial_attend(kernel, chunk, q, k_ctx, v_ctx, q_meta, ctx_meta,
                         into=partial_attend(kernel, chunk, q, k_own, v_own, q_meta, own_meta))
