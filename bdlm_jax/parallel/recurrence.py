@@ -335,10 +335,15 @@ def _run_program(plan: LayoutPlan, program: StreamProgram, cell, sharded: bool, 
   steps = lambda x: jnp.moveaxis(x.reshape(*x.shape[:2], program.steps, unit, *x.shape[3:]),
                                  2, 0)  # [T, S, W', unit, ...]
   off = halo - cell.halo  # the program's context rows beyond the conv's (halo >= 1)
-  window = lambda x, k: x[:, :, k * unit + off:k * unit + halo]  # step k's conv context
-  left = jnp.stack([window(x_pre, k) for k in range(program.steps)])
-  starts = jnp.stack([x_starts[:, :, k * unit + off:(k + 1) * unit + halo]
-                      for k in range(program.steps)])  # [T, S, W, conv halo + unit]
+
+  def windows(x, first, n):
+    """[T, S, W, n, ...]: rows first + k * unit .. of step k (one gather, not T slices: a
+    1M-token stream has tens of thousands of steps)."""
+    idx = first + unit * np.arange(program.steps)[:, None] + np.arange(n)
+    return jnp.moveaxis(jnp.take(x, idx, axis=2), 2, 0)
+
+  left = windows(x_pre, off, cell.halo)  # each step's conv context
+  starts = windows(x_starts, off, cell.halo + unit)  # [T, S, W, conv halo + unit]
   restarts = steps(x_starts[:, :, halo:] & real[:, halo:])
   xs = [steps(x[:, :, halo:]) for x in (x_pre, x_g, x_beta)] + [left, starts, restarts]
 
@@ -376,11 +381,10 @@ def _run_program(plan: LayoutPlan, program: StreamProgram, cell, sharded: bool, 
                                  axis=1), 2, 0) for x in (pre_BRC, g_BRH, beta_BRH, seg_BR)]
   # A block's document starts: its rows' ids against the row before each (the clean row
   # before the block for its first); its conv context's starts are the clean stream's.
-  before = jnp.stack([x_seg[:, :, k * unit + halo - 1] for k in range(program.steps)])
-  n_seg = jnp.concatenate([before[..., None], noisy[3]], -1)  # [T, S, W, 1 + unit]
+  n_seg = jnp.concatenate([windows(x_seg, halo - 1, 1), noisy[3]], -1)  # [T, S, W, 1 + unit]
   n_restarts = n_seg[..., 1:] != n_seg[..., :-1]
-  n_restarts = n_restarts.at[..., 0].set(n_restarts[..., 0] & jnp.stack(
-      [in_stream[:, k * unit + halo - 1] for k in range(program.steps)])[:, None])
+  n_restarts = n_restarts.at[..., 0].set(n_restarts[..., 0]
+                                         & windows(in_stream[None], halo - 1, 1)[..., 0])
   n_starts = jnp.concatenate([starts[..., :cell.halo], n_restarts], -1)
   xs = xs[:3] + noisy[:3] + xs[3:] + [n_starts, n_restarts]
 

@@ -9,6 +9,7 @@ single-device packed rows equal each document's own run (tests/models/test_gdn.p
 
 import functools
 
+import jax
 import numpy as np
 import pytest
 
@@ -16,9 +17,10 @@ from bdlm_jax import make_mesh
 from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
 from bdlm_jax.errors import ConfigError
-from bdlm_jax.analysis.step_report import step_report
+from bdlm_jax.analysis.step_report import abstract_batch, abstract_state, step_report
 from bdlm_jax.parallel.recurrence import stream_program
 from bdlm_jax.parallel.registry import get_strategy, make_plan, strategy_names
+from bdlm_jax.train import make_train_step
 from tests.parallel.test_strategies import _loss_and_grads as strategies_loss_and_grads
 from tests.parallel.test_strategies import assert_close
 
@@ -144,3 +146,19 @@ def test_compiled_recurrence_collectives_are_the_programs(strategy, seq_len, rem
   report = step_report(cfg)
   assert report.recurrence_check == pytest.approx(1.0, abs=0.01)  # 28 B of other gradients
   assert report.recurrence_collective_bytes["collective-permute"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["bp", "csbp_ring"])
+def test_the_lowered_step_does_not_grow_with_the_stream(strategy):
+  """A stream's steps are gathered and scanned, never traced one by one: at 1M tokens a rank
+  runs tens of thousands of steps (XLA:TPU was still compiling Qwen3.5-27B's 1M step under
+  bp after an hour when each step's conv windows were slices of their own)."""
+  def lines(seq_len):
+    cfg = _cfg(strategy, seq_len, 4, 4)
+    mesh = make_mesh(cfg)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    lowered = make_train_step(cfg, mesh).lower(abstract_state(cfg, mesh),
+                                               abstract_batch(cfg, mesh), key)
+    return lowered.as_text().count("\n")
+  assert lines(512) == lines(128)  # 32 and 128 steps a stream
