@@ -16,7 +16,7 @@ the 16 devices with the 128 experts split over them (the differences are listed 
   python run.py --config configs/diffusiongemma_26b_a4b_sft_256k.py --set mode=plan
   python experiments/scale_probe.py --target tpu:v5p:2x2x4 --models diffusiongemma-26b-a4b \
       --objective diffusiongemma --lens 262144 --strategies csbp_ring cp_ring \
-      --remat offload --set model.row_chunks=16
+      --remat offload --set model.row_chunks=32
 
 `mode=plan` compiles the step (never runs it) with XLA:TPU ahead of time for 16 TPU v5p chips
 (`plan.target`; `pip install -r requirements-tpu.txt`, no TPU); `--set plan.target=cpu`
@@ -37,7 +37,7 @@ Where this differs from the seed's recipe (files of the seed's package `dllm_par
 * Hardware and memory: the seed runs 2 nodes x 8 H200 (CP 8 x BP 8, EP 2), DeepSpeed ZeRO-2
   and full activation checkpointing (the yaml's `topology`, `optimizer.backend`,
   `training.activation_checkpointing*`); here 16 TPU v5p, csbp_ring, the experts over all
-  16 devices, remat offload with 16 row chunks. The loss is the same.
+  16 devices, remat offload with 32 row chunks. The loss is the same.
 * Precision: the seed holds the model in bf16 (the yaml's `model.dtype`; DeepSpeed's bf16
   mode updates float32 master copies); here float32 parameters and optimiser state,
   bfloat16 compute.
@@ -89,12 +89,13 @@ DIFFUSIONGEMMA_26B_A4B = dict(
 def get_config() -> Config:
   return Config(
       # Dropless, as transformers and the seed: every token goes to its top 8 experts. The
-      # dispatch routes each device's rows in the 16 row chunks, so a device's static receive
-      # buffer holds every pair of one chunk of the 16 devices' rows (16 x 16,384 pairs, 1.5
+      # dispatch routes each device's rows in 32 row chunks, so a device's static receive
+      # buffer holds every pair of one chunk of the 16 devices' rows (16 x 8,192 pairs, 0.74
       # GB), not of all of them (24 GB, per layer; XLA:TPU refused that step at 333.98 GB of
-      # temporaries).
+      # temporaries). 16 chunks compile too, at 16.8 GB more on the device for the same FLOPs
+      # and collective bytes (docs/scale.md).
       model=ModelConfig(**DIFFUSIONGEMMA_26B_A4B, param_dtype="float32",
-                        compute_dtype="bfloat16", remat="offload", row_chunks=16,
+                        compute_dtype="bfloat16", remat="offload", row_chunks=32,
                         attention_chunk=512, logits_chunk=1024, moe_drop_tokens=False),
       # one conversation a row, as the seed's native SFT (data/chat.py `chat_per_row`)
       data=DataConfig(source="arithmetic", format="chat", seq_len=1 << 18, pack=False),

@@ -6,10 +6,11 @@ every token routed) at twice the seed's length, past the paper's.
   python experiments/recipe_plans.py --config configs/diffusiongemma_26b_a4b_sft_512k.py \
       --strategies csbp_ring --timeout 3600
 
-A rank holds 2 x 32,768 rows (a canvas stream and the encoder's). What changes from 256K:
-`model.row_chunks=32`, so that each chunk of the dropless dispatch keeps 256K's 2,048 rows
-(its receive buffers hold every (token, expert) pair of a chunk of the 16 devices' rows:
-1.48 GB, not twice that).
+A rank holds 2 x 32,768 rows (a canvas stream and the encoder's). What changes from 256K is
+the length alone. `model.row_chunks=32` is set here as well, since this length needs it:
+routed in 16 chunks XLA:TPU refuses the step for HBM (101.85G of temporaries). Each of the
+32 chunks of the dropless dispatch holds 2,048 of a rank's rows, twice 256K's, so its
+receive buffers hold every (token, expert) pair of a chunk of the 16 devices' rows: 1.48 GB.
 """
 
 import os
