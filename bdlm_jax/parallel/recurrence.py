@@ -338,7 +338,7 @@ def _run_program(plan: LayoutPlan, program: StreamProgram, cell, sharded: bool, 
 
   def windows(x, first, n):
     """[T, S, W, n, ...]: rows first + k * unit .. of step k (one gather, not T slices: a
-    1M-token stream has tens of thousands of steps)."""
+    1M-token stream has thousands of steps)."""
     idx = first + unit * np.arange(program.steps)[:, None] + np.arange(n)
     return jnp.moveaxis(jnp.take(x, idx, axis=2), 2, 0)
 

@@ -152,7 +152,7 @@ def test_compiled_recurrence_collectives_are_the_programs(strategy, seq_len, rem
 @pytest.mark.parametrize("strategy", ["bp", "csbp_ring"])
 def test_the_lowered_step_does_not_grow_with_the_stream(strategy):
   """A stream's steps are gathered and scanned, never traced one by one: at 1M tokens a rank
-  runs tens of thousands of steps (XLA:TPU was still compiling Qwen3.5-27B's 1M step under
+  runs thousands of steps (XLA:TPU was still compiling Qwen3.5-27B's 1M step under
   bp after an hour when each step's conv windows were slices of their own)."""
   def lines(seq_len):
     cfg = _cfg(strategy, seq_len, 4, 4)
