@@ -396,14 +396,18 @@ class StepReport:
     return out
 
 
+def lower_train_step(cfg: Config, mesh):
+  """The real train step lowered from abstract inputs (nothing allocated)."""
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  return make_train_step(cfg, mesh).lower(abstract_state(cfg, mesh), abstract_batch(cfg, mesh),
+                                          key)
+
+
 def compile_train_step(cfg: Config, mesh, compiler_options: dict | None = None):
   """(compiled, seconds): the real train step compiled from abstract inputs (with XLA's
   `compiler_options`, e.g. `buffer_assignment.dump_options`)."""
-  key = jax.eval_shape(lambda: jax.random.key(0))
   start = time.perf_counter()
-  lowered = make_train_step(cfg, mesh).lower(abstract_state(cfg, mesh),
-                                             abstract_batch(cfg, mesh), key)
-  compiled = lowered.compile(compiler_options=compiler_options)
+  compiled = lower_train_step(cfg, mesh).compile(compiler_options=compiler_options)
   return compiled, time.perf_counter() - start
 
 

@@ -9,7 +9,6 @@ single-device packed rows equal each document's own run (tests/models/test_gdn.p
 
 import functools
 
-import jax
 import numpy as np
 import pytest
 
@@ -17,10 +16,9 @@ from bdlm_jax import make_mesh
 from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
 from bdlm_jax.errors import ConfigError
-from bdlm_jax.analysis.step_report import abstract_batch, abstract_state, step_report
+from bdlm_jax.analysis.step_report import lower_train_step, step_report
 from bdlm_jax.parallel.recurrence import stream_program
 from bdlm_jax.parallel.registry import get_strategy, make_plan, strategy_names
-from bdlm_jax.train import make_train_step
 from tests.parallel.test_strategies import _loss_and_grads as strategies_loss_and_grads
 from tests.parallel.test_strategies import assert_close
 
@@ -156,9 +154,5 @@ def test_the_lowered_step_does_not_grow_with_the_stream(strategy):
   bp after an hour when each step's conv windows were slices of their own)."""
   def lines(seq_len):
     cfg = _cfg(strategy, seq_len, 4, 4)
-    mesh = make_mesh(cfg)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    lowered = make_train_step(cfg, mesh).lower(abstract_state(cfg, mesh),
-                                               abstract_batch(cfg, mesh), key)
-    return lowered.as_text().count("\n")
+    return lower_train_step(cfg, make_mesh(cfg)).as_text().count("\n")
   assert lines(512) == lines(128)  # 32 and 128 steps a stream
