@@ -48,7 +48,7 @@ def main(argv=None) -> int:
       pass  # JAX already started (main() called in-process); make_mesh reports a shortfall
   from bdlm_jax.checkpoint import CheckpointError
   from bdlm_jax.data import DataError
-  from bdlm_jax.loop import BadStepsError, default_workdir, train
+  from bdlm_jax.loop import BadStepsError, default_workdir, say_interpreted, train
   from bdlm_jax.parallel.experts import check_dispatch_runs_here
   workdir = args.workdir or default_workdir(args.config)
   try:
@@ -57,8 +57,9 @@ def main(argv=None) -> int:
       step, out_dir = export_checkpoint(cfg, workdir)
       print(f"exported step {step} of {workdir} to {out_dir} (Hugging Face format)")
       return 0
-    if cfg.mode == "eval":  # train checks in loop.train, plan per strategy for its target
+    if cfg.mode in ("eval", "sample"):  # train checks in loop.train, plan per strategy
       check_dispatch_runs_here(cfg)
+      say_interpreted(cfg)
     if cfg.mode == "plan":
       from bdlm_jax.analysis.plan_mode import plan_report
       print(plan_report(cfg, progress=lambda line: print(line, file=sys.stderr)))
@@ -106,14 +107,19 @@ def main(argv=None) -> int:
 
 
 def first_stage(cfg, workdir: str) -> None:
-  """The first stage of a two-stage run (`pretrain.*`): its held-out figures and folder."""
+  """The first stage of a two-stage run (`pretrain.*`): the step its export holds and that
+  step's own held-out figures."""
   from bdlm_jax.evaluate import describe
-  from bdlm_jax.loop import pretrain_dir
-  from bdlm_jax.metrics import last_evaluated
-  folder, row = pretrain_dir(workdir), last_evaluated(pretrain_dir(workdir))
-  if row is not None:
-    print(f"stage 1, {cfg.pretrain.objective} ({cfg.pretrain.steps} steps, {folder}): "
-          f"{describe(row, cfg.pretrain.objective)}")
+  from bdlm_jax.loop import exported_step, pretrain_dir
+  from bdlm_jax.metrics import evaluated_at
+  folder = pretrain_dir(workdir)
+  step = exported_step(os.path.join(folder, "hf"))
+  row = evaluated_at(folder, step) if step is not None else None
+  figures = (describe(row, cfg.pretrain.objective) if row is not None else
+             "no held-out figures recorded at that step" if step is not None else
+             "no finished export (the second stage resumed from its own checkpoint)")
+  steps = f"{step} steps" if step is not None else f"{cfg.pretrain.steps} steps planned"
+  print(f"stage 1, {cfg.pretrain.objective} ({steps}, {folder}): {figures}")
   print(f"stage 2, {cfg.objective.name} from it ({cfg.train.steps} steps, {workdir}):")
 
 

@@ -429,8 +429,9 @@ class DrafterConfig(Section):
   conv_group_size: int = 16
   window: int = 0
   # Context pruning: each rank keeps this many of its context rows, those some draft slot's
-  # window reaches, and drops the rest before `fc` (0: keeps them all); `make_batch` refuses
-  # a batch whose anchors reach more (docs/dflash.md).
+  # window reaches, and drops the rest before `fc` (0: keeps them all); a batch whose anchors
+  # reach more keeps more, the width doubled until it holds them (`prune.capacity`: a few
+  # widths, each compiled once; docs/dflash.md).
   kept_context_rows: int = 0
   # On sliding-window layers (`window` > 0), draft slot j sees only slots <= j of its own
   # block (the seed's default: causal unless its checkpoint sets `sliding_window_non_causal`,

@@ -67,6 +67,11 @@ def _check_pretrain(cfg: Config) -> None:
   pretrain_stage(cfg)  # the first stage's own rules
 
 
+# A first stage's keys (`pretrain_stage`) as the user sets them, for its messages.
+PRETRAIN_NAMES = {"objective.name": "pretrain.objective", "train.steps": "pretrain.steps",
+                  "train.lr": "pretrain.lr"}
+
+
 def pretrain_stage(cfg: Config) -> Config:
   """The first stage of a run with `pretrain.objective`: the same model and data, that
   objective for `pretrain.steps` at `pretrain.lr`, evaluated at its end (where the run

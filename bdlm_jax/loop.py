@@ -2,8 +2,10 @@
 
 import collections
 import contextlib
+import json
 import math
 import os
+import shutil
 import signal
 import threading
 import time
@@ -11,18 +13,23 @@ import warnings
 
 import jax
 import numpy as np
+from etils import epath
 from tqdm import tqdm
 
 from bdlm_jax.checkpoint import CheckpointError, Checkpointer
-from bdlm_jax.checkpoint.manager import trajectory_changes, workdir_path
+from bdlm_jax.checkpoint.manager import (COMMIT_MARKER, MANIFEST, DamagedCheckpoint,
+                                         trajectory_changes, verify_manifest, workdir_path,
+                                         write_manifest)
 from bdlm_jax.checkpoint.hf_export import export_checkpoint
+from bdlm_jax.checkpoint.hf_names import hf_model_type
 from bdlm_jax.checkpoint.hf_import import params_from_hf
 from bdlm_jax.checkpoint.target import load_target
 from bdlm_jax.config import Config
-from bdlm_jax.configure import pretrain_stage, replace
+from bdlm_jax.configure import PRETRAIN_NAMES, pretrain_stage, replace
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.evaluate import HeldOut
 from bdlm_jax.feed import Feed
+from bdlm_jax.kernels import COMPILED_ON, interpreted
 from bdlm_jax.metrics import MetricsWriter, model_flops_per_step, peak_flops, peak_memory_bytes
 from bdlm_jax.models.drafter import FROZEN
 from bdlm_jax.objectives import get_objective
@@ -45,6 +52,8 @@ SPIKE_FACTOR = 3.0
 SPIKE_WINDOW = 50
 SPIKE_MIN = 10
 JUDGED = ("loss", "update_ratio", "param_norm")
+# A first stage's export (`export_stage`) records the step it holds in this file.
+EXPORTED_FROM = "exported_from.json"
 GOOD = (f"finite; its loss, update/weight ratio and weight norm within {SPIKE_FACTOR:g}x the "
         f"median of the recent steps")
 
@@ -104,7 +113,7 @@ def stop_requests():
 
 
 def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool = True,
-          allow_changes: bool = False) -> list[dict]:
+          allow_changes: bool = False, key_names: dict | None = None) -> list[dict]:
   """Trains `cfg.train.steps` steps; returns the logged metrics. Resumes from `workdir`.
 
   `resume`: False refuses a workdir that already holds checkpoints, True one that holds none
@@ -131,7 +140,8 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
   join that step's row.
 
   With `pretrain.objective` the run has a first stage (`after_pretraining`), trained or
-  resumed first, or skipped once finished; the history is the second stage's.
+  resumed first, or skipped once finished; the history is the second stage's. `key_names`:
+  what `cfg`'s keys are called in the config the user set, for messages (a first stage's).
   """
   initialize_distributed(cfg)
   if cfg.pretrain.objective:
@@ -139,20 +149,27 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
     resume = "if_present" if resume else False  # the second stage may not have begun
   mesh = make_mesh(cfg)
   check_dispatch_runs_here(cfg)
+  say_interpreted(cfg)
+  if not key_names:  # a first stage is checked by its run, which must export it
+    _say_unexportable(cfg)
   if resume is True and not workdir_path(workdir).exists():
     raise _nothing_to_resume(workdir)
   ckpt = Checkpointer(workdir, cfg, save_every=cfg.train.ckpt_every,
-                      max_to_keep=cfg.train.max_to_keep, async_save=cfg.train.async_checkpoint)
+                      max_to_keep=cfg.train.max_to_keep, async_save=cfg.train.async_checkpoint,
+                      key_names=key_names)
   writer, handlers = None, contextlib.ExitStack()
   try:
     if not resume and ckpt.latest_step() is not None:
       raise FileExistsError(f"{workdir} already holds checkpoints (latest step "
                             f"{ckpt.latest_step()}); pass --resume or choose a new --workdir")
     if resume is True and ckpt.latest_step() is None:
-      raise _nothing_to_resume(workdir)
+      raise _nothing_to_resume(workdir, ckpt.uncommitted_steps())
     ckpt.remove_unfinished_saves()  # the workdir is ours to write
+    if ckpt.latest_step() is None:
+      _set_aside_uncommitted(ckpt)  # a new run would write those steps again
     data = Feed(cfg, mesh)
     init_key, step_key = jax.random.split(jax.random.key(cfg.seed))
+    good = None  # the newest checkpoint known good: verified at restore, or saved by this run
     if resume and ckpt.latest_step() is not None:
       start, state, data_state = ckpt.restore(abstract_state(cfg, mesh))
       if not is_finite(state):  # no run saves such a state: it must not be saved again
@@ -161,6 +178,8 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
             f"not finite, which no run saves: it is damaged, and not resumed; move it aside "
             f"(e.g. to {ckpt.step_dir(start)}.corrupt) to resume from an older one")
       _check_same_run(ckpt, start, cfg, allow_changes)
+      _check_not_past_the_end(ckpt, start, cfg)
+      good = start if ckpt.restored_verified else None
       data.set_state(data_state)
     else:
       if get_objective(cfg.objective.name).DRAFTER:  # a fresh drafter, its target's weights
@@ -175,6 +194,7 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     history = []
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not progress or jax.process_index())
+    handlers.callback(bar.close)  # ends its line, so that an error prints on a line of its own
     last_time, last_step = time.perf_counter(), start
     bad_in_a_row = skipped_since_row = 0
     said_cut = False
@@ -217,15 +237,12 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
       bar.update(1)
       ckpt.poll()  # a save that failed in the background stops the run here
       if bad_in_a_row == cfg.train.max_bad_steps:
-        ckpt.wait()
-        saved = ckpt.latest_step()
-        good = f"{ckpt.step_dir(saved)} (step {saved}; {GOOD})" if saved is not None else (
-            "none yet")
+        ckpt.wait()  # raises if the last save failed: then it is not named good
         raise BadStepsError(
             f"steps {done - bad_in_a_row + 1}-{done} had a non-finite loss, gradient or "
             f"update, or an update over {MAX_UPDATE_RATIO:g}x the weights "
             f"(train.max_bad_steps={cfg.train.max_bad_steps} in a row); stopped at step "
-            f"{done}. Last good checkpoint: {good}")
+            f"{done}. {_last_good(ckpt, good, start)}")
       final = done == cfg.train.steps
       if spikes and (final or done % cfg.train.ckpt_every == 0):
         name = spikes[0]
@@ -235,13 +252,13 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
       # Only a state judged good is saved. A skipped step changed nothing: a regular save
       # would only rotate out an older checkpoint; the final save is forced.
       if good_state and (final or not skipped):
-        ckpt.save(done, state, data.get_state(), force=final)
+        if ckpt.save(done, state, data.get_state(), force=final):
+          good = done
       if requests:  # save the step reached, unless it is saved or not judged good
-        if good_state:
-          ckpt.save(done, state, data.get_state(), force=True)
+        if good_state and ckpt.save(done, state, data.get_state(), force=True):
+          good = done
         name = signal.Signals(requests[0]).name
         raise Interrupted(f"{name} at step {done}", requests[0])
-    bar.close()
     return history
   except KeyboardInterrupt as e:
     raise _interrupted(ckpt, workdir, e) from None
@@ -262,28 +279,134 @@ def after_pretraining(cfg: Config, workdir: str, resume: bool | str = False,
                       progress: bool = True, allow_changes: bool = False) -> Config:
   """Trains the first stage of `cfg` (`pretrain_stage`) into `pretrain_dir(workdir)`, or
   resumes it where `resume` says, and exports it in Hugging Face format to its `hf` folder;
-  returns the second stage: `cfg` starting from there (`init_from`). A finished first stage
-  is only exported again."""
+  returns the second stage: `cfg` starting from there (`init_from`).
+
+  Stage 1 is finished when that export is whole (its checksums hold) and of step
+  `pretrain.steps`; it is then neither trained nor exported again. Otherwise the steps
+  missing up to `pretrain.steps` are trained (a damaged step is set aside; a last step
+  without checksums is not taken as the end) and the export is of exactly that step. A
+  second stage with a checkpoint of its own resumes from it without reading stage 1."""
   if resume is True and not workdir_path(workdir).exists():
     raise _nothing_to_resume(workdir)
   first, folder = pretrain_stage(cfg), pretrain_dir(workdir)
-  if not (resume and _finished(first, folder)):
-    train(first, folder, resume="if_present" if resume else False, progress=progress,
-          allow_changes=allow_changes)
   hf = os.path.join(folder, "hf")
-  export_checkpoint(replace(first, export=dict(out_dir=hf, overwrite=True)), folder)
-  return replace(cfg, init_from=hf, pretrain=dict(objective=""))
+  second = lambda init_from: replace(cfg, init_from=init_from, pretrain=dict(objective=""))
+  if resume and (begun := _latest_step(cfg, workdir)) is not None:
+    warnings.warn(f"stage 2 resumes from its own checkpoint {workdir_path(workdir) / str(begun)}"
+                  f": stage 1 ({folder}) is not read")
+    return second(hf if exported_step(hf) is not None else "")
+  if not (resume and exported_step(hf) == first.train.steps):
+    check_exportable(first)  # before training, not after
+    if resume:
+      _set_aside_unverified_end(first, folder)
+      if _latest_step(first, folder) is None:
+        warnings.warn(f"stage 1: {folder} holds no checkpoint and no finished export: training "
+                      f"it from step 0")
+    train(first, folder, resume="if_present" if resume else False, progress=progress,
+          allow_changes=allow_changes, key_names=PRETRAIN_NAMES)
+    export_stage(first, folder, hf)
+  return second(hf)
 
 
-def _finished(cfg: Config, workdir: str) -> bool:
-  """Whether `workdir` holds a checkpoint at `train.steps` (a finished run)."""
-  if not workdir_path(workdir).exists():
-    return False
-  ckpt = Checkpointer(workdir, cfg, save_every=cfg.train.ckpt_every, max_to_keep=1)
+def export_stage(first: Config, folder: str, hf: str) -> None:
+  """Exports step `train.steps` of a first stage, and only that step, to `hf`: written in a
+  temporary folder with `EXPORTED_FROM` and checksums (`write_manifest`), then renamed, so
+  that an `hf` folder present is whole."""
+  tmp = f"{hf}.tmp"
+  shutil.rmtree(tmp, ignore_errors=True)
+  step = first.train.steps
+  export_checkpoint(replace(first, export=dict(out_dir=tmp, checkpoint_step=step)), folder)
+  with open(os.path.join(tmp, EXPORTED_FROM), "w") as f:
+    json.dump(dict(step=step, objective=first.objective.name), f)
+  write_manifest(epath.Path(tmp))
+  shutil.rmtree(hf, ignore_errors=True)
+  os.replace(tmp, hf)
+
+
+def exported_step(hf: str) -> int | None:
+  """The step a first stage's export `hf` holds, if it is whole (every file as its checksums
+  say); None without one."""
   try:
-    return (ckpt.latest_step() or 0) >= cfg.train.steps
-  finally:
-    ckpt.close()
+    with open(os.path.join(hf, EXPORTED_FROM)) as f:
+      step = json.load(f)["step"]
+    return step if verify_manifest(epath.Path(hf)) else None
+  except (OSError, ValueError, KeyError, DamagedCheckpoint):
+    return None
+
+
+def check_exportable(cfg: Config) -> None:
+  """Raises ConfigError if no Hugging Face family expresses the model: what a two-stage run
+  must export, said before it trains."""
+  hf_model_type(cfg.model, None)
+
+
+def say_interpreted(cfg: Config) -> None:
+  """One line where the attention kernel runs in Pallas' interpret mode here."""
+  impl, backend = cfg.model.attention_impl, jax.default_backend()
+  if interpreted(impl, backend):
+    warnings.warn(f"model.attention_impl={impl} runs in Pallas' interpret mode on {backend} "
+                  f"(a correctness check, several times slower than attention_impl=xla); it "
+                  f"compiles on {COMPILED_ON[impl]}")
+
+
+def _say_unexportable(cfg: Config) -> None:
+  """One line, before training, where mode=export will refuse the model."""
+  if get_objective(cfg.objective.name).DRAFTER:
+    return
+  try:
+    check_exportable(cfg)
+  except ConfigError as e:
+    warnings.warn(f"this model trains, but mode=export will refuse it: {e}")
+
+
+def _latest_step(cfg: Config, workdir: str) -> int | None:
+  """The newest committed checkpoint of `workdir`, unread (None without one)."""
+  if not workdir_path(workdir).exists():
+    return None
+  with Checkpointer(workdir, cfg, save_every=cfg.train.ckpt_every, max_to_keep=1) as ckpt:
+    return ckpt.latest_step()
+
+
+def _set_aside_unverified_end(first: Config, folder: str) -> None:
+  """A first stage's last step without checksums (its run stopped between the save and
+  them) could be damaged unseen: set aside as `<step>.unverified`, to be trained again."""
+  step = _latest_step(first, folder)
+  path = workdir_path(folder) / str(step)
+  if step == first.train.steps and not (path / MANIFEST).exists():
+    path.rename(path.parent / f"{step}.unverified")
+    warnings.warn(f"stage 1's last step {path} has no {MANIFEST}: it cannot be verified, so it "
+                  f"is not taken as stage 1's end; moved to {path}.unverified, and the steps "
+                  f"after the newest checkpoint before it are trained again")
+
+
+def _check_not_past_the_end(ckpt: Checkpointer, start: int, cfg: Config) -> None:
+  """A run resumed past its (lowered) `train.steps` cannot end there: refused, naming it."""
+  if start > cfg.train.steps:
+    name = ckpt.key_names.get("train.steps", "train.steps")
+    was = ckpt.saved_config(start)["train"]["steps"]
+    raise ConfigError(
+        f"{name}={cfg.train.steps} is below the step {ckpt.step_dir(start)} reached ({start}, "
+        f"of a {was}-step schedule): the run cannot end at {cfg.train.steps}; set {name}={was} "
+        f"(as trained), or at least {start} with --allow-changes")
+
+
+def _last_good(ckpt: Checkpointer, good: int | None, start: int) -> str:
+  """Names the checkpoint to go back to: only one verified at restore or saved by this run."""
+  if good is not None:
+    return f"Last good checkpoint: {ckpt.step_dir(good)} (step {good}; {GOOD})"
+  if start:
+    return (f"No checkpoint is known good: {ckpt.step_dir(start)}, restored unverified (no "
+            f"{MANIFEST}), may be the cause; resume from an older step (move it aside) or start "
+            f"a new run")
+  return "Last good checkpoint: none yet"
+
+
+def _set_aside_uncommitted(ckpt: Checkpointer) -> None:
+  """A run starting from step 0 beside step folders that never committed (saves that never
+  finished, or copied in part) moves them to `<step>.corrupt`, saying so."""
+  if bad := ckpt.uncommitted_steps():
+    ckpt.set_aside([(s, None) for s in bad], "no checkpoint restores: the run starts from "
+                   "step 0")
 
 
 def _say_truncated(cut: dict, cfg: Config) -> None:
@@ -307,16 +430,23 @@ def _interrupted(ckpt: Checkpointer, workdir: str, e: KeyboardInterrupt) -> Inte
   return Interrupted(f"{e or 'interrupted'}; {held}", getattr(e, "signum", signal.SIGINT))
 
 
-def _nothing_to_resume(workdir: str) -> CheckpointError:
+def _nothing_to_resume(workdir: str, uncommitted: list[int] = ()) -> CheckpointError:
+  if uncommitted:
+    found = (f"holds no checkpoint to continue from: its step folders "
+             f"{', '.join(map(str, uncommitted))} have no {COMMIT_MARKER} (saves that never "
+             f"finished, or copied in part), so none restores")
+  else:
+    found = "holds no checkpoint to continue from (a mistyped --workdir?)"
   return CheckpointError(
-      f"--resume: {workdir} holds no checkpoint to continue from (a mistyped --workdir?); "
-      f"drop --resume to start a new run there, or pass --resume-if-present to start one "
-      f"only where there is no checkpoint")
+      f"--resume: {workdir} {found}; drop --resume to start a new run there (which sets such "
+      f"folders aside), or pass --resume-if-present to start one only where there is no "
+      f"checkpoint")
 
 
 def _check_same_run(ckpt: Checkpointer, step: int, cfg: Config, allow_changes: bool) -> None:
   """Refuses, or with `allow_changes` warns about, settings that change the resumed run."""
-  changes = trajectory_changes(ckpt.saved_config(step), cfg) + ckpt.data_changes(step)
+  changes = (trajectory_changes(ckpt.saved_config(step), cfg, ckpt.key_names) +
+             ckpt.data_changes(step))
   if not changes:
     return
   where = ckpt.step_dir(step)

@@ -174,11 +174,11 @@ class MetricsWriter:
       self._tb.close()
 
 
-def last_evaluated(workdir: epath.PathLike) -> dict | None:
-  """The latest row of `workdir`'s metrics.jsonl with held-out metrics, or None."""
+def evaluated_at(workdir: epath.PathLike, step: int) -> dict | None:
+  """The row of `workdir`'s metrics.jsonl at `step` if it has held-out metrics, or None."""
   path = epath.Path(workdir) / "metrics.jsonl"
   rows = [json.loads(r) for r in path.read_text().splitlines()
-          if _logged_step(r) != math.inf] if path.exists() else []
+          if _logged_step(r) == step] if path.exists() else []
   return next((r for r in reversed(rows) if "eval_loss" in r), None)
 
 

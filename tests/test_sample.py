@@ -15,7 +15,7 @@ from bdlm_jax.checkpoint import restore_state
 from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
 from bdlm_jax.errors import ConfigError
-from bdlm_jax.metrics import last_evaluated
+from bdlm_jax.metrics import evaluated_at
 from bdlm_jax.data import ArithmeticSource, ByteTokenizer
 from bdlm_jax.params import merge
 from bdlm_jax.sample import KVCache, _steps, sample_checkpoint
@@ -175,11 +175,11 @@ def test_a_trained_ar_model_answers_held_out_arithmetic_far_above_chance(tmp_pat
   then the in-loop eval completes 100 held-out "... a+b=" prompts. Chance is measured: the
   same completions scored against the other prompts' answers. Measured: 20-21% vs 1.6% chance
   (seeds 0 and 1; 12-15% at 300 steps; the full width takes 3x the time for 17-20% at 300). A BDLM needs 3x the steps for 5x chance (the quickstart; docs/evaluate.md)."""
-  last = last_evaluated(_trained(tmp_path / "run", [
+  last = evaluated_at(_trained(tmp_path / "run", [
       "objective.name=ar", "model.n_layers=2", "model.d_model=64", "model.head_dim=16",
       "model.d_ff=192", "data.seq_len=64", "train.batch_size=32", "train.steps=400",
       "train.eval_every=400", "train.log_every=400", "train.ckpt_every=400", "eval.prompts=100",
-      "eval.batches=1"]))
+      "eval.batches=1"]), 400)
   print(f"accuracy {last['eval_accuracy']:.3f}, chance {last['eval_chance']:.4f}")
   assert last["eval_accuracy"] >= 5 * last["eval_chance"] and last["eval_accuracy"] >= 0.1
 

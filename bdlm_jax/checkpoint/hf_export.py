@@ -18,12 +18,13 @@ import warnings
 
 import jax
 import numpy as np
+import safetensors
 import safetensors.numpy
 
 from bdlm_jax.checkpoint.hf_gemma4 import text_config
 from bdlm_jax.checkpoint.hf_import import INDEX_FILE, read_generation_config, read_hf_config
 from bdlm_jax.checkpoint.hf_names import get_path, hf_config, hf_model_type, tensor_map
-from bdlm_jax.checkpoint.manager import restore_state
+from bdlm_jax.checkpoint.manager import cause, restore_state
 from bdlm_jax.config import Config
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.objectives import get_objective
@@ -89,7 +90,10 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
   mode = _new_file_mode()
   for file, shard in zip(names, shards):
     path = os.path.join(out_dir, file)
-    safetensors.numpy.save_file(shard, path, metadata={"format": "pt"})
+    try:
+      safetensors.numpy.save_file(shard, path, metadata={"format": "pt"})
+    except safetensors.SafetensorError as e:  # a full disk, a file size limit: one line
+      raise OSError(f"writing {path} failed: {cause(e)}") from None
     os.chmod(path, mode)  # safetensors renames a private (0600) temporary file into place
   if len(shards) > 1:
     _write_json(os.path.join(out_dir, INDEX_FILE), {

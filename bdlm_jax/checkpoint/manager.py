@@ -92,12 +92,15 @@ class Checkpointer:
   local folder or a URL Orbax can write (`gs://bucket/run`)."""
 
   def __init__(self, workdir: epath.PathLike, cfg: Config, *, save_every: int,
-               max_to_keep: int, async_save: bool = True):
+               max_to_keep: int, async_save: bool = True, key_names: dict | None = None):
+    """`key_names`: what `cfg`'s keys are called in the config the user set, for messages
+    (a first stage's `train.steps` is `pretrain.steps`: `configure.PRETRAIN_NAMES`)."""
     if save_every < 1 or max_to_keep < 1:
       raise ConfigError(
           f"need save_every >= 1 and max_to_keep >= 1, got {save_every} and {max_to_keep}")
     self.workdir = workdir_path(workdir)
     self.cfg = cfg
+    self.key_names = key_names or {}
     self._tokenizer = _tokenizer_fingerprint(cfg)
     self._data = None  # read on the first save or check: readers need no data folder
     _check_writable(self.workdir)
@@ -119,6 +122,7 @@ class Checkpointer:
         state=ocp.StandardCheckpointHandler(), data=ocp.JsonCheckpointHandler(),
         config=ocp.JsonCheckpointHandler()))
     self._barriers = 0
+    self.restored_verified = False  # whether the last `restore` checked its step's checksums
     self._pending = None  # the step saving in the background, until `_finish_save`
     self._failed = False  # a failed save was raised: Orbax would raise it again on close
     self._orbax_errors = _OrbaxErrors()  # its threads' tracebacks: we raise one line instead
@@ -214,8 +218,10 @@ class Checkpointer:
         warnings.warn(f"checkpoint {self.step_dir(s)} has no {MANIFEST} (written before "
                       f"checkpoints recorded checksums, or its run stopped right after the "
                       f"save): restored unverified")
+      self.restored_verified = verified
       # An older step restored with the same arguments, so the newer ones are truly bad.
-      self._set_aside(failures + [(u, None) for u in self._uncommitted_steps()], s)
+      self.set_aside(failures + [(u, None) for u in self.uncommitted_steps()],
+                     f"restored {self.step_dir(s)} instead")
       return s, state, data_state
     raise CheckpointError(
         f"no checkpoint in {self.workdir} restores (if all fail alike, check the abstract "
@@ -249,7 +255,7 @@ class Checkpointer:
       kept = (f"the last committed checkpoint is {self.step_dir(latest)} (continue with "
               f"--resume)" if latest is not None else "there is no committed checkpoint")
       raise CheckpointError(f"saving checkpoint step {step} to {self.step_dir(step)} failed: "
-                            f"{_cause(e)}; stopped; {kept}") from None
+                            f"{cause(e)}; stopped; {kept}") from None
     if jax.process_index() == 0:
       write_manifest(self.step_dir(step))
 
@@ -282,21 +288,25 @@ class Checkpointer:
     return sorted((s for s in self._mngr.all_steps()
                    if (self.step_dir(s) / COMMIT_MARKER).exists()), reverse=True)
 
-  def _uncommitted_steps(self) -> list[int]:
+  def uncommitted_steps(self) -> list[int]:
+    """Step folders without the commit marker (saves that never finished, or copied in
+    part): never restored."""
     return sorted(set(self._mngr.all_steps()) - set(self._committed_steps()))
 
   def _restore_step(self, step: int, abstract_state: Any) -> tuple[Any, Any]:
     saved = self._mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-    _check_compatible(saved.config, self.cfg, self._tokenizer, self.step_dir(step))
+    _check_compatible(saved.config, self.cfg, self._tokenizer, self.step_dir(step),
+                      self.key_names)
     _check_structure(self._mngr.item_metadata(step).state, abstract_state,
                      self.step_dir(step))
     out = self._mngr.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
     return out.state, _decode_data_state(out.data)
 
-  def _set_aside(self, failures: list[tuple[int, Exception | None]], restored: int) -> None:
+  def set_aside(self, failures: list[tuple[int, Exception | None]], then: str) -> None:
     """Renames bad steps to `<step>.corrupt` (kept for inspection, invisible to Orbax), each
-    with one warning naming it, why, and the step restored instead."""
+    with one warning naming it, why (None: no commit marker), and `then`, what the run does
+    instead (restores an older step, starts from step 0)."""
     if not failures:
       return
     if jax.process_index() == 0:
@@ -308,11 +318,10 @@ class Checkpointer:
         why = f" ({_short(e)})" if e is not None else " (no commit marker)"
         try:
           src.rename(dst)
-          warnings.warn(f"checkpoint {src} is unusable{why}: moved to {dst}; restored "
-                        f"{self.step_dir(restored)} instead")
+          warnings.warn(f"checkpoint {src} is unusable{why}: moved to {dst}; {then}")
         except OSError as err:
           warnings.warn(f"checkpoint {src} is unusable{why}, and could not be moved aside "
-                        f"({err}); restored {self.step_dir(restored)} instead")
+                        f"({err}); {then}")
     self._barriers += 1
     ocp.multihost.sync_global_processes(f"bdlm_jax_checkpoint_set_aside_{self._barriers}")
     self._mngr.reload()
@@ -371,10 +380,11 @@ class _OrbaxErrors(logging.Filter):
     return False
 
 
-def _cause(e: Exception) -> str:
-  """What a failed write says in words: TensorStore's `[os_error_code='27']` is "File too
-  large", 28 "No space left on device"; else the first line of the error."""
-  code = re.search(r"os_error_code='?(\d+)", str(e))
+def cause(e: Exception) -> str:
+  """What a failed write says in words: TensorStore's `[os_error_code='27']` (safetensors'
+  `os error 27`) is "File too large", 28 "No space left on device"; else the first line of
+  the error."""
+  code = re.search(r"os[_ ]error(?:_code=)?'? ?(\d+)", str(e))
   return os.strerror(int(code.group(1))) if code else _short(e)
 
 
@@ -430,32 +440,55 @@ def _tokenizer_fingerprint(cfg: Config) -> str | None:
     return None
 
 
-def _check_compatible(saved: dict, cfg: Config, tokenizer: str | None, where: str) -> None:
-  """Raises ConfigError naming each setting the parameters depend on that changed."""
+def _check_compatible(saved: dict, cfg: Config, tokenizer: str | None, where: str,
+                      names: dict | None = None) -> None:
+  """Raises ConfigError naming each setting the parameters depend on that changed, and with
+  them the changes `trajectory_changes` would refuse next, so that one error names them all.
+  `names`: what the keys are called in the config the user set (`configure.PRETRAIN_NAMES`)."""
   now = cfg.to_dict()
   keys = [("model", k) for k in now["model"] if k not in RUNTIME_MODEL_KEYS]
-  keys += [("objective", "name"), ("objective", "block_size"), ("objective", "mask_token_id"),
-           ("data", "seq_len")]
+  keys += [("objective", "name"), ("objective", "mask_token_id"), ("data", "seq_len"),
+           ("drafter", "target")]  # a drafter's checkpoint holds its target's frozen weights
+  if not _autoregressive(saved, now):  # an ar model has no blocks
+    keys.append(("objective", "block_size"))
   missing = "<missing>"
-  diffs = [f"{a}.{b}={saved.get(a, {}).get(b, missing)!r}, current config has {now[a][b]!r}"
+  diffs = [_change(f"{a}.{b}", saved.get(a, {}).get(b, missing), now[a][b], names)
            for a, b in keys if saved.get(a, {}).get(b, missing) != now[a][b]]
   was = saved.get(TOKENIZER_KEY)  # absent from checkpoints that predate it
   if was and tokenizer and was != tokenizer:
     diffs.append(f"data.tokenizer={saved['data']['tokenizer']!r} (vocabulary {was}), current "
                  f"config has {cfg.data.tokenizer!r} (vocabulary {tokenizer})")
   if diffs:
-    raise ConfigError(f"checkpoint in {where} was written with " +
-                      "; ".join(diffs) + ". Resume with the same settings or use a new workdir.")
+    also = [c for c in trajectory_changes(saved, cfg, names) if c not in diffs]
+    raise ConfigError(
+        f"checkpoint in {where} was written with " + "; ".join(diffs) + ". Resume with the "
+        "same settings or use a new workdir." +
+        (" Also changed (refused unless --allow-changes): " + "; ".join(also) if also else ""))
 
 
-def trajectory_changes(saved: dict, cfg: Config) -> list[str]:
+def trajectory_changes(saved: dict, cfg: Config, names: dict | None = None) -> list[str]:
   """Each setting of `cfg` that differs from `saved` (a checkpoint's config) and changes what
-  a resumed run computes: every key but FREE_ON_RESUME's. train.steps is one, as the
-  learning-rate schedule spans it. Keys newer than the checkpoint are not compared."""
+  a resumed run computes: every key but FREE_ON_RESUME's (and, for an ar model, the block
+  and noise settings it never reads). train.steps is one, as the learning-rate schedule spans
+  it. Keys newer than the checkpoint are not compared. `names` as in `_check_compatible`."""
   was, now = _flat(saved), _flat(cfg.to_dict())
-  free = lambda key: any(key == k or key.startswith(f"{k}.") for k in FREE_ON_RESUME)
-  return [f"{key}={was[key]!r}, current config has {now[key]!r}"
-          for key in sorted(was.keys() & now.keys()) if was[key] != now[key] and not free(key)]
+  free = list(FREE_ON_RESUME)
+  if _autoregressive(saved, cfg.to_dict()):
+    free += [f"objective.{k}" for k in cfg.to_dict()["objective"]
+             if k not in ("name", "mask_token_id")]
+  is_free = lambda key: any(key == k or key.startswith(f"{k}.") for k in free)
+  return [_change(key, was[key], now[key], names)
+          for key in sorted(was.keys() & now.keys()) if was[key] != now[key] and not is_free(key)]
+
+
+def _autoregressive(saved: dict, now: dict) -> bool:
+  """Whether both configs train `ar`, which reads no block or noise setting."""
+  return saved.get("objective", {}).get("name") == now["objective"]["name"] == "ar"
+
+
+def _change(key: str, was: Any, now: Any, names: dict | None) -> str:
+  """"key=was, current config has now", the key named as the user sets it."""
+  return f"{(names or {}).get(key, key)}={was!r}, current config has {now!r}"
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

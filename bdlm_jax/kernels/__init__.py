@@ -18,6 +18,15 @@ def get_kernel(name: str):
   raise ConfigError(f"unknown model.attention_impl {name!r}; valid: 'xla', 'pallas', 'splash'")
 
 
+COMPILED_ON = {"pallas": "gpu", "splash": "tpu"}  # the backend each Pallas kernel compiles for
+
+
+def interpreted(name: str, backend: str) -> bool:
+  """Whether kernel `name` runs in Pallas' interpret mode on `backend` (jax's default): a
+  correctness path, much slower than compiled code."""
+  return name in COMPILED_ON and COMPILED_ON[name] != backend
+
+
 def with_windows(attend, block_size: int):
   """The model's `attend(q, k, v, q_meta, k_meta, window=None)` from a kernel's `attend` over
   one device's rows: a local layer's window W becomes its queries' window starts."""
@@ -28,4 +37,4 @@ def with_windows(attend, block_size: int):
   return attend_layer
 
 
-__all__ = ["get_kernel", "with_windows", "RowMeta", "allowed", "NOISY", "CLEAN", "xla"]
+__all__ = ["get_kernel", "interpreted", "with_windows", "RowMeta", "allowed", "NOISY", "CLEAN", "xla"]

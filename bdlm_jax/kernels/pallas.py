@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from bdlm_jax.errors import ConfigError
-from bdlm_jax.kernels import residuals
+from bdlm_jax.kernels import interpreted, residuals
 from bdlm_jax.kernels.mask import RowMeta, allowed
 from bdlm_jax.kernels.tiles import pad_meta, tile_kinds, tile_list
 from bdlm_jax.kernels.xla import NEG_INF, merge
@@ -66,7 +66,7 @@ def default_tiles(dtype, interpret: bool) -> Tiles:
 
 def interpret_mode() -> bool:
   """Pallas runs interpreted unless the default backend is a GPU."""
-  return jax.default_backend() != "gpu"
+  return interpreted("pallas", jax.default_backend())
 
 
 def _check(q, k, v, interpret: bool):

@@ -387,3 +387,26 @@ def test_the_sibling_reads_of_a_failed_restore_are_not_reported_but_other_errors
   finally:
     read.close()
   assert reported == ["something else"]
+
+
+def test_what_the_parameters_depend_on_is_named_at_once_and_ar_has_no_blocks():
+  """Issue items 6 and 7: a drafter's target is part of its checkpoint (before, mode=eval
+  silently used the saved one); an ar model reads no block size, so changing it is free
+  (before, refused even with --allow-changes); every changed key is named in one error."""
+  from bdlm_jax.checkpoint.manager import _check_compatible
+  from bdlm_jax.configure import PRETRAIN_NAMES, load_config
+  config = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.py")
+  saved = load_config(config, ["objective.name=ar"])
+  now = load_config(config, ["objective.name=ar", "objective.block_size=8"])
+  _check_compatible(saved.to_dict(), now, None, "w")
+  assert trajectory_changes(saved.to_dict(), now) == []
+  now = load_config(config, ["objective.name=ar", "model.d_model=64", "train.lr=0.1"])
+  with pytest.raises(ConfigError, match=r"model.d_model=128, current config has 64\. Resume .* "
+                                        r"Also changed .*: pretrain.lr=0.001, current config "
+                                        r"has 0.1"):
+    _check_compatible(saved.to_dict(), now, None, "w", PRETRAIN_NAMES)
+  drafter = saved.to_dict()
+  drafter["drafter"]["target"] = "runs/other_target"
+  with pytest.raises(ConfigError, match="drafter.target='runs/other_target', current config has "
+                                        "''"):
+    _check_compatible(drafter, saved, None, "w")
