@@ -312,9 +312,13 @@ def export_stage(first: Config, folder: str, hf: str) -> None:
   """Exports step `train.steps` of a first stage, and only that step, to `hf`: written in a
   temporary folder with `EXPORTED_FROM` and checksums (`write_manifest`), then renamed, so
   that an `hf` folder present is whole."""
-  tmp = f"{hf}.tmp"
+  step, tmp = first.train.steps, f"{hf}.tmp"
+  if (latest := _latest_step(first, folder)) != step:
+    raise CheckpointError(
+        f"stage 1 ended with no checkpoint of its last step {step} (its state was not judged "
+        f"good: see the warning above; latest {latest}): it is not exported, and stage 2 does "
+        f"not start")
   shutil.rmtree(tmp, ignore_errors=True)
-  step = first.train.steps
   export_checkpoint(replace(first, export=dict(out_dir=tmp, checkpoint_step=step)), folder)
   with open(os.path.join(tmp, EXPORTED_FROM), "w") as f:
     json.dump(dict(step=step, objective=first.objective.name), f)

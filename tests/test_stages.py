@@ -300,3 +300,17 @@ def test_export_under_a_file_size_limit_is_one_line(four_steps, tmp_path, capsys
   line = error_line(capsys)
   assert code == 2
   assert line == f"error: writing {out}/model.safetensors failed: File too large", line
+
+
+def test_a_stage_1_without_a_checkpoint_of_its_last_step_is_not_exported(stopped_at_2):
+  """Its last state was not judged good (a spike: docs/usage.md, Resume), so no checkpoint
+  holds step pretrain.steps: the export refuses in one line rather than export step 2."""
+  from bdlm_jax.checkpoint import CheckpointError
+  from bdlm_jax.configure import pretrain_stage
+  from bdlm_jax.loop import export_stage
+  first = pretrain_stage(load_config(TWO_STAGES, STAGED))
+  hf = stopped_at_2 / "pretrain" / "hf"
+  with pytest.raises(CheckpointError, match="stage 1 ended with no checkpoint of its last step 4 "
+                                            r".*latest 2\): it is not exported"):
+    export_stage(first, str(stopped_at_2 / "pretrain"), str(hf))
+  assert not hf.exists()
