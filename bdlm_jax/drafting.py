@@ -20,7 +20,7 @@ from bdlm_jax.spec import resolve
 
 
 def draft_proposals(params, cfg: Config, tokens, segment_ids=None, protected=None,
-                    selector: bool | None = None):
+                    selector: bool | None = None, context=None):
   """(int [S, A, B - 1] proposals for slots 1..B-1 of each anchor's block, the `Batch` of
   its logical rows), on one device, at the anchors `make_batch` draws for `tokens` without a
   key (seeded by the tokens: the same every call).
@@ -28,14 +28,15 @@ def draft_proposals(params, cfg: Config, tokens, segment_ids=None, protected=Non
   `selector` (default: when the drafter has one, `objective.selector_rank` > 0) decodes
   each block left to right with the selector over the head's top `objective.selector_top_k`
   (the seed's `CandidateSelector.greedy_path`, dflash2.py ~450-470; the anchor token is the
-  first predecessor); without it, each slot takes the head's argmax."""
+  first predecessor); without it, each slot takes the head's argmax. `context`: the target's
+  features [S, L, K, D] where the drafter reads them precomputed (`drafter.features`)."""
   o = cfg.objective
   selector = bool(o.selector_rank) if selector is None else selector
   if selector and not o.selector_rank:
     raise ConfigError("draft_proposals(selector=True) needs a drafter with a candidate "
                       "selector (objective.selector_rank > 0)")
   one = replace(cfg, parallel=dict(strategy=SINGLE_DEVICE, seq=1, data=1, fsdp=1))
-  batch = make_batch(one, np.asarray(tokens), segment_ids, protected)
+  batch = make_batch(one, np.asarray(tokens), segment_ids, protected, context)
   spec = resolve(one)
   s, b = batch.tokens.shape[0], o.block_size
 

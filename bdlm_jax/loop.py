@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from bdlm_jax.checkpoint import CheckpointError, Checkpointer
 from bdlm_jax.checkpoint.manager import trajectory_changes, workdir_path
+from bdlm_jax.checkpoint.hf_drafter import load_drafter
 from bdlm_jax.checkpoint.hf_export import export_checkpoint
 from bdlm_jax.checkpoint.hf_import import params_from_hf
 from bdlm_jax.checkpoint.target import load_target
@@ -24,7 +25,7 @@ from bdlm_jax.errors import ConfigError
 from bdlm_jax.evaluate import HeldOut
 from bdlm_jax.feed import Feed
 from bdlm_jax.metrics import MetricsWriter, model_flops_per_step, peak_flops, peak_memory_bytes
-from bdlm_jax.models.drafter import FROZEN
+from bdlm_jax.models.drafter import FROZEN, TRAINED
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.params import init_params
 from bdlm_jax.parallel.experts import check_dispatch_runs_here
@@ -165,6 +166,8 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
     else:
       if get_objective(cfg.objective.name).DRAFTER:  # a fresh drafter, its target's weights
         params = dict(init_params(cfg, init_key, mesh), **{FROZEN: load_target(cfg, mesh)})
+        if cfg.drafter.init_from:  # a published drafter, fine-tuned
+          params[TRAINED] = load_drafter(cfg, params[TRAINED])
       else:
         params = params_from_hf(cfg, mesh) if cfg.init_from else None  # AR -> BDLM conversion
       start, state = 0, init_state(cfg, init_key, mesh, params)

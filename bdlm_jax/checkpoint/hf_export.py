@@ -125,12 +125,16 @@ def export_checkpoint(cfg: Config, workdir: str) -> tuple[int, str]:
   `workdir` -> `export.out_dir`; returns (step, out_dir)."""
   if not cfg.export.out_dir:
     raise ConfigError("mode=export needs export.out_dir, e.g. --set export.out_dir=runs/hf")
-  if get_objective(cfg.objective.name).DRAFTER:
-    raise ConfigError("mode=export writes a causal LM; a drafter (objective=dflash) is not "
-                      "one: its weights are in the checkpoint's params['drafter']")
+  drafter = get_objective(cfg.objective.name).DRAFTER
+  if drafter:  # the served DFlash2 folder (checkpoint/hf_drafter.py)
+    from bdlm_jax.checkpoint.hf_drafter import check_servable, export_drafter
+    check_servable(cfg)
   check_out_dir(cfg.export.out_dir, cfg.export.overwrite)  # before the restore, which may be long
   step, state = restore_state(cfg, workdir, make_mesh(cfg), cfg.export.checkpoint_step)
-  export_hf(state.params, cfg, cfg.export.out_dir)
+  if drafter:
+    export_drafter(state.params, cfg, cfg.export.out_dir, step, workdir)
+  else:
+    export_hf(state.params, cfg, cfg.export.out_dir)
   return step, cfg.export.out_dir
 
 
