@@ -277,3 +277,29 @@ def test_root_target_layer_ids_are_the_seeds_canonical_ones(tmp_path):
   folder.mkdir()
   (folder / CONFIG_FILE).write_text(json.dumps({**SEED_CONFIG, "target_layer_ids": [2, 3]}))
   assert replace(_cfg(), drafter=dict(init_from=str(folder))).drafter.target_layers == "1,2"
+
+
+def test_run_export_writes_a_drafter_run_and_init_from_reads_it_back(tmp_path):
+  """`run.py --set mode=export` on a drafter's workdir writes the served folder, which the
+  seed's gate accepts and `drafter.init_from` reads back: the same drafter, the same weights."""
+  import run
+  from bdlm_jax.checkpoint import Checkpointer
+  from bdlm_jax.models.drafter import drafter_args
+  from bdlm_jax.parallel.mesh import make_mesh
+  from bdlm_jax.train import init_state
+  cfg = _cfg()
+  params = _params(cfg)
+  config_file = tmp_path / "cfg.py"
+  config_file.write_text(f"def get_config():\n  return {cfg.to_dict()!r}\n")
+  workdir, out = str(tmp_path / "work"), str(tmp_path / "served")
+  with Checkpointer(workdir, cfg, save_every=1, max_to_keep=1, async_save=False) as ckpt:
+    ckpt.save(3, init_state(cfg, jax.random.key(0), make_mesh(cfg), params))
+  assert run.main(["--config", str(config_file), "--workdir", workdir, "--set", "mode=export",
+                   "--set", f"export.out_dir={out}"]) == 0
+  executor.validate_sglang_dflash2_export(out, expected_block_size=B)
+  back = replace(cfg, drafter=dict(init_from=out))
+  assert drafter_args(back) == drafter_args(cfg)
+  assert (back.objective, back.model) == (cfg.objective, cfg.model)
+  assert back.drafter.target_layers == LAYERS
+  loaded = load_drafter(back, init_params(back, jax.random.key(5))["drafter"])
+  jax.tree.map(np.testing.assert_array_equal, loaded, params["drafter"])
