@@ -30,24 +30,30 @@ def draft_proposals(params, cfg: Config, tokens, segment_ids=None, protected=Non
   (the seed's `CandidateSelector.greedy_path`, dflash2.py ~450-470; the anchor token is the
   first predecessor); without it, each slot takes the head's argmax. `context`: the target's
   features [S, L, K, D] where the drafter reads them precomputed (`drafter.features`)."""
+  one = replace(cfg, parallel=dict(strategy=SINGLE_DEVICE, seq=1, data=1, fsdp=1))
+  batch = make_batch(one, np.asarray(tokens), segment_ids, protected, context)
+  return proposer(one, selector)(params, batch), batch
+
+
+def proposer(cfg: Config, selector: bool | None = None):
+  """The jitted `(params, batch) -> int [S, A, B - 1]` of `draft_proposals`, for a
+  single-device `cfg` and batches of its layout (built once, called per batch)."""
   o = cfg.objective
   selector = bool(o.selector_rank) if selector is None else selector
   if selector and not o.selector_rank:
     raise ConfigError("draft_proposals(selector=True) needs a drafter with a candidate "
                       "selector (objective.selector_rank > 0)")
-  one = replace(cfg, parallel=dict(strategy=SINGLE_DEVICE, seq=1, data=1, fsdp=1))
-  batch = make_batch(one, np.asarray(tokens), segment_ids, protected, context)
-  spec = resolve(one)
-  s, b = batch.tokens.shape[0], o.block_size
+  spec, b = resolve(cfg), o.block_size
 
   @jax.jit
   def run(params, batch):
-    model = merge(one, params)
-    batch, inputs, _, _ = spec.objective.corrupt(None, batch, one)
+    s = batch.tokens.shape[0]
+    model = merge(cfg, params)
+    batch, inputs, _, _ = spec.objective.corrupt(None, batch, cfg)
     hidden, _, _ = spec.objective.hidden(spec, model, batch, inputs, None)
     h_SABD = hidden.reshape(s, -1, b, hidden.shape[-1])[:, :, 1:]
-    logits = head_logits(model.head, h_SABD, one.model.logit_softcap,
-                         one.model.output_multiplier)
+    logits = head_logits(model.head, h_SABD, cfg.model.logit_softcap,
+                         cfg.model.output_multiplier)
     if not selector:
       return jnp.argmax(logits, -1)
     unary, ids = jax.lax.top_k(logits, o.selector_top_k)
@@ -57,4 +63,4 @@ def draft_proposals(params, cfg: Config, tokens, segment_ids=None, protected=Non
                                               flat(unary))
     return path.reshape(s, -1, b - 1)
 
-  return run(params, batch), batch
+  return run
