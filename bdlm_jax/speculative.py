@@ -67,7 +67,8 @@ class Speculator:
     one = replace(cfg, parallel=dict(strategy=SINGLE_DEVICE, seq=1, data=1, fsdp=1))
     self.cfg, self.length = one, one.data.seq_len
     self.block = one.objective.block_size
-    self.reader = replace(one, drafter=dict(features=IN_MEMORY))  # the drafter, fed features
+    self.reader = replace(one, drafter=dict(features=IN_MEMORY),  # the drafter, fed features
+                          train=dict(eval_every=0))
     self.causal = replace(one, objective=dict(name="ar"))  # the target alone
     self.target_params = params[FROZEN]
     self.draft_params = {TRAINED: params[TRAINED], FROZEN: shared_weights(params[FROZEN])}
@@ -134,3 +135,33 @@ class Speculator:
       tokens += proposed[:kept] + [int(next_ids[n - 1 + kept])]
       accepted.append(kept)
     return Decoded(tokens[len(prompt):len(prompt) + max_new_tokens], forwards, accepted)
+
+
+def sample_checkpoint(cfg: Config, workdir: str) -> tuple[int, str, str]:
+  """mode=sample for a drafter run: (step, prompt, completion) of `sample.prompt` (or the
+  text of `sample.prompt_file`) decoded speculatively with checkpoint
+  `sample.checkpoint_step` of `workdir` and its target, greedy, up to the first EOS; the
+  acceptance is printed to stderr."""
+  import sys
+  from bdlm_jax.checkpoint import restore_state
+  from bdlm_jax.parallel.mesh import make_mesh, to_host
+  from bdlm_jax.sample import checked_tokenizer, stop_ids
+  o = cfg.sample
+  if bool(o.prompt) == bool(o.prompt_file) or o.temperature:
+    raise ConfigError("mode=sample with a drafter decodes greedily (sample.temperature=0) "
+                      "from exactly one of sample.prompt or sample.prompt_file")
+  if o.prompt_file:
+    with open(o.prompt_file, encoding="utf-8") as f:
+      prompt = f.read()
+  else:
+    prompt = o.prompt
+  tokenizer = checked_tokenizer(cfg)
+  step, state = restore_state(cfg, workdir, make_mesh(cfg), o.checkpoint_step)
+  params = jax.tree.map(to_host, state.params)
+  out = Speculator(params, cfg).decode(tokenizer.encode(prompt), o.max_new_tokens)
+  stops = [i for i, t in enumerate(out.tokens) if t in stop_ids(cfg)]
+  tokens = out.tokens[:stops[0] + 1] if stops else out.tokens
+  print(f"speculative decoding: tau {out.acceptance_length:.3f} (kept proposals + the "
+        f"target's token a verification), {out.tokens_per_forward:.3f} tokens per target "
+        f"forward ({len(out.tokens)} tokens, {out.target_forwards} forwards)", file=sys.stderr)
+  return step, prompt, tokenizer.decode(tokens)
