@@ -1,8 +1,8 @@
 """A drafter's proposals (docs/dflash.md): the tokens it offers its target at each anchor,
 greedy from the head, or through DFlash2's candidate selector (`models/selector.py`).
 
-A drafter does not generate alone (`sample` refuses it): speculative decoding runs its
-proposals past the target, which `experiments/dflash_tau.py` measures as acceptance length.
+A drafter does not generate alone: speculative decoding (`bdlm_jax/speculative.py`) runs its
+proposals past the target, and `experiments/dflash_tau.py` measures their acceptance length.
 """
 
 import jax

@@ -5,7 +5,6 @@ chosen slot (so every acceptance length is taken); the forwards counted are thos
 
 import functools
 
-import jax
 import pytest
 
 from bdlm_jax import ConfigError

@@ -22,8 +22,8 @@ import jax
 import numpy as np
 import safetensors.numpy
 
-from bdlm_jax.checkpoint.hf_export import _write_json, check_out_dir
 from bdlm_jax.checkpoint.hf_names import get_path, set_path
+from bdlm_jax.checkpoint.out_dir import check_out_dir, write_json
 from bdlm_jax.config import Config
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.models.drafter import TRAINED, drafter_model, target_layer_ids
@@ -152,8 +152,8 @@ def export_drafter(params, cfg: Config, out_dir: str, step: int, source: str = "
     raise ConfigError(f"export.out_dir={out_dir!r} cannot be created: {e}") from e
   weights = os.path.join(out_dir, WEIGHTS_FILE)
   safetensors.numpy.save_file(tensors, weights)
-  _write_json(os.path.join(out_dir, CONFIG_FILE), served_config(cfg))
-  _write_json(os.path.join(out_dir, PROVENANCE_FILE), dict(
+  write_json(os.path.join(out_dir, CONFIG_FILE), served_config(cfg))
+  write_json(os.path.join(out_dir, PROVENANCE_FILE), dict(
       format=PROVENANCE_FORMAT, verifier_id=cfg.drafter.target, checkpoint=source, checkpoint_step=step,
       weights=dict(path=WEIGHTS_FILE, bytes=os.path.getsize(weights), sha256=_sha256(weights),
                    tensor_count=len(tensors))))
