@@ -18,14 +18,14 @@ batch is abstract.
 
 Features from disk (the seed's `target_features: offline`): `drafter.features` names a folder
 in the layout of bdlm_jax/data/features.py (tokens, segment ids, protected flags and the
-verifier's hidden states at the outputs of its layers 1, 13, 25, 37, 49 of every position, bf16: 1M x 5 x 6656 x
-2 B = 70 GB a sequence), as experiments/dflash_features.py writes it (that script runs the
-verifier through this package, so only for a verifier it can import). The step
-reads them from the batch (`Batch.context`, each rank its own context rows), the verifier's
-layers are neither loaded nor run (`params.py`: the target keeps only the embedding, final
-norm and LM head the drafter shares), so nothing of the target's forward is in the step. To
-train, point `drafter.target` at the verifier's Hugging Face folder (for that embedding and
-head) and `drafter.features` at the folder.
+verifier's hidden states, the outputs of its layers 1, 13, 25, 37, 49, of every position,
+bf16: 1M x 5 x 6656 x 2 B = 70 GB a sequence), as experiments/dflash_features.py writes it
+(that script runs the verifier through this package, so only for a verifier it can import).
+The step reads them from the batch (`Batch.context`, each rank its own context rows), the
+verifier's layers are neither loaded nor run (`params.py`: the target keeps only the
+embedding, final norm and LM head the drafter shares), so nothing of the target's forward is
+in the step. To train, point `drafter.target` at the verifier's Hugging Face folder (for that
+embedding and head) and `drafter.features` at the folder.
 
 Context pruning as the seed's: each rank keeps only the context rows inside the union of the
 anchors' windows, each cut at its document's start (`drafter.kept_context_rows` of its
@@ -56,7 +56,8 @@ from bdlm_jax.config import (Config, DataConfig, DrafterConfig, ModelConfig, Obj
 
 # The verifier (the frozen target): only its width, vocabulary and head matter here (its layers
 # are replaced by the features); its depth need only reach layer 49 (RECIPE line 13's
-# canonical id 50, see `target_layers`), and its d_ff is unused. Width 6656: the drafter's `fc` maps 5 x 6656 = 33,280 -> 6,656 (CKPT).
+# canonical id 50, see `target_layers`), and its d_ff is unused. Width 6656: the drafter's
+# `fc` maps 5 x 6656 = 33,280 -> 6,656 (CKPT).
 MUSE_GLIMMER_30B = dict(
     vocab_size=202048,  # CKPT: vocabulary 202,048
     d_model=6656,  # CKPT: H 6656 (and fc 33,280 = 5 target layers x 6656)

@@ -54,4 +54,4 @@ def test_each_verification_keeps_the_agreeing_prefix_and_the_targets_token(right
 def test_a_run_on_precomputed_features_cannot_decode():
   cfg = replace(_cfg2(), drafter=dict(features="precomputed"))
   with pytest.raises(ConfigError, match="drafter.features"):
-    Speculator(_params(cfg), cfg)
+    Speculator({}, cfg)  # refused before its weights are read

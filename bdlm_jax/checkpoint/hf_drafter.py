@@ -154,7 +154,8 @@ def export_drafter(params, cfg: Config, out_dir: str, step: int, source: str = "
   safetensors.numpy.save_file(tensors, weights)
   write_json(os.path.join(out_dir, CONFIG_FILE), served_config(cfg))
   write_json(os.path.join(out_dir, PROVENANCE_FILE), dict(
-      format=PROVENANCE_FORMAT, verifier_id=cfg.drafter.target, checkpoint=source, checkpoint_step=step,
+      format=PROVENANCE_FORMAT, verifier_id=cfg.drafter.target, checkpoint=source,
+      checkpoint_step=step,
       weights=dict(path=WEIGHTS_FILE, bytes=os.path.getsize(weights), sha256=_sha256(weights),
                    tensor_count=len(tensors))))
 
