@@ -164,13 +164,7 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
       _check_same_run(ckpt, start, cfg, allow_changes)
       data.set_state(data_state)
     else:
-      if get_objective(cfg.objective.name).DRAFTER:  # a fresh drafter, its target's weights
-        params = dict(init_params(cfg, init_key, mesh), **{FROZEN: load_target(cfg, mesh)})
-        if cfg.drafter.init_from:  # a published drafter, fine-tuned
-          params[TRAINED] = load_drafter(cfg, params[TRAINED])
-      else:
-        params = params_from_hf(cfg, mesh) if cfg.init_from else None  # AR -> BDLM conversion
-      start, state = 0, init_state(cfg, init_key, mesh, params)
+      start, state = 0, init_state(cfg, init_key, mesh, starting_params(cfg, init_key, mesh))
     train_step = make_train_step(cfg, mesh)
     held_out = HeldOut(cfg, mesh) if cfg.train.eval_every else None
     writer = MetricsWriter(ckpt.workdir, start)
@@ -329,6 +323,18 @@ def _check_same_run(ckpt: Checkpointer, step: int, cfg: Config, allow_changes: b
         "run from here on (its learning-rate schedule, batches or data): resume with the "
         "run's settings, or pass --allow-changes to resume with the new ones")
   warnings.warn(f"resuming {where} with changed settings: " + "; ".join(changes))
+
+
+def starting_params(cfg: Config, key, mesh):
+  """A fresh run's weights where they do not come from `key`: a drafter's target (and with
+  `drafter.init_from` the published drafter it fine-tunes), a conversion's Hugging Face
+  model (`init_from`); None where all of them do."""
+  if get_objective(cfg.objective.name).DRAFTER:
+    params = dict(init_params(cfg, key, mesh), **{FROZEN: load_target(cfg, mesh)})
+    if cfg.drafter.init_from:
+      params[TRAINED] = load_drafter(cfg, params[TRAINED])
+    return params
+  return params_from_hf(cfg, mesh) if cfg.init_from else None  # AR -> BDLM conversion
 
 
 def default_workdir(config_path: str) -> str:

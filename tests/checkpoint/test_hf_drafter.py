@@ -303,3 +303,22 @@ def test_run_export_writes_a_drafter_run_and_init_from_reads_it_back(tmp_path):
   assert back.drafter.target_layers == LAYERS
   loaded = load_drafter(back, init_params(back, jax.random.key(5))["drafter"])
   jax.tree.map(np.testing.assert_array_equal, loaded, params["drafter"])
+
+
+@pytest.mark.slow  # the cheap sibling: test_run_export_writes_..._reads_it_back
+def test_a_run_from_a_served_drafter_starts_from_its_weights(tmp_path):
+  """What `train` starts a fresh drafter run from (`loop.starting_params`): the served
+  drafter's weights beside the target `drafter.target` names (a Hugging Face folder, so a
+  target without the multiplier and soft cap no family expresses)."""
+  from bdlm_jax import export_hf, make_mesh
+  from bdlm_jax.loop import starting_params
+  cfg = replace(_cfg(), model=dict(output_multiplier=1.0, logit_softcap=0.0),
+                drafter=dict(features=""))
+  params = _params(cfg)
+  folder, hf = str(tmp_path / "served"), str(tmp_path / "target")
+  export_drafter(params, cfg, folder, step=1)
+  export_hf(params["target"], replace(cfg, objective=dict(name="bd3lm")), hf)
+  run = replace(cfg, drafter=dict(init_from=folder, target=hf))
+  start = starting_params(run, jax.random.key(9), make_mesh(run))
+  jax.tree.map(np.testing.assert_array_equal, start["drafter"], params["drafter"])
+  jax.tree.map(np.testing.assert_array_equal, start["target"], params["target"])
