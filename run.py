@@ -49,6 +49,7 @@ def main(argv=None) -> int:
   from bdlm_jax.checkpoint import CheckpointError
   from bdlm_jax.data import DataError
   from bdlm_jax.loop import BadStepsError, default_workdir, say_interpreted, train
+  from bdlm_jax.objectives import get_objective
   from bdlm_jax.parallel.experts import check_dispatch_runs_here
   workdir = args.workdir or default_workdir(args.config)
   try:
@@ -72,7 +73,10 @@ def main(argv=None) -> int:
         print(json.dumps(dict(step=step, **metrics)))
       return 0
     if cfg.mode == "sample":
-      from bdlm_jax.sample import sample_checkpoint
+      if get_objective(cfg.objective.name).DRAFTER:  # drafted, verified by its target
+        from bdlm_jax.speculative import sample_checkpoint
+      else:
+        from bdlm_jax.sample import sample_checkpoint
       step, prompt, completion = sample_checkpoint(cfg, workdir)
       print(f"step {step} of {workdir}; prompt {prompt!r}; completion:", file=sys.stderr)
       print(completion)

@@ -408,6 +408,11 @@ class DrafterConfig(Section):
   `model.*` describes (docs/dflash.md). The drafter shares the target's embedding and
   LM head (so its width is the target's d_model); 0 widths take the target's."""
   target: str = ""  # the frozen target: a Hugging Face folder or a workdir of ours
+  # A served DFlash2 drafter folder (config.json + model.safetensors, as mode=export writes
+  # and SGLang / vLLM serve; docs/train_dflash.md): a fresh run starts from its weights, and
+  # its settings (layers, widths, target layers, block size, mask token, convolutions,
+  # selector, window, causality, output multiplier, soft cap) replace the config's at load.
+  init_from: str = ""
   n_layers: int = 1
   n_heads: int = 0
   n_kv_heads: int = 0

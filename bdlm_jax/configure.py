@@ -84,16 +84,27 @@ def pretrain_stage(cfg: Config) -> Config:
 
 def override(cfg: Config, overrides: Iterable[str] = ()) -> Config:
   """Returns a copy of `cfg` with `a.b=c` overrides applied and validated."""
-  out = apply_overrides(cfg, overrides)
+  out = _with_served_drafter(apply_overrides(cfg, overrides))
   validate(out)
   return out
 
 
 def replace(cfg: Config, **sections: dict) -> Config:
   """Functional update by section, validated: replace(cfg, model=dict(n_layers=4))."""
-  out = updated(cfg, **sections)
+  out = _with_served_drafter(updated(cfg, **sections))
   validate(out)
   return out
+
+
+def _with_served_drafter(cfg: Config) -> Config:
+  """`cfg` with the settings of the served drafter `drafter.init_from` names, if any."""
+  if not cfg.drafter.init_from:
+    return cfg
+  if not objectives.get_objective(cfg.objective.name).DRAFTER:
+    raise ConfigError(f"drafter.init_from={cfg.drafter.init_from!r} starts a drafter; "
+                      f"objective={cfg.objective.name!r} trains none")
+  from bdlm_jax.checkpoint.hf_drafter import served_settings
+  return updated(cfg, **served_settings(cfg))
 
 
 def load_config(path: str, overrides: Iterable[str] = ()) -> Config:

@@ -20,6 +20,7 @@ from bdlm_jax.checkpoint import CheckpointError, Checkpointer
 from bdlm_jax.checkpoint.manager import (COMMIT_MARKER, MANIFEST, DamagedCheckpoint,
                                          trajectory_changes, verify_manifest, workdir_path,
                                          write_manifest)
+from bdlm_jax.checkpoint.hf_drafter import load_drafter
 from bdlm_jax.checkpoint.hf_export import export_checkpoint
 from bdlm_jax.checkpoint.hf_names import hf_model_type
 from bdlm_jax.checkpoint.hf_import import params_from_hf
@@ -31,7 +32,7 @@ from bdlm_jax.evaluate import HeldOut
 from bdlm_jax.feed import Feed
 from bdlm_jax.kernels import COMPILED_ON, interpreted
 from bdlm_jax.metrics import MetricsWriter, model_flops_per_step, peak_flops, peak_memory_bytes
-from bdlm_jax.models.drafter import FROZEN
+from bdlm_jax.models.drafter import FROZEN, TRAINED
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.params import init_params
 from bdlm_jax.parallel.experts import check_dispatch_runs_here
@@ -182,11 +183,7 @@ def train(cfg: Config, workdir: str, resume: bool | str = False, progress: bool 
       good = start if ckpt.restored_verified else None
       data.set_state(data_state)
     else:
-      if get_objective(cfg.objective.name).DRAFTER:  # a fresh drafter, its target's weights
-        params = dict(init_params(cfg, init_key, mesh), **{FROZEN: load_target(cfg, mesh)})
-      else:
-        params = params_from_hf(cfg, mesh) if cfg.init_from else None  # AR -> BDLM conversion
-      start, state = 0, init_state(cfg, init_key, mesh, params)
+      start, state = 0, init_state(cfg, init_key, mesh, starting_params(cfg, init_key, mesh))
     train_step = make_train_step(cfg, mesh)
     held_out = HeldOut(cfg, mesh) if cfg.train.eval_every else None
     writer = MetricsWriter(ckpt.workdir, start)
@@ -389,9 +386,9 @@ def _check_not_past_the_end(ckpt: Checkpointer, start: int, cfg: Config) -> None
     name = ckpt.key_names.get("train.steps", "train.steps")
     was = ckpt.saved_config(start)["train"]["steps"]
     raise ConfigError(
-        f"{name}={cfg.train.steps} is below the step {ckpt.step_dir(start)} reached ({start}, "
-        f"of a {was}-step schedule): the run cannot end at {cfg.train.steps}; set {name}={was} "
-        f"(as trained), or at least {start} with --allow-changes")
+        f"{name}={cfg.train.steps} is below the step {ckpt.step_dir(start)} reached ({start} "
+        f"of a schedule of {was} steps): the run cannot end at {cfg.train.steps}; set "
+        f"{name}={was} (as trained), or at least {start} with --allow-changes")
 
 
 def _last_good(ckpt: Checkpointer, good: int | None, start: int) -> str:
@@ -460,6 +457,18 @@ def _check_same_run(ckpt: Checkpointer, step: int, cfg: Config, allow_changes: b
         "run from here on (its learning-rate schedule, batches or data): resume with the "
         "run's settings, or pass --allow-changes to resume with the new ones")
   warnings.warn(f"resuming {where} with changed settings: " + "; ".join(changes))
+
+
+def starting_params(cfg: Config, key, mesh):
+  """A fresh run's weights where they do not come from `key`: a drafter's target (and with
+  `drafter.init_from` the published drafter it fine-tunes), a conversion's Hugging Face
+  model (`init_from`); None where all of them do."""
+  if get_objective(cfg.objective.name).DRAFTER:
+    params = dict(init_params(cfg, key, mesh), **{FROZEN: load_target(cfg, mesh)})
+    if cfg.drafter.init_from:
+      params[TRAINED] = load_drafter(cfg, params[TRAINED])
+    return params
+  return params_from_hf(cfg, mesh) if cfg.init_from else None  # AR -> BDLM conversion
 
 
 def default_workdir(config_path: str) -> str:

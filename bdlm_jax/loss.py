@@ -216,15 +216,16 @@ def canvas_logits(params, cfg: Config, prompt_tokens, canvas_tokens,
   return model.logits(hidden[:, t:])
 
 
-def draft_logits(params, cfg: Config, tokens, segment_ids=None, protected=None):
+def draft_logits(params, cfg: Config, tokens, segment_ids=None, protected=None, context=None):
   """A drafter's float32 logits at its draft rows, [S, A, B, vocab], and the `Batch` of its
   logical rows (`[draft ; context]`; draft row j*B + k is slot k of anchor j), on one device.
 
   For evaluation (acceptance length): the anchors are drawn from the tokens (`make_batch`
   without a key), the same every call. `tokens` are logical [S, L], concrete (the layout is
-  built on the host)."""
+  built on the host); `context`: the target's features [S, L, K, D] where the drafter reads
+  them precomputed (`drafter.features`)."""
   one = replace(cfg, parallel=dict(strategy=SINGLE_DEVICE, seq=1, data=1, fsdp=1))
-  batch = make_batch(one, np.asarray(tokens), segment_ids, protected)
+  batch = make_batch(one, np.asarray(tokens), segment_ids, protected, context)
   spec = resolve(one)
 
   @jax.jit

@@ -18,14 +18,14 @@ batch is abstract.
 
 Features from disk (the seed's `target_features: offline`): `drafter.features` names a folder
 in the layout of bdlm_jax/data/features.py (tokens, segment ids, protected flags and the
-verifier's hidden states at layers 2, 14, 26, 38, 50 of every position, bf16: 1M x 5 x 6656 x
-2 B = 70 GB a sequence), as experiments/dflash_features.py writes it (that script runs the
-verifier through this package, so only for a verifier it can import). The step
-reads them from the batch (`Batch.context`, each rank its own context rows), the verifier's
-layers are neither loaded nor run (`params.py`: the target keeps only the embedding, final
-norm and LM head the drafter shares), so nothing of the target's forward is in the step. To
-train, point `drafter.target` at the verifier's Hugging Face folder (for that embedding and
-head) and `drafter.features` at the folder.
+verifier's hidden states, the outputs of its layers 1, 13, 25, 37, 49, of every position,
+bf16: 1M x 5 x 6656 x 2 B = 70 GB a sequence), as experiments/dflash_features.py writes it
+(that script runs the verifier through this package, so only for a verifier it can import).
+The step reads them from the batch (`Batch.context`, each rank its own context rows), the
+verifier's layers are neither loaded nor run (`params.py`: the target keeps only the
+embedding, final norm and LM head the drafter shares), so nothing of the target's forward is
+in the step. To train, point `drafter.target` at the verifier's Hugging Face folder (for that
+embedding and head) and `drafter.features` at the folder.
 
 Context pruning as the seed's: each rank keeps only the context rows inside the union of the
 anchors' windows, each cut at its document's start (`drafter.kept_context_rows` of its
@@ -55,12 +55,13 @@ from bdlm_jax.config import (Config, DataConfig, DrafterConfig, ModelConfig, Obj
 # the same numbers as analysis/cost_model/dflash.py's DFLASH2_RECIPES["muse-glimmer-30b"]).
 
 # The verifier (the frozen target): only its width, vocabulary and head matter here (its layers
-# are replaced by the features); its depth need only reach layer 50 (RECIPE line 13), and its
-# d_ff is unused. Width 6656: the drafter's `fc` maps 5 x 6656 = 33,280 -> 6,656 (CKPT).
+# are replaced by the features); its depth need only reach layer 49 (RECIPE line 13's
+# canonical id 50, see `target_layers`), and its d_ff is unused. Width 6656: the drafter's
+# `fc` maps 5 x 6656 = 33,280 -> 6,656 (CKPT).
 MUSE_GLIMMER_30B = dict(
     vocab_size=202048,  # CKPT: vocabulary 202,048
     d_model=6656,  # CKPT: H 6656 (and fc 33,280 = 5 target layers x 6656)
-    n_layers=51,  # reaches target layer 50 (RECIPE line 13); the verifier's own depth unused
+    n_layers=50,  # reaches target layer 49 (RECIPE line 13); the verifier's own depth unused
     n_heads=32, n_kv_heads=8, head_dim=128,  # CKPT: 32 / 8 heads x 128
     d_ff=19968,  # CKPT: I 19968 (the drafter's; the verifier's MLPs never run)
     rope_theta=5e5,  # CKPT: rope 5e5
@@ -87,7 +88,12 @@ def get_config() -> Config:
           target="",  # the verifier's Hugging Face folder, for its embedding and LM head
           n_layers=5,  # CKPT: 5 layers
           n_heads=32, n_kv_heads=8, head_dim=128, d_ff=19968,  # CKPT
-          target_layers="2,14,26,38,50",  # RECIPE line 13 `target_layer_ids`
+          # RECIPE line 13 `target_layer_ids: [2, 14, 26, 38, 50]` are the seed's canonical
+          # ids, Hugging Face's hidden_states[i] (dflash/model.py ~274-285: a published
+          # config's `dflash_config.target_layer_ids` + 1; feature_capture.py ~228-283 hands
+          # the capture ids, canonical - 1, to the verifier): the outputs of layers 1, 13, 25,
+          # 37, 49, which `drafter.target_layers` names 0-based (hidden_states[i + 1]).
+          target_layers="1,13,25,37,49",
           # RECIPE lines 32-33: `target_features: offline`, `target_feature_path:
           # /data/dflash-features` (write ours there with experiments/dflash_features.py).
           features="/data/dflash-features",
@@ -127,11 +133,14 @@ def get_config() -> Config:
       parallel=ParallelConfig(strategy="csbp_ring", seq=4, data=2),
       # RECIPE lines 35-37, 43-45: batch 1 a data-parallel rank (2 a step: the seed's global
       # batch is micro batch x accumulation x DP), no accumulation, lr 1e-6, clip 1.0; the seed's
-      # defaults (training/run_spec.py ~157-176): weight decay 0.01, a constant schedule with
-      # no warmup (min_lr_ratio 1), betas (0.9, 0.999). Checkpoints every 100 steps, the last 3
-      # (RECIPE lines 48-49). No held-out evaluation: the features hold training sequences only.
+      # defaults (training/run_spec.py ~157-176): Adam eps 1e-5, weight decay 0.01 on every
+      # parameter (one parameter group), a constant schedule with no warmup (min_lr_ratio 1),
+      # betas (0.9, 0.999). Checkpoints every 100 steps, the last 3 (RECIPE lines 48-49). No
+      # held-out evaluation: the features hold training sequences only.
       train=TrainConfig(steps=1000, batch_size=2, grad_accum=1, lr=1e-6, warmup_steps=0,
-                        min_lr_ratio=1.0, weight_decay=0.01, b1=0.9, b2=0.999, grad_clip=1.0,
-                        log_every=1, ckpt_every=100, max_to_keep=3, eval_every=0),
+                        min_lr_ratio=1.0, weight_decay=0.01, decay_vectors=True, b1=0.9,
+                        b2=0.999, eps=1e-5, grad_clip=1.0, log_every=1, ckpt_every=100,
+                        max_to_keep=3, eval_every=0),
       plan=PlanConfig(target="tpu:v5p:2x2x2"),  # 8 TPU v5p chips, 95.74 GiB each
+      seed=2026,  # RECIPE line 6 (`launch.seed`)
   )

@@ -7,13 +7,17 @@ pipeline and the frozen target's hidden states at its chosen layers.
   python run.py --config configs/dflash_tiny.py --set drafter.features=runs/tiny_feats \
       --set train.eval_every=0
 
-The target (`drafter.target`, or random weights with --random-target, for tests) runs on one
-device, causally over each sequence's documents, exactly as the training step would run it.
-The folder's layout is bdlm_jax/data/features.py's; arrays are written batch by batch into
-memory-mapped .npy files, so N may exceed host memory.
+The target (`drafter.target`, or random weights with --random-target, for tests) runs
+causally over each sequence's documents exactly as the training step runs it, on the config's
+mesh (`parallel.*`: its sequences split by `parallel.strategy` over `parallel.seq`, its
+weights over `parallel.fsdp`), so a target that does not fit one device makes features for
+sequences no device holds whole; `--set parallel.strategy=none parallel.seq=1 ...` runs it on
+one. The folder's layout is bdlm_jax/data/features.py's; arrays are written batch by batch
+into memory-mapped .npy files, so N may exceed host memory.
 """
 
 import argparse
+import functools
 import json
 import os
 
@@ -31,6 +35,8 @@ from bdlm_jax.data import make_dataset
 from bdlm_jax.data.features import META
 from bdlm_jax.models.drafter import FROZEN
 from bdlm_jax.params import merge_transformer
+from bdlm_jax.parallel.mesh import to_host
+from bdlm_jax.parallel.rows import row_runner
 from bdlm_jax.parallel.strategies import make_attend, plan_for
 from bdlm_jax.parallel.zero3 import gathered_weights
 
@@ -38,37 +44,45 @@ DTYPES = ("float32", "float16")
 
 
 def one_device(cfg: Config) -> Config:
-  """`cfg` with the target co-hosted on one device: the writer's view of it."""
+  """`cfg` with the target co-hosted on one device."""
   return replace(cfg, parallel=dict(strategy="none", seq=1, data=1, fsdp=1),
                  drafter=dict(features=""))
 
 
-def random_target(cfg: Config) -> dict:
-  """Random target weights (seeded by `cfg.seed`), as a co-hosted run would initialise them."""
-  return init_params(one_device(cfg), jax.random.key(cfg.seed))[FROZEN]
+def writer_config(cfg: Config, mesh=None) -> Config:
+  """`cfg` as the writer runs its target: co-hosted, on `mesh` (None: one device)."""
+  return one_device(cfg) if mesh is None else replace(cfg, drafter=dict(features=""))
 
 
-def target_features(cfg: Config, target_params):
+def random_target(cfg: Config, mesh=None) -> dict:
+  """Random target weights (seeded by `cfg.seed`), as a co-hosted run would initialise them
+  (on `mesh`, else one device)."""
+  return init_params(writer_config(cfg, mesh), jax.random.key(cfg.seed), mesh)[FROZEN]
+
+
+def target_features(cfg: Config, target_params, mesh=None):
   """`features(raw batch) -> [S, L, K, D]`: the target's outputs at `target_layer_ids(cfg)`
-  for the sequences of a pipeline batch, computed as the training step computes them (the
-  context rows of a one-device batch, layers in `model.compute_dtype`)."""
-  one = one_device(cfg)
-  plan = plan_for(one)
-  context = lambda x: x[:, plan.n_noisy:]  # under strategy none: positions 0..L-1, in order
-  layer_weights = gathered_weights(None, jnp.dtype(cfg.model.compute_dtype))
+  for the sequences of a pipeline batch, computed as the training step computes them: over
+  the context rows of `cfg`'s layout on `mesh` (None: one device), layers in
+  `model.compute_dtype`, then put back in position order."""
+  cfg = writer_config(cfg, mesh)
+  plan = plan_for(cfg)
+  context = functools.partial(plan.slot_rows, slot="clean")
+  layer_weights = gathered_weights(mesh, jnp.dtype(cfg.model.compute_dtype))
+  attend = make_attend(cfg, mesh, rows="clean", plan=plan)
 
   @jax.jit
   def run(params, batch):
     target = merge_transformer(cfg.model, params)
     feats, _ = target.features(context(batch.tokens), context(batch.pos),
-                               jax.tree.map(context, batch.meta),
-                               make_attend(one, None, rows="clean"), target_layer_ids(cfg),
-                               target_depth(one), layer_weights)
-    return feats
+                               jax.tree.map(context, batch.meta), attend,
+                               target_layer_ids(cfg), target_depth(cfg), layer_weights,
+                               row_runner(mesh))
+    return feats[:, plan.context_rows]  # each position's row (its first copy under bp)
 
   def features(raw: dict) -> np.ndarray:
-    batch = make_batch(one, raw["tokens"], raw["segment_ids"], raw.get("protected"))
-    return np.asarray(run(target_params, batch))
+    batch = make_batch(cfg, raw["tokens"], raw["segment_ids"], raw.get("protected"))
+    return to_host(run(target_params, batch))
 
   return features
 
@@ -101,10 +115,10 @@ def write_batch(arrays: dict, start: int, raw: dict, features) -> int:
 
 
 def write_features(cfg: Config, target_params, batches, out: str, sequences: int,
-                   dtype: str = "float32") -> None:
+                   dtype: str = "float32", mesh=None) -> None:
   """The folder `out` for the first `sequences` sequences of the iterable `batches` (the
-  pipeline's dicts), with the target `target_params`."""
-  features = target_features(cfg, target_params)
+  pipeline's dicts), with the target `target_params` (placed on `mesh`; None: one device)."""
+  features = target_features(cfg, target_params, mesh)
   arrays = open_arrays(cfg, out, sequences, dtype)
   start = 0
   for raw in batches:
@@ -131,16 +145,18 @@ def main(argv=None):
                       help="random target weights instead of drafter.target (tests)")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
   args = parser.parse_args(argv)
-  cfg = one_device(load_config(args.config, args.set))
+  cfg = load_config(args.config, args.set)
+  mesh = make_mesh(cfg)
+  cfg = writer_config(cfg, mesh)
   if args.random_target:
     cfg = replace(cfg, drafter=dict(target=""))
-    target = random_target(cfg)
+    target = random_target(cfg, mesh)
   else:
-    target = load_target(cfg, make_mesh(cfg))
+    target = load_target(cfg, mesh)
   data = make_dataset(cfg.data, batch_size=cfg.train.batch_size, seed=cfg.seed,
                       vocab_size=cfg.model.vocab_size, block_size=cfg.objective.block_size,
                       mask_token_id=reserved_mask_id(cfg), split="train")
-  write_features(cfg, target, data, args.out, args.sequences, args.dtype)
+  write_features(cfg, target, data, args.out, args.sequences, args.dtype, mesh)
   print(f"wrote {args.sequences} sequences of features to {args.out}")
 
 

@@ -14,6 +14,12 @@ to the target's tokens (what speculative decoding with greedy verification accep
 target's own token), averaged over anchors; its ceiling is B. The untrained drafter is the
 run's initialisation (same seed), next to the same target, which is always co-hosted here
 (also for a drafter trained on precomputed features).
+
+End to end (`bdlm_jax.speculative`): from prompts of `--prompt-tokens` tokens (held-out
+documents' starts), `--new-tokens` tokens decoded speculatively, each block drafted from the
+target's features and verified in one target forward; tau there is the tokens a verification
+yields, and tokens per target forward counts the prompt's first forward too. The output is
+checked against the target's own greedy decoding.
 """
 
 import argparse
@@ -31,6 +37,7 @@ from bdlm_jax.drafting import draft_proposals
 from bdlm_jax.loop import default_workdir
 from bdlm_jax.models.drafter import FROZEN, TRAINED
 from bdlm_jax.parallel.mesh import to_host
+from bdlm_jax.speculative import Speculator
 
 
 def target_continuations(target, cfg, tokens_SL, seg_SL, anchors, steps: int) -> np.ndarray:
@@ -73,12 +80,36 @@ def acceptance(params, cfg, batches, selector: bool = False) -> tuple[float, int
   return float(np.mean(taus)), len(taus)
 
 
+def prompts_of(batches, length: int) -> list[list[int]]:
+  """The first `length` tokens of each held-out sequence whose first document is longer."""
+  out = []
+  for raw in batches:
+    for tokens, seg in zip(raw["tokens"], raw["segment_ids"]):
+      if seg[0] > 0 and (seg[:length + 1] == seg[0]).all():
+        out.append([int(t) for t in tokens[:length]])
+  return out
+
+
+def end_to_end(params, cfg, prompts, new_tokens: int, selector: bool) -> tuple[float, float, bool]:
+  """(tau, tokens per target forward, whether every output is the target's greedy one) of
+  speculative decoding from `prompts`."""
+  spec = Speculator(params, cfg, selector)
+  runs = [(spec.decode(p, new_tokens), spec.greedy(p, new_tokens)) for p in prompts]
+  accepted = [k for out, _ in runs for k in out.accepted]
+  forwards = sum(out.target_forwards for out, _ in runs)
+  return (1 + float(np.mean(accepted)), len(prompts) * new_tokens / forwards,
+          all(out.tokens == greedy.tokens for out, greedy in runs))
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--config", required=True)
   parser.add_argument("--workdir", default=None, help="the drafter's run (default runs/<config>)")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
   parser.add_argument("--batches", type=int, default=2, help="held-out batches")
+  parser.add_argument("--prompts", type=int, default=8, help="end to end: prompts decoded")
+  parser.add_argument("--prompt-tokens", type=int, default=16)
+  parser.add_argument("--new-tokens", type=int, default=32)
   args = parser.parse_args(argv)
   cfg = load_config(args.config, args.set + ["parallel.strategy=none", "parallel.seq=1",
                                              "parallel.data=1", "parallel.fsdp=1"])
@@ -104,6 +135,18 @@ def main(argv=None):
       tau, n = acceptance({TRAINED: jax.tree.map(to_host, drafter), FROZEN: target}, cfg,
                           batches, selector)
       print(f"| {name} | {'selector' if selector else 'head argmax'} | {tau:.3f} | {n} |")
+  prompts = prompts_of(batches, args.prompt_tokens)[:args.prompts]
+  print(f"\nend to end: {len(prompts)} prompts of {args.prompt_tokens} tokens, "
+        f"{args.new_tokens} new tokens each")
+  print("| drafter | proposals | tau | tokens / target forward | = target's greedy |\n"
+        "|---|---|---|---|---|")
+  for name, drafter in drafters.items():
+    for selector in modes:
+      tau, per_forward, same = end_to_end(
+          {TRAINED: jax.tree.map(to_host, drafter), FROZEN: target}, cfg, prompts,
+          args.new_tokens, selector)
+      print(f"| {name} | {'selector' if selector else 'head argmax'} | {tau:.3f} "
+            f"| {per_forward:.3f} | {'yes' if same else 'NO'} |")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
   python experiments/recipe_plans.py --config configs/dflash2_muse_1m.py \
       --strategies csbp_ring cp_replicated_drafts \
       --variant "ours: parallel.seq=8 parallel.data=1 train.batch_size=1 model.param_dtype=float32 model.remat=full"
+  python experiments/recipe_plans.py --config configs/dflash2_qwen3_8_27b_1m.py \
+      --strategies csbp_ring cp_replicated_drafts
 
 Each (config, variant, strategy) is the config file as it ships (variant `recipe`) or with a
 variant's overrides (`--variant "name: KEY=VALUE ..."`, run.py's --set syntax), compiled with

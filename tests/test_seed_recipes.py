@@ -55,3 +55,46 @@ def test_recipe_config_trains_as_the_seeds_recipe(config, recipe_file):
         obj["sampling_epsilon_min"], obj["sampling_epsilon_max"], obj["antithetic_sampling"],
         obj["self_conditioning_probability"], obj["encoder_loss_weight"])
     assert not cfg.data.pack  # one conversation a row
+
+
+DFLASH2_PAIRS = {"dflash2_muse_1m.py": "dflash2-muse-glimmer-30b-1m.yaml",
+                 "dflash2_qwen3_8_27b_1m.py": "dflash2-qwen3-8-27b-1m.yaml"}
+
+
+@pytest.mark.parametrize("config, recipe_file", DFLASH2_PAIRS.items())
+def test_dflash2_config_trains_as_the_seeds_recipe(config, recipe_file):
+  cfg, recipe = load_config(str(CONFIGS / config)), _recipe(recipe_file)
+  opt, train, obj, topo = (recipe[k] for k in ("optimizer", "training", "objective",
+                                               "topology"))
+  t = cfg.train
+  assert (t.lr, t.b1, t.b2, t.eps, t.weight_decay, t.grad_clip) == pytest.approx(
+      (opt["lr"], opt["adam_beta1"], opt["adam_beta2"], opt["adam_eps"], opt["weight_decay"],
+       opt["gradient_clip_norm"]))
+  # One parameter group; the seed's default schedule is constant with no warm-up
+  assert "scheduler" not in recipe and run_spec.SchedulerRunSpec().type == "constant"
+  assert t.decay_vectors and (t.warmup_steps, t.min_lr_ratio) == (0, 1.0)
+  assert cfg.seed == recipe["launch"]["seed"]
+  # CP and BP share one axis of max(CP, BP); the rest of the 8 GPUs are data-parallel, each
+  # group one sequence of micro batch x accumulation
+  ring = max(topo["context_parallel_size"], topo["block_parallel_size"])
+  assert (cfg.parallel.seq, cfg.parallel.data) == (ring, 8 // ring)
+  assert (t.batch_size, t.steps, t.grad_accum) == (
+      train["batch_size"] * 8 // ring, train["steps"], train["gradient_accumulation_steps"])
+  assert cfg.data.seq_len == recipe["model"]["seq_len"]
+  assert cfg.model.param_dtype == {"bf16": "bfloat16"}[recipe["model"]["dtype"]]
+  assert (cfg.model.remat == "none") == (not train["activation_checkpointing"])
+  o = cfg.objective
+  assert (o.name, o.block_size, o.max_anchors, o.anchors) == (
+      "dflash", obj["block_size"], obj["max_anchors"], obj["anchor_sampling"])
+  assert (o.dflash_loss, o.gamma, o.dpace_alpha, o.lk_loss, o.kl_scale, o.kl_decay,
+          o.selector_loss_alpha) == (
+      obj["dflash_loss"], obj["decay_gamma"], obj["dpace_alpha"], obj["lk_loss_type"],
+      obj["kl_scale"], obj["kl_decay"], obj["selector_loss_alpha"])
+  # The recipe's ids are canonical (Hugging Face's hidden_states[i]); ours are 0-based layer
+  # outputs (hidden_states[i + 1]): the seed's own conversion of a served config's ids
+  dflash_model = pytest.importorskip("dllm_parallel.core.models.backbones.dflash.model")
+  ours = [int(i) for i in cfg.drafter.target_layers.split(",")]
+  assert dflash_model.dflash_target_layer_ids(
+      {"dflash_config": {"target_layer_ids": ours}}) == tuple(recipe["model"]["target_layer_ids"])
+  assert max(ours) < cfg.model.n_layers
+  assert cfg.drafter.features == recipe["data"]["target_feature_path"]

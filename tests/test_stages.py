@@ -136,8 +136,8 @@ def stopped_at_2(finished, tmp_path_factory):
 
 
 @pytest.mark.parametrize("steps, flags, expected", [
-    (1, ["--allow-changes"], "pretrain.steps=1 is below the step {w}/pretrain/2 reached (2, of "
-                             "a 4-step schedule): the run cannot end at 1; set "
+    (1, ["--allow-changes"], "pretrain.steps=1 is below the step {w}/pretrain/2 reached (2 of "
+                             "a schedule of 4 steps): the run cannot end at 1; set "
                              "pretrain.steps=4 (as trained), or at least 2 with --allow-changes"),
     (6, [], "pretrain.steps=4, current config has 6"),
 ])

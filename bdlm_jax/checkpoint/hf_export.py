@@ -11,7 +11,6 @@ Writes safetensors only; torch and transformers are not needed.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
@@ -25,6 +24,7 @@ from bdlm_jax.checkpoint.hf_gemma4 import text_config
 from bdlm_jax.checkpoint.hf_import import INDEX_FILE, read_generation_config, read_hf_config
 from bdlm_jax.checkpoint.hf_names import get_path, hf_config, hf_model_type, tensor_map
 from bdlm_jax.checkpoint.manager import cause, restore_state
+from bdlm_jax.checkpoint.out_dir import check_out_dir, write_json
 from bdlm_jax.config import Config
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.objectives import get_objective
@@ -96,7 +96,7 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
       raise OSError(f"writing {path} failed: {cause(e)}") from None
     os.chmod(path, mode)  # safetensors renames a private (0600) temporary file into place
   if len(shards) > 1:
-    _write_json(os.path.join(out_dir, INDEX_FILE), {
+    write_json(os.path.join(out_dir, INDEX_FILE), {
         "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
         "weight_map": {n: file for file, shard in zip(names, shards) for n in shard}})
   extra = {"bdlm_mask_token_id": cfg.objective.mask_token_id,
@@ -106,22 +106,8 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
   if vision:  # the source's text attention rule (import accepted it: text stays causal)
     config["text_config"]["use_bidirectional_attention"] = text_config(
         read_hf_config(source)).get("use_bidirectional_attention")
-  _write_json(os.path.join(out_dir, "config.json"), config)
-  _write_json(os.path.join(out_dir, "generation_config.json"), _generation_config(cfg, source))
-
-
-def check_out_dir(out_dir: str, overwrite: bool) -> None:
-  """An export goes into a new or empty folder: files already there (an earlier model's
-  generation_config.json, tokenizer, notes) would pass for this model's. `overwrite`
-  (export.overwrite) allows a folder that is not empty: the export replaces its own files."""
-  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-    raise ConfigError(f"export.out_dir={out_dir!r} is a file, not a folder")
-  held = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
-  if held and not overwrite:
-    shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
-    raise ConfigError(
-        f"export.out_dir={out_dir!r} is not empty (it holds {shown}); choose a new folder, or "
-        f"set export.overwrite=true to write over the files an export writes (others stay)")
+  write_json(os.path.join(out_dir, "config.json"), config)
+  write_json(os.path.join(out_dir, "generation_config.json"), _generation_config(cfg, source))
 
 
 def export_checkpoint(cfg: Config, workdir: str) -> tuple[int, str]:
@@ -129,12 +115,16 @@ def export_checkpoint(cfg: Config, workdir: str) -> tuple[int, str]:
   `workdir` -> `export.out_dir`; returns (step, out_dir)."""
   if not cfg.export.out_dir:
     raise ConfigError("mode=export needs export.out_dir, e.g. --set export.out_dir=runs/hf")
-  if get_objective(cfg.objective.name).DRAFTER:
-    raise ConfigError("mode=export writes a causal LM; a drafter (objective=dflash) is not "
-                      "one: its weights are in the checkpoint's params['drafter']")
+  drafter = get_objective(cfg.objective.name).DRAFTER
+  if drafter:  # the served DFlash2 folder (checkpoint/hf_drafter.py)
+    from bdlm_jax.checkpoint.hf_drafter import check_servable, export_drafter
+    check_servable(cfg)
   check_out_dir(cfg.export.out_dir, cfg.export.overwrite)  # before the restore, which may be long
   step, state = restore_state(cfg, workdir, make_mesh(cfg), cfg.export.checkpoint_step)
-  export_hf(state.params, cfg, cfg.export.out_dir)
+  if drafter:
+    export_drafter(state.params, cfg, cfg.export.out_dir, step, workdir)
+  else:
+    export_hf(state.params, cfg, cfg.export.out_dir)
   return step, cfg.export.out_dir
 
 
@@ -221,9 +211,3 @@ def _new_file_mode() -> int:
   umask = os.umask(0)  # reading it means setting it; put back at once
   os.umask(umask)
   return 0o666 & ~umask
-
-
-def _write_json(file: str, obj: dict) -> None:
-  with open(file, "w") as f:
-    json.dump(obj, f, indent=2, sort_keys=True)
-    f.write("\n")

@@ -39,6 +39,7 @@ from etils import epath
 from bdlm_jax.checksums import sha256
 from bdlm_jax.config import Config
 from bdlm_jax.errors import ConfigError
+from bdlm_jax.objectives import get_objective
 
 COMMIT_MARKER = "commit_success.txt"  # Orbax writes it into a step before the final rename.
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # of a step folder Orbax is still writing
@@ -449,7 +450,7 @@ def _check_compatible(saved: dict, cfg: Config, tokenizer: str | None, where: st
   keys = [("model", k) for k in now["model"] if k not in RUNTIME_MODEL_KEYS]
   keys += [("objective", "name"), ("objective", "mask_token_id"), ("data", "seq_len"),
            ("drafter", "target")]  # a drafter's checkpoint holds its target's frozen weights
-  if not _autoregressive(saved, now):  # an ar model has no blocks
+  if not _clean_stream_only(saved, now):  # an ar model has no blocks
     keys.append(("objective", "block_size"))
   missing = "<missing>"
   diffs = [_change(f"{a}.{b}", saved.get(a, {}).get(b, missing), now[a][b], names)
@@ -473,7 +474,7 @@ def trajectory_changes(saved: dict, cfg: Config, names: dict | None = None) -> l
   it. Keys newer than the checkpoint are not compared. `names` as in `_check_compatible`."""
   was, now = _flat(saved), _flat(cfg.to_dict())
   free = list(FREE_ON_RESUME)
-  if _autoregressive(saved, cfg.to_dict()):
+  if _clean_stream_only(saved, cfg.to_dict()):
     free += [f"objective.{k}" for k in cfg.to_dict()["objective"]
              if k not in ("name", "mask_token_id")]
   is_free = lambda key: any(key == k or key.startswith(f"{k}.") for k in free)
@@ -481,9 +482,11 @@ def trajectory_changes(saved: dict, cfg: Config, names: dict | None = None) -> l
           for key in sorted(was.keys() & now.keys()) if was[key] != now[key] and not is_free(key)]
 
 
-def _autoregressive(saved: dict, now: dict) -> bool:
-  """Whether both configs train `ar`, which reads no block or noise setting."""
-  return saved.get("objective", {}).get("name") == now["objective"]["name"] == "ar"
+def _clean_stream_only(saved: dict, now: dict) -> bool:
+  """Whether both configs train one objective whose rows are the clean tokens alone (ar):
+  it reads no block or noise setting."""
+  name = now["objective"]["name"]
+  return saved.get("objective", {}).get("name") == name and not get_objective(name).NOISY_STREAM
 
 
 def _change(key: str, was: Any, now: Any, names: dict | None) -> str:

@@ -2,6 +2,7 @@
 
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.kernels import xla
+from bdlm_jax.kernels.interpret import COMPILED_ON, interpreted
 from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta, allowed, windowed
 
 
@@ -16,15 +17,6 @@ def get_kernel(name: str):
     from bdlm_jax.kernels import splash
     return splash
   raise ConfigError(f"unknown model.attention_impl {name!r}; valid: 'xla', 'pallas', 'splash'")
-
-
-COMPILED_ON = {"pallas": "gpu", "splash": "tpu"}  # the backend each Pallas kernel compiles for
-
-
-def interpreted(name: str, backend: str) -> bool:
-  """Whether kernel `name` runs in Pallas' interpret mode on `backend` (jax's default): a
-  correctness path, much slower than compiled code."""
-  return name in COMPILED_ON and COMPILED_ON[name] != backend
 
 
 def with_windows(attend, block_size: int):

@@ -26,7 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from bdlm_jax.errors import ConfigError
-from bdlm_jax.kernels import interpreted, residuals
+from bdlm_jax.kernels import residuals
+from bdlm_jax.kernels.interpret import interpreted
 from bdlm_jax.kernels.mask import RowMeta, allowed
 from bdlm_jax.kernels.tiles import pad_meta, tile_kinds, tile_list
 from bdlm_jax.kernels.xla import NEG_INF, merge

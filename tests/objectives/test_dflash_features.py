@@ -74,6 +74,23 @@ def test_features_from_disk_give_the_cohosted_loss_and_drafter_gradients(folder,
   assert "layers" not in grads["target"]
 
 
+@pytest.mark.parametrize("strategy,parallel", [
+    ("cp_ring", dict(seq=4)), pytest.param("bp", dict(seq=2, fsdp=2), marks=pytest.mark.slow)])
+def test_features_made_on_a_mesh_equal_those_made_on_one_device(strategy, parallel):
+  """The target's forward split as the run splits it (a zigzag over 4 ranks; a context
+  replicated on 2 with its weights split over 2 more) gives each position's features."""
+  tokens, seg, prot = _logical_batch()
+  raw = dict(tokens=tokens, segment_ids=seg, protected=prot)
+  want = dflash_features.target_features(_cfg(), init_params(_cfg(), jax.random.key(0))[
+      "target"])(raw)
+  cfg = _cfg(strategy, **parallel)
+  mesh = make_mesh(cfg)
+  target = init_params(cfg, jax.random.key(0), mesh)["target"]
+  got = dflash_features.target_features(cfg, target, mesh)(raw)
+  assert got.shape == want.shape and want.shape[:2] == tokens.shape
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def _bad_folder(tmp_path, meta, missing=()):
   for name in ("tokens", "segment_ids", "protected", "features"):
     if name not in missing:

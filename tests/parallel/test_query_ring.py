@@ -49,9 +49,9 @@ def _muse(transport: str) -> Config:
   1,048,576-token sequence on 8 devices, features from disk (no target layers run)."""
   return replace(
       Config(),
-      model=dict(d_model=256, n_layers=51, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=256,
+      model=dict(d_model=256, n_layers=50, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=256,
                  compute_dtype="bfloat16"),
-      drafter=dict(n_layers=5, window=2048, features="features", target_layers="2,14,26,38,50"),
+      drafter=dict(n_layers=5, window=2048, features="features", target_layers="1,13,25,37,49"),
       data=dict(seq_len=1 << 20),
       objective=dict(name="dflash", block_size=16, max_anchors=512, draft_loss="ce"),
       parallel=dict(strategy="csbp_ring", seq=8, draft_transport=transport),

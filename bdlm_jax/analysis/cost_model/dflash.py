@@ -85,19 +85,21 @@ class Dflash2Recipe:
 
 DFLASH2_RECIPES = {
     # Muse-Glimmer-30B-DFlash2 (the seed's recipe, Turbo-dLLM 0.1.6
-    # recipes/runs/dflash2-muse-glimmer-30b-1m.yaml: B 16, 512 anchors, layers [2, 14, 26, 38,
-    # 50]); widths as configs/dflash2_muse_1m.py gives them: 5 layers, all
+    # recipes/runs/dflash2-muse-glimmer-30b-1m.yaml: B 16, 512 anchors, canonical layer ids
+    # [2, 14, 26, 38, 50], the outputs of layers 1, 13, 25, 37, 49); widths as
+    # configs/dflash2_muse_1m.py gives them: 5 layers, all
     # sliding, W 2048, H 6656, I 19968, 32 / 8 heads x 128, vocabulary 202,048, fc 33,280 ->
     # 6,656 (5 target layers of width 6656), rope 5e5. The verifier's depth only needs
-    # to reach layer 50; its own d_ff is unused (its layers never run). Draft blocks causal
+    # to reach layer 49; its own d_ff is unused (its layers never run). Draft blocks causal
     # on the sliding layers, the seed's default (as the config: its docstring says why).
     "muse-glimmer-30b": Dflash2Recipe(
-        ModelConfig(vocab_size=202048, d_model=6656, n_layers=51, n_heads=32, n_kv_heads=8,
+        ModelConfig(vocab_size=202048, d_model=6656, n_layers=50, n_heads=32, n_kv_heads=8,
                     head_dim=128, d_ff=19968, rope_theta=5e5, qk_norm=True,
                     tie_embeddings=False, compute_dtype="bfloat16"),
-        dict(n_layers=5, d_ff=19968, window=2048, target_layers="2,14,26,38,50",
+        dict(n_layers=5, d_ff=19968, window=2048, target_layers="1,13,25,37,49",
              features="offline", sliding_causal=True), block_size=16, anchors=512),
-    # Qwen3.8-27B-DFlash2 (recipe: B 8, 2048 anchors, layers [6, 20, 34, 48, 62], W 2048: its
+    # Qwen3.8-27B-DFlash2 (recipe: B 8, 2048 anchors, canonical layer ids [6, 20, 34, 48, 62],
+    # the outputs of layers 5, 19, 33, 47, 61; W 2048: its
     # ~18.4K kept rows of 1M are 2048 anchors x stride 8 + W). The verifier's dims are not in
     # the seed (loaded from its Hugging Face config): ASSUMED Qwen3.5-27B-class, width 5120,
     # 64 layers (configs/qwen3_5_27b_fast_dllm_v2_256k.py), 24 / 4 heads x 256, d_ff 17408,
@@ -106,7 +108,7 @@ DFLASH2_RECIPES = {
         ModelConfig(vocab_size=248320, d_model=5120, n_layers=64, n_heads=24, n_kv_heads=4,
                     head_dim=256, d_ff=17408, rope_theta=1e7, qk_norm=True,
                     tie_embeddings=False, compute_dtype="bfloat16"),
-        dict(n_layers=5, window=2048, target_layers="6,20,34,48,62", features="offline",
+        dict(n_layers=5, window=2048, target_layers="5,19,33,47,61", features="offline",
              sliding_causal=True), block_size=8, anchors=2048),
 }
 

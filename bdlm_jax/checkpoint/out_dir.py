@@ -1,0 +1,26 @@
+"""The folder an export writes into, and its JSON files, whichever model it exports."""
+
+import json
+import os
+
+from bdlm_jax.errors import ConfigError
+
+
+def check_out_dir(out_dir: str, overwrite: bool) -> None:
+  """An export goes into a new or empty folder: files already there (an earlier model's
+  generation_config.json, tokenizer, notes) would pass for this model's. `overwrite`
+  (export.overwrite) allows a folder that is not empty: the export replaces its own files."""
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ConfigError(f"export.out_dir={out_dir!r} is a file, not a folder")
+  held = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+  if held and not overwrite:
+    shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+    raise ConfigError(
+        f"export.out_dir={out_dir!r} is not empty (it holds {shown}); choose a new folder, or "
+        f"set export.overwrite=true to write over the files an export writes (others stay)")
+
+
+def write_json(file: str, obj: dict) -> None:
+  with open(file, "w") as f:
+    json.dump(obj, f, indent=2, sort_keys=True)
+    f.write("\n")
