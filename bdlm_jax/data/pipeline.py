@@ -30,7 +30,7 @@ def _without_token(token_id: int, ids):
   spells out the [MASK] token literally (a tokenizer matches special tokens in raw text)
   loses that token, instead of stopping training at `make_batch`, which refuses [MASK]."""
   if isinstance(ids, dict):
-    return {k: v[v != token_id] for k, v in ids.items()}
+    return {k: v[ids["tokens"] != token_id] for k, v in ids.items()}
   return ids[ids != token_id]
 
 
@@ -66,10 +66,10 @@ def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size
                  split: str = "train") -> grain.DatasetIterator:
   """This process's batches {"tokens", "segment_ids"}: int32 [batch_size, L], forever.
 
-  With `data.format="chat"` batches also hold "protected" bool [batch_size, L] (the prompts)
-  and what was cut of conversations longer than L ("prompt_cut", "response_cut" int32
-  [batch_size, L]), and every conversation is padded to whole blocks of `block_size` (see
-  data/chat.py).
+  With `data.format="chat"` batches also hold "protected" bool [batch_size, L] (what is not
+  scored: prompts) and what was cut of examples longer than L ("prompt_cut", "response_cut"
+  int32 [batch_size, L]), and every prompt and response is padded to whole blocks of
+  `block_size` (see data/chat.py).
 
   Process p reads documents p, p + P, p + 2P, ... of the source (disjoint shards); each
   epoch is reshuffled from `seed` when `data.shuffle`. Padding is `tokenizer.pad_id` with
