@@ -296,6 +296,9 @@ class DataConfig(Section):
   # file or glob for text / jsonl / array_record / parquet sources (parquet: or a folder of
   # shards); tokens: a folder; hf: a save_to_disk folder or a hub name
   path: str = ""
+  # Several sources in place of `path`: "PATH:WEIGHT,PATH:WEIGHT,...", each read as
+  # data.source and data.format say, weights normalised (data/pipeline.py).
+  mixture: str = ""
   text_field: str = "text"  # key (column) of the text in JSONL / ArrayRecord / Parquet / hf
   messages_field: str = "messages"  # key (column) of a chat record's messages
   hf_split: str = "train"  # data.source=hf: the split of a DatasetDict folder or hub dataset
@@ -344,12 +347,37 @@ class DataConfig(Section):
                         f"{'/'.join(RECORD_SOURCES)}) or the embedded arithmetic as "
                         f"conversations (data.source=arithmetic); got data.source="
                         f"{self.source!r}")
-    if self.source != "arithmetic" and not self.path:
+    if self.mixture:
+      if self.path or self.eval_path or self.source == "arithmetic":
+        raise ConfigError(f"data.mixture={self.mixture!r} names the files in place of "
+                          f"data.path and data.eval_path (each source holds out its own "
+                          f"data.holdout), from a file source; got data.path={self.path!r}, "
+                          f"data.eval_path={self.eval_path!r}, data.source={self.source!r}")
+      mixture_entries(self.mixture)
+    elif self.source != "arithmetic" and not self.path:
       raise ConfigError(f"data.source={self.source!r} needs data.path")
     if self.format == "chat" and self.chat_template == "tokenizer" and self.tokenizer == "byte":
       raise ConfigError("data.chat_template='tokenizer' renders with the data.tokenizer "
                         "folder's chat template, but data.tokenizer='byte' has none: set "
                         "data.tokenizer to that folder, or use 'plain' or 'chatml'")
+
+
+def mixture_entries(mixture: str) -> list[tuple[str, float]]:
+  """data.mixture "PATH:WEIGHT,..." as [(path, weight / sum of weights)] (a path may hold
+  ':', as gs:// does: the weight follows the last one)."""
+  entries = []
+  for i, entry in enumerate(mixture.split(","), 1):
+    path, colon, weight = entry.strip().rpartition(":")
+    try:
+      value = float(weight)
+    except ValueError:
+      value = None
+    if not (colon and path and value is not None and value > 0 and value != float("inf")):
+      raise ConfigError(f"data.mixture entry {i} {entry.strip()!r} must be PATH:WEIGHT with a "
+                        f"weight > 0")
+    entries.append((path, value))
+  total = sum(w for _, w in entries)
+  return [(path, w / total) for path, w in entries]
 
 
 @dataclasses.dataclass

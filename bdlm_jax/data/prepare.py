@@ -104,6 +104,9 @@ def check_config(cfg: Config) -> None:
     raise ConfigError(f"mode=prepare tokenizes a text, jsonl, array_record, parquet or hf "
                       f"corpus; "
                       f"data.source={cfg.data.source!r} has nothing to tokenize")
+  if cfg.data.mixture:
+    raise ConfigError(f"mode=prepare tokenizes one corpus (data.path), not data.mixture="
+                      f"{cfg.data.mixture!r}: prepare each entry into its own folder")
   if not cfg.prepare.out_dir:
     raise ConfigError("mode=prepare needs prepare.out_dir, the folder to write the ids to")
   if "://" in cfg.prepare.out_dir:
