@@ -109,6 +109,7 @@ def measure_sources(seq_len: int, batch_size: int, corpus_mb: float, seconds: fl
       f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
     pq.write_table(pa.table({"text": docs}), os.path.join(tmp, "corpus.parquet"),
                    row_group_size=row_group)
+    datasets.disable_progress_bars()
     datasets.Dataset.from_dict({"text": docs}).save_to_disk(os.path.join(tmp, "hf"))
     paths = dict(text="corpus.txt", jsonl="corpus.jsonl", parquet="corpus.parquet", hf="hf")
     return [dict(source=source, documents=len(docs), tokens_per_s=tokens_per_s(

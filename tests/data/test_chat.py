@@ -10,19 +10,20 @@ import pytest
 
 from bdlm_jax import make_batch
 from bdlm_jax.config import Config, DataConfig
-from bdlm_jax.configure import replace
+from bdlm_jax.configure import load_config, replace
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.data import ByteTokenizer, DataError, check_arithmetic, make_dataset
 from bdlm_jax.checkpoint.hf_export import export_hf
 from bdlm_jax.checkpoint.hf_import import import_hf
-from bdlm_jax.data.chat import (ChatSource, FolderTemplate, Truncations, align, make_template,
-                                prompt_text, render)
+from bdlm_jax.data.chat import (ChatSource, FolderTemplate, Truncations, align, example,
+                                make_template, prompt_text, render)
 from bdlm_jax.data.sources import JsonlRecords
 from bdlm_jax.evaluate import arithmetic_prompts
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.params import init_params
 from tests.data.conftest import CORPUS, save_word_level
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 B, L = 4, 128
 CONVERSATIONS = [
     [{"role": "user", "content": "12+7="}, {"role": "assistant", "content": "19"}],
@@ -221,11 +222,18 @@ def test_tokenizer_template_renders_and_tokenizes_as_transformers_does(gemma_fol
     assert prompt + response == reference.apply_chat_template(messages, tokenize=False)
     ids, protected = ids_of(messages), np.ones(len(ids_of(messages)), bool)
     answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    for i in answers if supervise == "assistant" else answers[-1:]:
+    scored = answers if supervise == "assistant" else answers[-1:]
+    text_of = lambda messages, **kw: reference.apply_chat_template(messages, tokenize=False, **kw)
+    for i in scored:
       # A turn: what the messages up to it add to those before it with the generation prompt.
       protected[len(ids_of(messages[:i], add_generation_prompt=True)):
                 len(ids_of(messages[:i + 1]))] = False
     expected.add((tuple(ids), tuple(protected.tolist())))
+    spans = example({"messages": messages}, "here", template, supervise)["spans"]
+    assert "".join(text for text, _ in spans) == text_of(messages)
+    assert [text for text, is_scored in spans if is_scored] == [
+        text_of(messages[:i + 1])[len(text_of(messages[:i], add_generation_prompt=True)):]
+        for i in scored]
   # The batches hold exactly those ids: BOS as the template writes it, each response ending
   # with the turn's end (no EOS appended), and only the prompts protected.
   batch = next(make_dataset(_chat_cfg(_write(tmp_path, GEMMA_CONVERSATIONS), tokenizer=gemma_folder,
@@ -391,3 +399,12 @@ def test_a_long_conversation_keeps_the_turns_that_fit_and_counts_the_rest():
   assert len(ex["tokens"]) == 12 + 8 + 32 + 40
   assert ex["real"].sum() == 86 and (ex["prompt_cut"][0], ex["response_cut"][0]) == (0, 0)
   assert np.flatnonzero(~ex["protected"]).tolist() == [*range(12, 18), *range(52, 92)]
+
+
+def test_a_gated_deltanet_model_refuses_padding_between_turns():
+  """Its layers restart their state after padding: a conversation's later turns would lose
+  the earlier ones."""
+  cfg = load_config(os.path.join(REPO, "configs", "qwen3_5_tiny.py"))
+  with pytest.raises(ConfigError, match="data.supervise='assistant' pads between"):
+    replace(cfg, data=dict(source="arithmetic", format="chat"))
+  replace(cfg, data=dict(source="arithmetic", format="chat", supervise="last"))

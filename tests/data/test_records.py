@@ -134,12 +134,16 @@ def test_bad_sources_say_what_is_wrong(tmp_path):
 
 
 def test_prepare_reads_parquet_records_into_the_same_examples(tmp_path):
-  parquet = write_parquet(tmp_path / "pq", RECORDS)
-  data = chat("parquet", parquet)
+  """Id 0 scored and not: a stored record keeps what it scores whatever the id."""
+  zeros = [{"input_ids": [0, 0, 65], "loss_mask": [0, 1, 1]}]
+  data = chat("parquet", write_parquet(tmp_path / "pq", RECORDS + zeros))
   prep.prepare(Config(data=data, mode="prepare",
                       prepare=PrepareConfig(out_dir=str(tmp_path / "ids"), num_processes=1)),
                progress=False)
-  assert examples(dataclasses.replace(data, source="tokens", path=str(tmp_path / "ids"))) == SCORED
+  on_the_fly = examples(data, n_batches=3)
+  assert on_the_fly == SCORED | {("\x00", "\x00A")}
+  assert examples(dataclasses.replace(data, source="tokens", path=str(tmp_path / "ids")),
+                  n_batches=3) == on_the_fly
   with pytest.raises(ConfigError, match="supervise None .*data.supervise: 'assistant'|"
                                         "supervise 'assistant' .*data.supervise: 'last'"):
     make_dataset(dataclasses.replace(data, source="tokens", path=str(tmp_path / "ids"),
