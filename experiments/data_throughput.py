@@ -3,6 +3,9 @@ same documents read from JSONL, Parquet and a `datasets` folder.
 
   python experiments/data_throughput.py              # ~2 minutes on 2 CPU cores
   python experiments/data_throughput.py --quick      # smoke run, seconds
+  # SFT-sized documents from each file source only, ~1 minute:
+  python experiments/data_throughput.py --sources_only --seq_len 4096 --batch_size 8 \
+      --corpus_mb 20 --seconds 10 --doc_words 50 1000 --row_group 64
 
 Generates a corpus of long documents (Zipf-distributed words, 8K to 1.5M characters each),
 trains a small byte-level BPE tokenizer on it (tokenizers, offline), prepares both tokenizers'
@@ -146,17 +149,21 @@ def main() -> None:
   parser.add_argument("--seconds", type=float, default=20, help="timed per measurement")
   parser.add_argument("--processes", type=int, default=2, help="prepare.num_processes")
   parser.add_argument("--row_group", type=int, default=64, help="Parquet rows per row group")
+  parser.add_argument("--doc_words", type=int, nargs=2, default=(1_500, 250_000),
+                      help="words per document: the range drawn log-uniformly from")
+  parser.add_argument("--sources_only", action="store_true", help="only the sources table")
   parser.add_argument("--quick", action="store_true", help="tiny corpus and documents, L = 4096")
   args = parser.parse_args()
   if args.quick:
     args.seq_len, args.corpus_mb, args.seconds = 4096, 1, 0.5
-  doc_words = (100, 5_000) if args.quick else (1_500, 250_000)
-  rows = measure(args.seq_len, args.batch_size, args.corpus_mb, args.seconds, args.processes,
-                 doc_words=doc_words)
+  doc_words = (100, 5_000) if args.quick else tuple(args.doc_words)
   print(f"L = {args.seq_len:,}, batch {args.batch_size}, {os.cpu_count()} CPU cores, "
-        f"data.num_threads=2, corpus {args.corpus_mb:g} MB\n")
-  print(table(rows, args.processes))
-  print(f"\nbyte tokenizer, shuffled, Parquet row groups of {args.row_group} rows:\n")
+        f"data.num_threads=2, corpus {args.corpus_mb:g} MB of {doc_words[0]:,}-"
+        f"{doc_words[1]:,}-word documents\n")
+  if not args.sources_only:
+    print(table(measure(args.seq_len, args.batch_size, args.corpus_mb, args.seconds,
+                        args.processes, doc_words=doc_words), args.processes) + "\n")
+  print(f"byte tokenizer, shuffled, Parquet row groups of {args.row_group} rows:\n")
   print(sources_table(measure_sources(args.seq_len, args.batch_size, args.corpus_mb,
                                       args.seconds, args.row_group, doc_words)))
 

@@ -107,8 +107,8 @@ class JsonlRecords(TextLineSource):
 class ParquetRecords:
   """The rows of Parquet files (a file, a glob, or a folder of `*.parquet` shards) as dicts
   of their columns. A row is read from its row group, of which the last few read are kept
-  decoded: sequential reading decodes each once, shuffled reading one per row, so shards
-  written with small row groups (`row_group_size`) shuffle faster."""
+  decoded (as Arrow tables): sequential reading decodes each once, shuffled reading one per
+  row, so shards written with small row groups (`row_group_size`) shuffle faster."""
 
   _CACHED_GROUPS = 4
 
@@ -158,19 +158,20 @@ class ParquetRecords:
     starts = [0] + self._ends[:-1]
     return [starts[i] for i, (_, g, n) in enumerate(self._groups) if g == 0 and n]
 
-  def _decode_group(self, group: int) -> list[dict]:
+  def _decode_group(self, group: int):
+    """Row group `group` as an Arrow table."""
     import pyarrow.parquet as pq
     file_id, g, _ = self._groups[group]
     try:
       with self._files[file_id].open("rb") as f:
-        return pq.ParquetFile(f).read_row_group(g).to_pylist()
+        return pq.ParquetFile(f).read_row_group(g)
     except (OSError, ValueError) as e:
       raise DataError(f"cannot read row group {g} of Parquet file {self._files[file_id]}: "
                       f"{e}") from e
 
   def __getitem__(self, index: int) -> dict:
     group, row = self._locate(index)
-    return self._read_group(group)[row]
+    return self._read_group(group).slice(row, 1).to_pylist()[0]
 
 
 class HFRecords:
