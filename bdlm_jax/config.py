@@ -34,8 +34,11 @@ DRAFT_TRANSPORTS = ("auto", "kv", "query", "seed")  # parallel.draft_transport
 REMAT = ("none", "full", "offload", "offload_input", "offload_period")
 MODES = ("train", "eval", "sample", "export", "plan", "prepare")
 # "tokens": a folder of token ids written by mode=prepare (bdlm_jax/data/prepare.py).
-DATA_SOURCES = ("arithmetic", "text", "jsonl", "array_record", "tokens")
+# "parquet": Parquet files; "hf": a Hugging Face `datasets` folder (save_to_disk) or hub name.
+DATA_SOURCES = ("arithmetic", "text", "jsonl", "array_record", "tokens", "parquet", "hf")
+RECORD_SOURCES = ("jsonl", "parquet", "hf")  # rows are records: data.format=chat reads them
 DATA_FORMATS = ("text", "chat")
+SUPERVISE = ("assistant", "last", "all")  # data.supervise, in bdlm_jax/data/chat.py
 CHAT_TEMPLATES = ("plain", "chatml", "tokenizer")  # in bdlm_jax/data/chat.py
 
 
@@ -290,13 +293,25 @@ class ModelConfig(Section):
 @dataclasses.dataclass
 class DataConfig(Section):
   source: str = "arithmetic"  # embedded default: needs no download
-  path: str = ""  # file or glob for text / jsonl / array_record sources; tokens: a folder
-  text_field: str = "text"  # key of the text in JSONL / ArrayRecord (JSON) records
+  # file or glob for text / jsonl / array_record / parquet sources (parquet: or a folder of
+  # shards); tokens: a folder; hf: a save_to_disk folder or a hub name
+  path: str = ""
+  # Several sources in place of `path`: "PATH:WEIGHT,PATH:WEIGHT,...", each read as
+  # data.source and data.format say, weights normalised (data/pipeline.py).
+  mixture: str = ""
+  text_field: str = "text"  # key (column) of the text in JSONL / ArrayRecord / Parquet / hf
+  messages_field: str = "messages"  # key (column) of a chat record's messages
+  hf_split: str = "train"  # data.source=hf: the split of a DatasetDict folder or hub dataset
+  hf_revision: str = ""  # data.source=hf with a hub name: its commit, tag or branch
   tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
-  # "chat": JSONL records {"messages": [{"role", "content"}, ...]} for SFT; the last assistant
-  # message is the response, everything before it the (never corrupted) prompt. With
+  # "chat": records that say what is supervised, for SFT (data/chat.py): {"messages": [{"role",
+  # "content"}, ...]}, {"prompt", "completion"}, or tokenized {"input_ids", "labels" or
+  # "loss_mask"}; what is not supervised is the (never corrupted) prompt. With
   # source=arithmetic each embedded document gives one question ("12+7=") and its answer.
   format: str = "text"
+  # Which messages a chat record scores: "assistant" every assistant message, "last" the last
+  # one only (the messages before it are its prompt), "all" every token (any record type).
+  supervise: str = "assistant"
   # How messages render to text: "plain", "chatml" (ours; EOS ends the response) or
   # "tokenizer" (the data.tokenizer folder's own chat template, as transformers renders it).
   chat_template: str = "plain"
@@ -319,7 +334,7 @@ class DataConfig(Section):
   holdout: float = 0.01
 
   RULES = dict(source=OneOf(DATA_SOURCES), format=OneOf(DATA_FORMATS),
-               chat_template=OneOf(CHAT_TEMPLATES), seq_len=AT_LEAST_1,
+               supervise=OneOf(SUPERVISE), chat_template=OneOf(CHAT_TEMPLATES), seq_len=AT_LEAST_1,
                num_threads=AT_LEAST_0, holdout=Holds("in [0, 1)", lambda x: 0 <= x < 1))
 
   def check(self) -> None:
@@ -327,16 +342,42 @@ class DataConfig(Section):
       raise ConfigError("data.segment_ids=false (one continuous stream a row, the seed's "
                         "pretraining packing) reads text documents; data.format='chat' keeps "
                         "each conversation its own (prompt and response): leave it true")
-    if self.format == "chat" and self.source not in ("jsonl", "tokens", "arithmetic"):
-      raise ConfigError(f"data.format='chat' reads JSONL records with 'messages' "
-                        f"(data.source=jsonl) or the embedded arithmetic as conversations "
-                        f"(data.source=arithmetic); got data.source={self.source!r}")
-    if self.source != "arithmetic" and not self.path:
+    if self.format == "chat" and self.source not in (*RECORD_SOURCES, "tokens", "arithmetic"):
+      raise ConfigError(f"data.format='chat' reads records (data.source="
+                        f"{'/'.join(RECORD_SOURCES)}) or the embedded arithmetic as "
+                        f"conversations (data.source=arithmetic); got data.source="
+                        f"{self.source!r}")
+    if self.mixture:
+      if self.path or self.eval_path or self.source == "arithmetic":
+        raise ConfigError(f"data.mixture={self.mixture!r} names the files in place of "
+                          f"data.path and data.eval_path (each source holds out its own "
+                          f"data.holdout), from a file source; got data.path={self.path!r}, "
+                          f"data.eval_path={self.eval_path!r}, data.source={self.source!r}")
+      mixture_entries(self.mixture)
+    elif self.source != "arithmetic" and not self.path:
       raise ConfigError(f"data.source={self.source!r} needs data.path")
     if self.format == "chat" and self.chat_template == "tokenizer" and self.tokenizer == "byte":
       raise ConfigError("data.chat_template='tokenizer' renders with the data.tokenizer "
                         "folder's chat template, but data.tokenizer='byte' has none: set "
                         "data.tokenizer to that folder, or use 'plain' or 'chatml'")
+
+
+def mixture_entries(mixture: str) -> list[tuple[str, float]]:
+  """data.mixture "PATH:WEIGHT,..." as [(path, weight / sum of weights)] (a path may hold
+  ':', as gs:// does: the weight follows the last one)."""
+  entries = []
+  for i, entry in enumerate(mixture.split(","), 1):
+    path, colon, weight = entry.strip().rpartition(":")
+    try:
+      value = float(weight)
+    except ValueError:
+      value = None
+    if not (colon and path and value is not None and value > 0 and value != float("inf")):
+      raise ConfigError(f"data.mixture entry {i} {entry.strip()!r} must be PATH:WEIGHT with a "
+                        f"weight > 0")
+    entries.append((path, value))
+  total = sum(w for _, w in entries)
+  return [(path, w / total) for path, w in entries]
 
 
 @dataclasses.dataclass

@@ -32,7 +32,7 @@ from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.data.arithmetic import ArithmeticSource, split_statement
-from bdlm_jax.data.chat import ArithmeticChatSource, make_template
+from bdlm_jax.data.chat import ArithmeticChatSource, make_template, render
 from bdlm_jax.feed import Feed
 from bdlm_jax.loss import spec_loss
 from bdlm_jax.parallel.mesh import make_mesh, row_sharding, to_host
@@ -117,8 +117,10 @@ def arithmetic_prompts(cfg: Config, n: int) -> list[tuple[str, str]]:
   conversations (`data.format=chat`). A document's earlier statements are dropped, whole,
   until the prompt and its answer fit the `data.seq_len` tokens the model was trained on."""
   if cfg.data.format == "chat":
-    chats = ArithmeticChatSource(cfg.seed, "eval", make_template(cfg.data))
-    return [(chats[i]["prompt"], chats.messages(i)[-1]["content"]) for i in range(n)]
+    template = make_template(cfg.data)
+    chats = ArithmeticChatSource(cfg.seed, "eval", template)
+    return [(render(chats.messages(i), template)[0], chats.messages(i)[-1]["content"])
+            for i in range(n)]
   source = ArithmeticSource(cfg.seed, split="eval")
   tokens = lambda text: len(checked_tokenizer(cfg).encode(text))
   rng = np.random.default_rng(cfg.seed)

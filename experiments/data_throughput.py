@@ -1,23 +1,33 @@
-"""Input pipeline tokens/s at L = 256K: tokenizing on the fly vs ids prepared once.
+"""Input pipeline tokens/s at L = 256K: tokenizing on the fly vs ids prepared once, and the
+same documents read from JSONL, Parquet and a `datasets` folder.
 
   python experiments/data_throughput.py              # ~2 minutes on 2 CPU cores
   python experiments/data_throughput.py --quick      # smoke run, seconds
+  # SFT-sized documents from each file source only, ~1 minute:
+  python experiments/data_throughput.py --sources_only --seq_len 4096 --batch_size 8 \
+      --corpus_mb 20 --seconds 10 --doc_words 50 1000 --row_group 64
 
 Generates a corpus of long documents (Zipf-distributed words, 8K to 1.5M characters each),
 trains a small byte-level BPE tokenizer on it (tokenizers, offline), prepares both tokenizers'
 ids with mode=prepare, then times `make_dataset`'s packed batches of `--seq_len` tokens on
 the on-the-fly path (data.source=text) and the prepared one (data.source=tokens), same seed.
 Tokens/s counts real tokens (segment > 0) per second of `next(batches)` after one warm-up
-batch. Prints a Markdown table.
+batch. The second table reads the corpus's documents, byte-tokenized on the fly and
+shuffled, from a text file, JSONL, Parquet (`--row_group` rows a row group) and a
+`datasets` folder (save_to_disk). Prints Markdown tables.
 """
 
 import argparse
 import dataclasses
+import json
 import os
 import tempfile
 import time
 
+import datasets
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -90,6 +100,35 @@ def measure(seq_len: int, batch_size: int, corpus_mb: float, seconds: float, pro
   return rows
 
 
+def measure_sources(seq_len: int, batch_size: int, corpus_mb: float, seconds: float,
+                    row_group: int, doc_words: tuple[int, int] = (1_500, 250_000)) -> list[dict]:
+  """tokens/s of the byte-tokenized documents of one corpus from each file source."""
+  with tempfile.TemporaryDirectory() as tmp:
+    corpus = os.path.join(tmp, "corpus.txt")
+    write_corpus(corpus, corpus_mb, doc_words)
+    with open(corpus) as f:
+      docs = f.read().splitlines()
+    with open(os.path.join(tmp, "corpus.jsonl"), "w") as f:
+      f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    pq.write_table(pa.table({"text": docs}), os.path.join(tmp, "corpus.parquet"),
+                   row_group_size=row_group)
+    datasets.disable_progress_bars()
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(os.path.join(tmp, "hf"))
+    paths = dict(text="corpus.txt", jsonl="corpus.jsonl", parquet="corpus.parquet", hf="hf")
+    return [dict(source=source, documents=len(docs), tokens_per_s=tokens_per_s(
+                DataConfig(source=source, path=os.path.join(tmp, path), seq_len=seq_len),
+                batch_size, 260, seconds))
+            for source, path in paths.items()]
+
+
+def sources_table(rows: list[dict]) -> str:
+  lines = ["| data.source | documents | tokens/s | vs text |", "|---|---:|---:|---:|"]
+  for r in rows:
+    lines.append(f"| {r['source']} | {r['documents']:,} | {r['tokens_per_s'] / 1e6:.2f}M | "
+                 f"{r['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x |")
+  return "\n".join(lines)
+
+
 def table(rows: list[dict], processes: int) -> str:
   lines = [f"| tokenizer | documents | tokens | prepare (once, {processes} processes) | "
            f"on the fly | prepared | ratio |", "|---|---:|---:|---:|---:|---:|---:|"]
@@ -109,15 +148,24 @@ def main() -> None:
   parser.add_argument("--corpus_mb", type=float, default=40)
   parser.add_argument("--seconds", type=float, default=20, help="timed per measurement")
   parser.add_argument("--processes", type=int, default=2, help="prepare.num_processes")
+  parser.add_argument("--row_group", type=int, default=64, help="Parquet rows per row group")
+  parser.add_argument("--doc_words", type=int, nargs=2, default=(1_500, 250_000),
+                      help="words per document: the range drawn log-uniformly from")
+  parser.add_argument("--sources_only", action="store_true", help="only the sources table")
   parser.add_argument("--quick", action="store_true", help="tiny corpus and documents, L = 4096")
   args = parser.parse_args()
   if args.quick:
     args.seq_len, args.corpus_mb, args.seconds = 4096, 1, 0.5
-  rows = measure(args.seq_len, args.batch_size, args.corpus_mb, args.seconds, args.processes,
-                 doc_words=(100, 5_000) if args.quick else (1_500, 250_000))
+  doc_words = (100, 5_000) if args.quick else tuple(args.doc_words)
   print(f"L = {args.seq_len:,}, batch {args.batch_size}, {os.cpu_count()} CPU cores, "
-        f"data.num_threads=2, corpus {args.corpus_mb:g} MB\n")
-  print(table(rows, args.processes))
+        f"data.num_threads=2, corpus {args.corpus_mb:g} MB of {doc_words[0]:,}-"
+        f"{doc_words[1]:,}-word documents\n")
+  if not args.sources_only:
+    print(table(measure(args.seq_len, args.batch_size, args.corpus_mb, args.seconds,
+                        args.processes, doc_words=doc_words), args.processes) + "\n")
+  print(f"byte tokenizer, shuffled, Parquet row groups of {args.row_group} rows:\n")
+  print(sources_table(measure_sources(args.seq_len, args.batch_size, args.corpus_mb,
+                                      args.seconds, args.row_group, doc_words)))
 
 
 if __name__ == "__main__":

@@ -184,7 +184,7 @@ class Checkpointer:
         config=ocp.args.JsonRestore())).config
 
   def _data_fingerprint(self) -> str | None:
-    if self._data is None and self.cfg.data.source == "tokens":
+    if self._data is None and self.cfg.data.source == "tokens" and not self.cfg.data.mixture:
       from bdlm_jax.data.prepare import folder_fingerprint  # late: the data package needs grain
       self._data = folder_fingerprint(self.cfg.data.path)
     return self._data

@@ -8,11 +8,13 @@ Everything is a pure function of the seed, so two runs with one seed see the sam
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import sys
 
 import grain
 
-from bdlm_jax.config import DataConfig
+from bdlm_jax.config import DataConfig, mixture_entries
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.data import chat
 from bdlm_jax.data.packing import one_per_row, one_stream, pack
@@ -30,7 +32,7 @@ def _without_token(token_id: int, ids):
   spells out the [MASK] token literally (a tokenizer matches special tokens in raw text)
   loses that token, instead of stopping training at `make_batch`, which refuses [MASK]."""
   if isinstance(ids, dict):
-    return {k: v[v != token_id] for k, v in ids.items()}
+    return {k: v[ids["tokens"] != token_id] for k, v in ids.items()}
   return ids[ids != token_id]
 
 
@@ -60,30 +62,10 @@ def check_tokenizer(tokenizer: Tokenizer, data_cfg: DataConfig, vocab_size: int,
     check_mask_id(tokenizer, data_cfg, vocab_size, mask_token_id)
 
 
-def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size: int,
-                 process_index: int = 0, process_count: int = 1,
-                 block_size: int = 1, mask_token_id: int | None = None,
-                 split: str = "train") -> grain.DatasetIterator:
-  """This process's batches {"tokens", "segment_ids"}: int32 [batch_size, L], forever.
-
-  With `data.format="chat"` batches also hold "protected" bool [batch_size, L] (the prompts)
-  and what was cut of conversations longer than L ("prompt_cut", "response_cut" int32
-  [batch_size, L]), and every conversation is padded to whole blocks of `block_size` (see
-  data/chat.py).
-
-  Process p reads documents p, p + P, p + 2P, ... of the source (disjoint shards); each
-  epoch is reshuffled from `seed` when `data.shuffle`. Padding is `tokenizer.pad_id` with
-  segment 0 (with `data.segment_ids=false`, every other token of a row is segment 1: one
-  stream). `mask_token_id`, the objective's [MASK] (None for `ar`), is checked against the
-  tokenizer before anything is read, and dropped from documents that spell it out. `split`
-  ("train" or "eval") picks the training documents or the held-out ones (sources.held_out).
-  """
-  if not 0 <= process_index < process_count:
-    raise ConfigError(f"process_index={process_index} must lie in [0, {process_count})")
-  if batch_size < 1:
-    raise ConfigError(f"batch_size={batch_size} must be >= 1")
-  tokenizer = make_tokenizer(data_cfg)
-  check_tokenizer(tokenizer, data_cfg, vocab_size, mask_token_id)
+def _documents(data_cfg: DataConfig, tokenizer: Tokenizer, *, seed: int, split: str,
+               process_index: int, process_count: int) -> tuple[grain.MapDataset, int]:
+  """(this process's documents of `split` of one source, token ids, shuffled from `seed` on
+  each epoch and repeated forever; the split's document count)."""
   is_chat, is_tokens = data_cfg.format == "chat", data_cfg.source == "tokens"
   if is_tokens:  # tokenized once by mode=prepare: its documents are ids already
     source = TokenSource(split_path(data_cfg, split), data_cfg, tokenizer)
@@ -104,9 +86,55 @@ def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size
                     f"{process_count} processes one")
   if data_cfg.shuffle:
     docs = docs.shuffle(seed)
-  docs = docs.repeat()  # reshuffled every epoch
+  return docs.repeat(), len(split_docs)  # reshuffled every epoch
+
+
+def make_dataset(data_cfg: DataConfig, *, batch_size: int, seed: int, vocab_size: int,
+                 process_index: int = 0, process_count: int = 1,
+                 block_size: int = 1, mask_token_id: int | None = None,
+                 split: str = "train") -> grain.DatasetIterator:
+  """This process's batches {"tokens", "segment_ids"}: int32 [batch_size, L], forever.
+
+  With `data.format="chat"` batches also hold "protected" bool [batch_size, L] (what is not
+  scored: prompts) and what was cut of examples longer than L ("prompt_cut", "response_cut"
+  int32 [batch_size, L]), and every prompt and response is padded to whole blocks of
+  `block_size` (see data/chat.py).
+
+  Process p reads documents p, p + P, p + 2P, ... of the source (disjoint shards); each
+  epoch is reshuffled from `seed` when `data.shuffle`. With `data.mixture`, each source is
+  read so (source i shuffled from seed + i, on its own epochs), and Grain's `mix` interleaves
+  them in the proportions of their weights (rounded to small integers: exact over each
+  cycle); the sources, their sizes and weights are printed to stderr. Padding is `tokenizer.pad_id` with
+  segment 0 (with `data.segment_ids=false`, every other token of a row is segment 1: one
+  stream). `mask_token_id`, the objective's [MASK] (None for `ar`), is checked against the
+  tokenizer before anything is read, and dropped from documents that spell it out. `split`
+  ("train" or "eval") picks the training documents or the held-out ones (sources.held_out).
+  """
+  if not 0 <= process_index < process_count:
+    raise ConfigError(f"process_index={process_index} must lie in [0, {process_count})")
+  if batch_size < 1:
+    raise ConfigError(f"batch_size={batch_size} must be >= 1")
+  tokenizer = make_tokenizer(data_cfg)
+  check_tokenizer(tokenizer, data_cfg, vocab_size, mask_token_id)
+  shard = dict(seed=seed, split=split, process_index=process_index, process_count=process_count)
+  if not data_cfg.mixture:
+    docs = _documents(data_cfg, tokenizer, **shard)[0]
+  else:
+    parts, lines = [], []
+    for i, (path, weight) in enumerate(mixture_entries(data_cfg.mixture)):
+      part_cfg = dataclasses.replace(data_cfg, path=path, mixture="")
+      try:
+        part, size = _documents(part_cfg, tokenizer, **dict(shard, seed=seed + i))
+      except (ConfigError, DataError) as e:
+        raise type(e)(f"data.mixture entry {i + 1} ({path!r}): {e}") from e
+      parts.append((part, weight))
+      lines.append(f"  {path}: {size:,} documents, weight {weight:.4g}")
+    if process_index == 0:
+      print(f"data.mixture, {split} split:", *lines, sep="\n", file=sys.stderr)
+    docs = grain.MapDataset.mix(*zip(*parts))
   if mask_token_id is not None:
     docs = docs.map(functools.partial(_without_token, mask_token_id))
+  is_chat = data_cfg.format == "chat"
   if is_chat:
     docs = docs.map(functools.partial(chat.align, tokenizer.pad_id, block_size, data_cfg.seq_len))
   docs = docs.to_iter_dataset(grain.ReadOptions(

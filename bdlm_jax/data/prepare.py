@@ -4,8 +4,8 @@ is otherwise tokenized again every epoch, on the training host's few cores.
 
 A prepared folder holds
 * `shard-<first>-<end>.array_record`: documents [first, end) of the source, in its order, one
-  record each, int32 little-endian: a text document's ids and EOS; a conversation's prompt
-  length (its prompt mask) followed by the prompt's ids, the response's and EOS;
+  record each, int32 little-endian: a text document's ids and EOS; a chat example's ids, a
+  scored one stored as its bitwise complement (negative: ids are >= 0);
 * `meta.json`: what was tokenized (source, path, format, tokenizer and its fingerprint), the
   counts (documents, tokens) and the shards, each with the sha256 of its file and a digest of
   its records, written last: a folder without it is unfinished. `fingerprint` (of the
@@ -58,28 +58,40 @@ _UNITS_PER_PROCESS = 8  # pieces of work per process: finer progress and a faire
 _DIGEST_MOD = 1 << 128  # record digests add up modulo this: independent of the sharding
 
 
-def tokenize(tokenizer: Tokenizer, doc: str | dict[str, str]):
-  """A document's ids as packing needs them: int32 [T] ending in EOS for text; for a
-  conversation (chat.conversation) {"prompt": ids, "response": ids, ending in EOS where
-  "add_eos" (else the chat template ended the turn)}. mode=prepare stores these."""
-  if isinstance(doc, dict):
-    end = [tokenizer.eos_id] if doc["add_eos"] else []
-    return {"prompt": np.asarray(tokenizer.encode(doc["prompt"]), np.int32),
-            "response": np.asarray(tokenizer.encode(doc["response"]) + end, np.int32)}
-  return np.asarray(tokenizer.encode(doc) + [tokenizer.eos_id], np.int32)
+def tokenize(tokenizer: Tokenizer, doc: str | dict):
+  """A document's ids as packing needs them: int32 [T] ending in EOS for text; for a chat
+  example (chat.example) {"tokens": int32 [T], "scored": bool [T]}: its spans encoded one by
+  one (chat.EOS: the EOS id), or its ids checked against the vocabulary. mode=prepare stores
+  these."""
+  if isinstance(doc, str):
+    return np.asarray(tokenizer.encode(doc) + [tokenizer.eos_id], np.int32)
+  if "spans" in doc:
+    pieces = [[tokenizer.eos_id] if text is chat.EOS else tokenizer.encode(text)
+              for text, _ in doc["spans"]]
+    return {"tokens": np.asarray([i for piece in pieces for i in piece], np.int32),
+            "scored": np.repeat([scored for _, scored in doc["spans"]], list(map(len, pieces)))}
+  tokens = doc["tokens"]
+  outside = (tokens < 0) | (tokens >= tokenizer.vocab_size)
+  if outside.any():
+    raise DataError(f"input id {tokens[outside][0]} lies outside the vocabulary of "
+                    f"data.tokenizer (size {tokenizer.vocab_size})")
+  return {"tokens": tokens.astype(np.int32), "scored": doc["scored"]}
 
 
 def _record(ids) -> bytes:
   if isinstance(ids, dict):
-    ids = np.concatenate([[len(ids["prompt"])], ids["prompt"], ids["response"]])
+    ids = np.where(ids["scored"], ~ids["tokens"], ids["tokens"])
   return np.asarray(ids, "<i4").tobytes()
 
 
 def _identity(data_cfg: DataConfig, tokenizer: Tokenizer, documents: int) -> dict:
   """What a folder was prepared from; a rerun must match it to continue."""
+  is_chat = data_cfg.format == "chat"
   return dict(version=VERSION, source=data_cfg.source, path=data_cfg.path,
               text_field=data_cfg.text_field, format=data_cfg.format,
-              chat_template=data_cfg.chat_template if data_cfg.format == "chat" else "",
+              chat_template=data_cfg.chat_template if is_chat else "",
+              **(dict(supervise=data_cfg.supervise, messages_field=data_cfg.messages_field)
+                 if is_chat else {}),
               tokenizer=data_cfg.tokenizer, tokenizer_fingerprint=tokenizer.fingerprint,
               vocab_size=tokenizer.vocab_size, documents=documents)
 
@@ -89,8 +101,12 @@ def _identity(data_cfg: DataConfig, tokenizer: Tokenizer, documents: int) -> dic
 def check_config(cfg: Config) -> None:
   """mode=prepare needs a file corpus and somewhere to put its ids."""
   if cfg.data.source in ("arithmetic", "tokens"):
-    raise ConfigError(f"mode=prepare tokenizes a text, jsonl or array_record corpus; "
+    raise ConfigError(f"mode=prepare tokenizes a text, jsonl, array_record, parquet or hf "
+                      f"corpus; "
                       f"data.source={cfg.data.source!r} has nothing to tokenize")
+  if cfg.data.mixture:
+    raise ConfigError(f"mode=prepare tokenizes one corpus (data.path), not data.mixture="
+                      f"{cfg.data.mixture!r}: prepare each entry into its own folder")
   if not cfg.prepare.out_dir:
     raise ConfigError("mode=prepare needs prepare.out_dir, the folder to write the ids to")
   if "://" in cfg.prepare.out_dir:
@@ -114,7 +130,7 @@ def _prepare_split(cfg: Config, path: str, out_dir: str, progress: bool) -> dict
   if tokenizer.eos_id is None:
     raise ConfigError(f"data.tokenizer={data_cfg.tokenizer!r} has no end-of-document token; "
                       f"packing needs one to end each document")
-  source = (chat.ChatSource(path, chat.make_template(data_cfg)) if data_cfg.format == "chat"
+  source = (chat.make_chat_source(data_cfg, cfg.seed, "train") if data_cfg.format == "chat"
             else make_source(data_cfg, cfg.seed))
   identity = _identity(data_cfg, tokenizer, len(source))
   done = _start(out_dir, identity)
@@ -288,7 +304,7 @@ def _write_range(first: int, end: int, out_dir: str, shard_tokens: int) -> list[
     record = _record(ids)
     writer.write(record)
     digest = (digest + _record_digest(i, record)) % _DIGEST_MOD
-    tokens += sum(map(len, ids.values())) if isinstance(ids, dict) else len(ids)
+    tokens += len(ids["tokens"]) if isinstance(ids, dict) else len(ids)
     if tokens >= shard_tokens or i + 1 == end:
       writer.close()
       name = f"shard-{start:012d}-{i + 1:012d}.array_record"
@@ -398,7 +414,8 @@ class TokenSource:
                 vocab_size=("data.tokenizer's vocab size", tokenizer.vocab_size),
                 format=("data.format", data_cfg.format))
     if data_cfg.format == "chat":
-      want["chat_template"] = ("data.chat_template", data_cfg.chat_template)
+      want.update(chat_template=("data.chat_template", data_cfg.chat_template),
+                  supervise=("data.supervise", data_cfg.supervise))
     wrong = [f"{k} {meta.get(k)!r} (config {key}: {value!r})"
              for k, (key, value) in want.items() if meta.get(k) != value]
     if wrong:
@@ -443,6 +460,5 @@ class TokenSource:
                       f"be read ({e}). {self._rebuild()}") from e
     ids = np.frombuffer(record, "<i4").astype(np.int32, copy=False)
     if self._chat:
-      n = int(ids[0])
-      return {"prompt": ids[1:1 + n], "response": ids[1 + n:]}
+      return {"tokens": np.where(ids < 0, ~ids, ids), "scored": ids < 0}
     return ids

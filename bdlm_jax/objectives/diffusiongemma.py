@@ -111,18 +111,18 @@ def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
 
 
 def _conversations(seg_SL: np.ndarray) -> np.ndarray:
-  """Segment ids renumbered 1.. per sequence (0 stays padding); a conversation must be one
-  contiguous run (its weight and self-conditioning draw are per conversation)."""
+  """Segment ids renumbered 1.. per sequence (0 stays padding, also the padding between a
+  conversation's turns); a conversation must be one run of its id, padding aside (its weight
+  and self-conditioning draw are per conversation)."""
   out = np.zeros_like(seg_SL)
   for i, row in enumerate(seg_SL):
-    starts = np.flatnonzero(np.diff(row, prepend=-1))
-    ids = row[starts]
-    real = ids[ids > 0]
-    if len(np.unique(real)) != len(real):
+    real = row > 0
+    ids = row[real]
+    starts = np.flatnonzero(np.diff(ids, prepend=-1))
+    if len(np.unique(ids[starts])) != len(starts):
       raise ConfigError(f"diffusiongemma needs each conversation's tokens contiguous, but "
                         f"sequence {i} returns to a segment id after another one")
-    runs = np.cumsum(ids > 0) * (ids > 0)
-    out[i] = np.repeat(runs, np.diff(np.append(starts, len(row))))
+    out[i, real] = np.repeat(np.arange(1, len(starts) + 1), np.diff(np.append(starts, len(ids))))
   return out
 
 

@@ -67,6 +67,10 @@ def check_config(cfg: Config) -> None:
     raise ConfigError(f"objective.name={cfg.objective.name!r} cannot train Gated DeltaNet "
                       f"layers (model.layer_pattern={cfg.model.layer_pattern!r}) yet; use one "
                       f"of {[name for name, o in OBJECTIVES.items() if runs_gdn(o)]}")
+  if cfg.data.format == "chat" and cfg.data.supervise == "assistant":
+    raise ConfigError("data.supervise='assistant' pads between a conversation's turns, and "
+                      "Gated DeltaNet layers restart their state after padding: set "
+                      "data.supervise='last' (or 'all')")
   stream_program(plan_for(cfg), cfg.model.gdn_conv - 1)
 
 

@@ -10,18 +10,20 @@ import pytest
 
 from bdlm_jax import make_batch
 from bdlm_jax.config import Config, DataConfig
-from bdlm_jax.configure import replace
+from bdlm_jax.configure import load_config, replace
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.data import ByteTokenizer, DataError, check_arithmetic, make_dataset
 from bdlm_jax.checkpoint.hf_export import export_hf
 from bdlm_jax.checkpoint.hf_import import import_hf
-from bdlm_jax.data.chat import (ChatSource, FolderTemplate, Truncations, align, make_template,
-                                prompt_text, render)
+from bdlm_jax.data.chat import (ChatSource, FolderTemplate, Truncations, align, example,
+                                make_template, prompt_text, render)
+from bdlm_jax.data.sources import JsonlRecords
 from bdlm_jax.evaluate import arithmetic_prompts
 from bdlm_jax.objectives import get_objective
 from bdlm_jax.params import init_params
 from tests.data.conftest import CORPUS, save_word_level
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 B, L = 4, 128
 CONVERSATIONS = [
     [{"role": "user", "content": "12+7="}, {"role": "assistant", "content": "19"}],
@@ -30,6 +32,12 @@ CONVERSATIONS = [
     [{"role": "user", "content": "3*4="}, {"role": "assistant", "content": "12"},
      {"role": "user", "content": "and 5*5?"}, {"role": "assistant", "content": "25"}],
 ]
+
+
+def turns(*ids):
+  """An example's {"tokens", "scored"} from its runs of ids: prompt, response, prompt, ..."""
+  return {"tokens": np.concatenate(ids),
+          "scored": np.repeat(np.arange(len(ids)) % 2 == 1, list(map(len, ids)))}
 
 
 def _write(tmp_path, records, name="chat.jsonl"):
@@ -55,10 +63,10 @@ def test_chat_batches_mark_exactly_the_prompts_protected(chat_batch):
   assert protected.shape == tokens.shape and protected.dtype == bool
   responses = [tok.decode(tokens[r][(seg[r] == s) & ~protected[r]], skip_special=False)
                for r in range(len(tokens)) for s in np.unique(seg[r][seg[r] > 0])]
-  assert set(responses) == {"19<eos>", "hello there<eos>", "25<eos>"}  # data repeats
+  assert set(responses) == {"19<eos>", "hello there<eos>", "12<eos>25<eos>"}  # data repeats
   prompts = [tok.decode(tokens[r][(seg[r] == s) & protected[r]])
              for r in range(len(tokens)) for s in np.unique(seg[r][seg[r] > 0])]
-  assert "User: 3*4=\nAssistant: 12\nUser: and 5*5?\nAssistant: " in prompts
+  assert "User: 3*4=\nAssistant: \nUser: and 5*5?\nAssistant: " in prompts
 
 
 def test_examples_are_whole_blocks_so_no_block_mixes_prompt_and_response(chat_batch):
@@ -100,7 +108,7 @@ def test_record_without_assistant_response_is_a_data_error_naming_file_and_line(
   bad = CONVERSATIONS[:2] + [[{"role": "user", "content": "unanswered"}]]
   path = _write(tmp_path, bad)
   with pytest.raises(DataError, match=f"{path}:3 has no assistant response"):
-    ChatSource(path, "plain")[2]
+    ChatSource(JsonlRecords(path), "plain", "assistant")[2]
   first_bad = _write(tmp_path, [[{"role": "assistant", "content": ""}]], "first.jsonl")
   with pytest.raises(DataError, match=f"{first_bad}:1 has no assistant response"):
     make_dataset(_chat_cfg(first_bad), batch_size=2, seed=0, vocab_size=260, block_size=B)
@@ -191,30 +199,47 @@ def gemma_folder(tmp_path):
   return str(folder)
 
 
-def test_tokenizer_template_renders_and_tokenizes_as_transformers_does(gemma_folder, tmp_path):
+def _ids_and_protected(batch):
+  """{(ids, protected)} of every example of a batch."""
+  return {(tuple(tokens[seg == s].tolist()), tuple(protected[seg == s].tolist()))
+          for tokens, seg, protected in zip(batch["tokens"], batch["segment_ids"],
+                                            batch["protected"])
+          for s in np.unique(seg[seg > 0])}
+
+
+@pytest.mark.parametrize("supervise", ["last", "assistant"])
+def test_tokenizer_template_renders_and_tokenizes_as_transformers_does(gemma_folder, tmp_path,
+                                                                       supervise):
   transformers = pytest.importorskip("transformers")
   reference = transformers.PreTrainedTokenizerFast.from_pretrained(gemma_folder)
   template = FolderTemplate(gemma_folder)
+  ids_of = lambda messages, **kw: reference.apply_chat_template(messages, **kw)["input_ids"]
   expected = set()
   for messages in GEMMA_CONVERSATIONS:
     prompt, response = render(messages, template)
     assert prompt == reference.apply_chat_template(messages[:-1], tokenize=False,
                                                    add_generation_prompt=True)
     assert prompt + response == reference.apply_chat_template(messages, tokenize=False)
-    ids = reference.apply_chat_template(messages)["input_ids"]
-    n_prompt = len(reference.apply_chat_template(messages[:-1],
-                                                 add_generation_prompt=True)["input_ids"])
-    expected.add((tuple(ids), (True,) * n_prompt + (False,) * (len(ids) - n_prompt)))
-  # The batches hold exactly those ids: BOS as the template writes it, the response ending
-  # with the turn's end (no EOS appended), and only the prompt protected.
+    ids, protected = ids_of(messages), np.ones(len(ids_of(messages)), bool)
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    scored = answers if supervise == "assistant" else answers[-1:]
+    text_of = lambda messages, **kw: reference.apply_chat_template(messages, tokenize=False, **kw)
+    for i in scored:
+      # A turn: what the messages up to it add to those before it with the generation prompt.
+      protected[len(ids_of(messages[:i], add_generation_prompt=True)):
+                len(ids_of(messages[:i + 1]))] = False
+    expected.add((tuple(ids), tuple(protected.tolist())))
+    spans = example({"messages": messages}, "here", template, supervise)["spans"]
+    assert "".join(text for text, _ in spans) == text_of(messages)
+    assert [text for text, is_scored in spans if is_scored] == [
+        text_of(messages[:i + 1])[len(text_of(messages[:i], add_generation_prompt=True)):]
+        for i in scored]
+  # The batches hold exactly those ids: BOS as the template writes it, each response ending
+  # with the turn's end (no EOS appended), and only the prompts protected.
   batch = next(make_dataset(_chat_cfg(_write(tmp_path, GEMMA_CONVERSATIONS), tokenizer=gemma_folder,
-                                      chat_template="tokenizer"),
+                                      chat_template="tokenizer", supervise=supervise),
                             batch_size=2, seed=0, vocab_size=64, block_size=B))
-  found = {(tuple(tokens[seg == s].tolist()), tuple(protected[seg == s].tolist()))
-           for tokens, seg, protected in zip(batch["tokens"], batch["segment_ids"],
-                                             batch["protected"])
-           for s in np.unique(seg[seg > 0])}
-  assert found == expected
+  assert _ids_and_protected(batch) == expected
   # The sampler's prompt for one user message is the template's, generation prompt included.
   user = [{"role": "user", "content": "a cat"}]
   assert prompt_text("a cat", template) == reference.apply_chat_template(
@@ -253,7 +278,7 @@ def test_tokenizer_template_errors_name_the_problem(gemma_folder, tmp_path):
   unpaired = _write(tmp_path, [[{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
                                 {"role": "assistant", "content": "c"}]], "unpaired.jsonl")
   with pytest.raises(DataError, match=f"{unpaired}:1: .*roles must alternate"):
-    ChatSource(unpaired, FolderTemplate(gemma_folder))
+    ChatSource(JsonlRecords(unpaired), FolderTemplate(gemma_folder), "last")
   # chat_template.jinja comes first (as transformers reads a folder); this one's generation
   # prompt is no prefix of the conversation's rendering.
   (tmp_path / "gemma" / "chat_template.jinja").write_text(
@@ -261,7 +286,7 @@ def test_tokenizer_template_errors_name_the_problem(gemma_folder, tmp_path):
       "{% if add_generation_prompt %}>{% endif %}")
   with pytest.raises(DataError, match=f"{path}:1: .*chat_template.jinja renders .* does not "
                                       f"start with"):
-    ChatSource(path, FolderTemplate(gemma_folder))
+    ChatSource(JsonlRecords(path), FolderTemplate(gemma_folder), "last")
 
 
 @pytest.mark.parametrize("pack", [True, False])
@@ -289,7 +314,97 @@ def test_a_prompt_longer_than_the_row_keeps_the_response_start_and_is_counted(tm
 
 def test_a_response_longer_than_half_the_row_keeps_half_and_the_prompt_s_end():
   prompt, response = np.arange(1, 101, dtype=np.int32), np.arange(101, 301, dtype=np.int32)
-  ex = align(0, B, L, {"prompt": prompt, "response": response})
+  ex = align(0, B, L, turns(prompt, response))
   assert len(ex["tokens"]) == L and ex["protected"].sum() == L // 2
   np.testing.assert_array_equal(ex["tokens"], np.concatenate([prompt[-64:], response[:64]]))
   assert (ex["prompt_cut"][0], ex["response_cut"][0]) == (36, 136)
+
+
+GENERATION_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<end_of_turn>"
+    "{% endgeneration %}{% else %}{{ m['content'] }}<end_of_turn>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def test_generation_blocks_are_what_transformers_masks_as_assistant(gemma_folder, tmp_path):
+  """A template with `{% generation %}` blocks: the scored tokens are transformers'
+  assistant mask, every turn's."""
+  transformers = pytest.importorskip("transformers")
+  config = json.loads((tmp_path / "gemma" / "tokenizer_config.json").read_text())
+  (tmp_path / "gemma" / "tokenizer_config.json").write_text(
+      json.dumps(dict(config, chat_template=GENERATION_TEMPLATE)))
+  reference = transformers.PreTrainedTokenizerFast.from_pretrained(gemma_folder)
+  expected = set()
+  for messages in GEMMA_CONVERSATIONS:
+    out = reference.apply_chat_template(messages, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    expected.add((tuple(out["input_ids"]), tuple(m == 0 for m in out["assistant_masks"])))
+  batch = next(make_dataset(_chat_cfg(_write(tmp_path, GEMMA_CONVERSATIONS),
+                                      tokenizer=gemma_folder, chat_template="tokenizer"),
+                            batch_size=2, seed=0, vocab_size=64, block_size=B))
+  assert _ids_and_protected(batch) == expected
+
+
+def _scored_runs(batch, tok=ByteTokenizer()):
+  """{prompt text of an example: [each run of its scored tokens, decoded]}; and every run
+  starts and ends on a block boundary (or the example's end)."""
+  found = {}
+  for tokens, seg, protected in zip(batch["tokens"], batch["segment_ids"], batch["protected"]):
+    for s in np.unique(seg[seg > 0]):
+      at = np.flatnonzero(seg == s)
+      scored = ~protected[at]
+      starts = np.flatnonzero(np.diff(scored.astype(int), prepend=0) == 1)
+      ends = np.flatnonzero(np.diff(scored.astype(int), append=0) == -1) + 1
+      assert all(at[i] % B == 0 for i in starts)
+      runs = [tok.decode(tokens[at[i:j]], skip_special=False) for i, j in zip(starts, ends)]
+      found[tok.decode(tokens[at[~scored]])] = runs
+  return found
+
+
+MULTI_TURN = [{"role": "system", "content": "be brief"},
+              {"role": "user", "content": "3*4="}, {"role": "assistant", "content": "12"},
+              {"role": "user", "content": "and 5*5?"}, {"role": "assistant", "content": "25"},
+              {"role": "tool", "content": "ok"}, {"role": "assistant", "content": "done!"}]
+
+
+@pytest.mark.parametrize("supervise, runs", [
+    ("assistant", ["12<eos>", "25<eos>", "done!<eos>"]),
+    ("last", ["done!<eos>"]),
+    ("all", ["System: be brief\nUser: 3*4=\nAssistant: 12<eos>\nUser: and 5*5?\nAssistant: "
+             "25<eos>\nTool: ok\nAssistant: done!<eos>"])])
+def test_each_assistant_turn_is_scored_from_a_block_boundary(tmp_path, supervise, runs):
+  """Before, a multi-turn conversation trained on its last answer only (supervise=last)."""
+  data = make_dataset(_chat_cfg(_write(tmp_path, [MULTI_TURN]), supervise=supervise),
+                      batch_size=1, seed=0, vocab_size=260, block_size=B)
+  found = _scored_runs(next(data))
+  assert list(found.values()) == [runs]
+  if supervise == "last":  # today's prompt: the earlier answers without EOS
+    assert list(found) == ["System: be brief\nUser: 3*4=\nAssistant: 12\nUser: and 5*5?\n"
+                           "Assistant: 25\nTool: ok\nAssistant: "]
+
+
+def test_a_long_conversation_keeps_the_turns_that_fit_and_counts_the_rest():
+  """Runs prompt 10, response 6, prompt 30, response 40 (B = 4, L = 48): aligned, they take
+  12 + 8 + 32 + 40 rows; the second response overflows, so it keeps half the row (24) and
+  what precedes it its last 24 (the second prompt's end); what is left out is counted."""
+  p1, r1, p2, r2 = (np.arange(n, dtype=np.int32) + 1 + 100 * i
+                    for i, n in enumerate((10, 6, 30, 40)))
+  ex = align(0, B, 48, turns(p1, r1, p2, r2))
+  np.testing.assert_array_equal(ex["tokens"], np.concatenate([p2[-24:], r2[:24]]))
+  assert ex["protected"].tolist() == [True] * 24 + [False] * 24
+  assert (ex["prompt_cut"][0], ex["response_cut"][0]) == (10 + 6, 6 + 16)
+  # Row 96: both turns whole, each response from a block boundary, padding not real.
+  ex = align(0, B, 96, turns(p1, r1, p2, r2))
+  assert len(ex["tokens"]) == 12 + 8 + 32 + 40
+  assert ex["real"].sum() == 86 and (ex["prompt_cut"][0], ex["response_cut"][0]) == (0, 0)
+  assert np.flatnonzero(~ex["protected"]).tolist() == [*range(12, 18), *range(52, 92)]
+
+
+def test_a_gated_deltanet_model_refuses_padding_between_turns():
+  """Its layers restart their state after padding: a conversation's later turns would lose
+  the earlier ones."""
+  cfg = load_config(os.path.join(REPO, "configs", "qwen3_5_tiny.py"))
+  with pytest.raises(ConfigError, match="data.supervise='assistant' pads between"):
+    replace(cfg, data=dict(source="arithmetic", format="chat"))
+  replace(cfg, data=dict(source="arithmetic", format="chat", supervise="last"))

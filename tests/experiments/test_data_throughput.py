@@ -12,3 +12,11 @@ def test_tiny_run_prints_a_row_per_tokenizer():
   assert rows[0]["tokens"] > rows[1]["tokens"] > 0  # BPE merges bytes
   assert all(r["prepared"] > 0 and r["on_the_fly"] > 0 for r in rows)
   assert dt.table(rows, 1).count("\n") == 3
+
+
+def test_tiny_run_times_every_file_source():
+  rows = dt.measure_sources(seq_len=1024, batch_size=2, corpus_mb=0.2, seconds=0.2,
+                            row_group=16, doc_words=(100, 2_000))
+  assert [r["source"] for r in rows] == ["text", "jsonl", "parquet", "hf"]
+  assert len({r["documents"] for r in rows}) == 1 and all(r["tokens_per_s"] > 0 for r in rows)
+  assert dt.sources_table(rows).count("\n") == 5

@@ -276,3 +276,21 @@ def test_config_rules():
   seg[0, -PAD - 2:-PAD] = seg[0, 0]  # the first conversation again, after the third
   with pytest.raises(ConfigError, match=r"each conversation's tokens contiguous"):
     make_batch(_cfg(), tokens, seg, protected)
+
+
+def test_a_conversation_with_padding_between_its_turns_is_one_conversation():
+  """data.supervise=assistant pads between turns (segment 0 inside a conversation): its
+  turns stay one conversation (one weight, one self-conditioning draw), and only the
+  responses are canvas labels."""
+  # blocks: [pad prompt prompt prompt] [resp resp pad pad] [pad pad prompt prompt] [resp x4]
+  seg = np.array([[0, 3, 3, 3, 3, 3, 0, 0, 0, 0, 3, 3, 3, 3, 3, 3, 0, 0, 5, 5]])
+  protected = np.array([[1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 0]], bool)
+  tokens = np.arange(1, seg.size + 1)[None]
+  cfg = _cfg().objective  # block_size B
+  rows = diffusiongemma.logical_rows(tokens, seg, protected, cfg)
+  noisy_seg, noisy_labels = rows["seg"][0, :seg.size], rows["labels"][0, :seg.size]
+  assert noisy_seg.tolist() == (np.where(seg[0] == 3, 1, 0) + np.where(seg[0] == 5, 2, 0)
+                                ).tolist()
+  assert np.flatnonzero(noisy_labels >= 0).tolist() == [4, 5, 12, 13, 14, 15, 19]
+  with pytest.raises(ConfigError, match="returns to a segment id"):
+    diffusiongemma.logical_rows(tokens, np.where(seg == 0, 5, seg), protected, cfg)

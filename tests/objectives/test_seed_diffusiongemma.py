@@ -75,7 +75,9 @@ def _conversations(lengths, seed=0):
 
 def _our_rows(convs, seq_len):
   """(tokens, segment ids, protected) [S, L]: one conversation a row, data.pack=false."""
-  examples = [chat.align(PAD_ID, B, seq_len, {"prompt": p, "response": r}) for p, r in convs]
+  examples = [chat.align(PAD_ID, B, seq_len, {"tokens": np.concatenate([p, r]),
+                                               "scored": np.arange(len(p) + len(r)) >= len(p)})
+              for p, r in convs]
   rows = list(chat.chat_per_row(grain.MapDataset.source(examples).to_iter_dataset(),
                                 seq_len=seq_len, pad_id=PAD_ID))
   return tuple(np.stack([row[k] for row in rows])
