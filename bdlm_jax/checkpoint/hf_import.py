@@ -26,6 +26,7 @@ from bdlm_jax.checkpoint.hf_names import (IGNORED_SUFFIXES, Tensor, get_path,
 from bdlm_jax.config import Config, ModelConfig
 from bdlm_jax.configure import replace
 from bdlm_jax.errors import ConfigError
+from bdlm_jax.models import rope
 from bdlm_jax.objectives import diffusiongemma
 from bdlm_jax.params import transformer_params
 from bdlm_jax.parallel.zero3 import zero3_shardings
@@ -34,7 +35,8 @@ INDEX_FILE = "model.safetensors.index.json"
 VOCAB_TENSORS = ("model.embed_tokens.weight", "model.decoder.embed_tokens.weight",
                  "lm_head.weight")  # [vocab, d_model] in HF
 # ModelConfig fields a config.json sets that leave the params' shapes alone.
-_BEHAVIOUR_KEYS = ("rope_theta", "rope_local_theta", "norm_eps", "layer_pattern",
+_BEHAVIOUR_KEYS = ("rope_theta", "rope_local_theta", "rope_scaling", "rope_local_scaling",
+                   "norm_eps", "layer_pattern",
                    "sliding_window", "scale_embeddings", "query_pre_attn_scalar",
                    "mlp_activation", "logit_softcap", "moe_top_k", "moe_norm_topk",
                    "global_partial_rotary_factor", "last_layer_global", "v_norm",
@@ -68,6 +70,9 @@ def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dic
   block = int(hf.get("bdlm_block_size", hf.get("canvas_length", CANVAS_LENGTH) if diffusion
                      else defaults.objective.block_size))
   data = dict(seq_len=math.lcm(defaults.data.seq_len, block))
+  for key in ("rope_scaling", "rope_local_scaling"):  # dynamic, longrope: at the trained length
+    if key in model:
+      model[key] = rope.at_length(model[key], data["seq_len"])
   mask = hf.get("bdlm_mask_token_id")
   if os.path.isfile(os.path.join(path, "tokenizer.json")):
     from bdlm_jax.data.tokenizers import HFTokenizer, pick_mask_id  # late: data needs grain
