@@ -45,22 +45,23 @@ ROPE_TYPES = tuple(_KEYS)
 LENGTH_DEPENDENT = ("dynamic", "longrope")  # fixed at the scaling's `seq_len`
 
 
-def parse(text: str) -> dict:
-  """The scaling object of a `model.rope_scaling` string ({} for "" : plain RoPE)."""
+def parse(text: str, key: str = "model.rope_scaling") -> dict:
+  """The scaling object of a `model.rope_scaling` string ({} for "": plain RoPE)."""
   if not text.strip():
     return {}
   try:
     scaling = json.loads(text)
-  except json.JSONDecodeError as e:
-    raise ConfigError(f"RoPE scaling {text!r} is not a JSON object: {e}") from e
+  except json.JSONDecodeError:
+    scaling = None
   if not isinstance(scaling, dict):
-    raise ConfigError(f"RoPE scaling {text!r} is not a JSON object of rope_parameters keys")
+    raise ConfigError(f"{key}={text!r} is not a JSON object of transformers' rope_parameters "
+                      f"keys, e.g. '{{\"rope_type\": \"linear\", \"factor\": 4}}'")
   return scaling
 
 
 def check(key: str, text: str, rotary_dim: int) -> None:
   """A clear ConfigError for a scaling transformers would refuse or compute wrongly."""
-  scaling = parse(text)
+  scaling = parse(text, key)
   kind = scaling.get("rope_type", "default")
   if kind not in _KEYS:
     raise ConfigError(f"{key} has rope_type={kind!r}; bdlm_jax implements {list(ROPE_TYPES)}")
