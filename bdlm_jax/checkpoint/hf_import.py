@@ -121,8 +121,8 @@ def params_from_hf(cfg: Config, mesh=None, layers: bool = True) -> dict:
 
   Only shapes are enforced, and the vocabulary may be larger than the folder's (a [MASK] row
   `import_hf` added starts as the mean row); other architecture fields that differ from the
-  folder's (e.g. a longer-context RoPE base for conversion) are used as configured, with a
-  warning.
+  folder's (a context extension's RoPE base or scaling) are used as configured, each change
+  printed as "was / now".
   """
   path = cfg.init_from
   hf_config = ModelConfig(**model_config_from_hf(read_hf_config(path), path))
@@ -134,12 +134,17 @@ def params_from_hf(cfg: Config, mesh=None, layers: bool = True) -> dict:
   if wrong:
     raise ConfigError(f"init_from={path} does not fit model.*: {'; '.join(wrong)}. Set those "
                       f"model.* keys to the folder's values (import_hf(path) returns them)")
-  hf_model, ours = vars(hf_config), vars(cfg.model)
-  differ = [f"{k}={ours[k]!r} (folder has {hf_model[k]!r})" for k in _BEHAVIOUR_KEYS
-            if hf_model[k] != ours[k]]
-  if differ:
-    warnings.warn(f"init_from={path}: training with {', '.join(differ)}")
+  if jax.process_index() == 0:
+    for line in conversion_changes(hf_config, cfg.model):
+      print(f"init_from={path}: {line}")
   return _read_params(path, cfg, mesh, layers)
+
+
+def conversion_changes(folder: ModelConfig, model: ModelConfig) -> list[str]:
+  """'model.K was X, now Y' for each field a conversion may change without touching the
+  weights (a context extension's RoPE base or scaling, a window...)."""
+  return [f"model.{k} was {getattr(folder, k)!r}, now {getattr(model, k)!r}"
+          for k in _BEHAVIOUR_KEYS if getattr(folder, k) != getattr(model, k)]
 
 
 def read_hf_config(path: str) -> dict:

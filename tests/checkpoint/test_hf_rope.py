@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bdlm_jax.checkpoint.hf_export import export_hf
-from bdlm_jax.checkpoint.hf_import import import_hf
+from bdlm_jax.checkpoint.hf_import import import_hf, params_from_hf
 from bdlm_jax.configure import replace
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.models import rope
@@ -117,3 +117,20 @@ def test_a_family_s_variant_bdlm_jax_lacks_is_named(scaled, tmp_path):
   with pytest.raises(ConfigError, match=r"use_sliding_window=True is not supported \(every "
                                         r"layer attends to the full context\)"):
     import_hf(str(tmp_path))
+
+
+@pytest.mark.parametrize("scaled", ["llama_llama3"], indirect=True)
+def test_context_extension_at_conversion_says_what_changed_and_exports_it(scaled, tmp_path,
+                                                                          capsys):
+  cfg, params = import_hf(scaled.folder)
+  longer = json.dumps({**json.loads(cfg.model.rope_scaling), "factor": 64.0})
+  extended = replace(cfg, init_from=scaled.folder,
+                     model=dict(rope_scaling=longer, rope_theta=1e4))
+  params = params_from_hf(extended)
+  said = capsys.readouterr().out.splitlines()
+  assert said == [f"init_from={scaled.folder}: model.rope_theta was 500.0, now 10000.0",
+                  f"init_from={scaled.folder}: model.rope_scaling was "
+                  f"{cfg.model.rope_scaling!r}, now {longer!r}"]
+  export_hf(params, extended, str(tmp_path))
+  written = json.load(open(tmp_path / "config.json"))["rope_parameters"]
+  assert written == {**LLAMA3, "factor": 64.0, "rope_theta": 1e4}
