@@ -292,21 +292,14 @@ class ModelConfig(Section):
 
 
   def _check_rope(self) -> None:
-    """Each head dim's rotary part splits in halves, and each scaling is one bdlm_jax
-    computes (models/rope.py)."""
-    from bdlm_jax.models import rope  # late: models import this module
+    """Each head dim's rotary part (int(dim * partial_rotary_factor), as transformers takes
+    it) splits in halves; the RoPE scaling's own rules: models/rope.py, at load."""
     for key in ("head_dim", "global_head_dim"):
-      dim = rope.rotary_dim(getattr(self, key), self.partial_rotary_factor)
-      if getattr(self, key) and dim % 2:
+      dim = int(getattr(self, key) * self.partial_rotary_factor)
+      if dim % 2:
         raise ConfigError(f"model.{key}={getattr(self, key)} with model.partial_rotary_factor="
                           f"{self.partial_rotary_factor} rotates {dim} dims, which do not split "
                           f"in halves for RoPE")
-    dim = rope.rotary_dim(self.head_dim, self.partial_rotary_factor)
-    rope.check("model.rope_scaling", self.rope_scaling, dim)
-    rope.check("model.rope_local_scaling", self.rope_local_scaling, dim)
-    if self.rope_scaling and self.global_partial_rotary_factor != 1:
-      raise ConfigError("model.rope_scaling with model.global_partial_rotary_factor < 1 "
-                        "(Gemma 4's proportional RoPE) is not implemented")
 
 
 @dataclasses.dataclass

@@ -49,8 +49,7 @@ def validate(cfg: Config) -> None:
   mesh.check_config(cfg)
   experts.check_config(cfg)
   recurrence.check_config(cfg)
-  for key in ("rope_scaling", "rope_local_scaling"):
-    rope.check_length(f"model.{key}", getattr(cfg.model, key), cfg.data.seq_len)
+  rope.check_config(cfg.model, cfg.data.seq_len)
   plan_for(cfg)  # the layout (block count vs ranks, divisibility) fails here, not at a batch
   if cfg.pretrain.objective:
     _check_pretrain(cfg)

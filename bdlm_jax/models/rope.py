@@ -199,7 +199,19 @@ def at_length(text: str, seq_len: int) -> str:
   return dump({**scaling, "seq_len": int(seq_len)})
 
 
-def check_length(key: str, text: str, seq_len: int) -> None:
+def check_config(m, seq_len: int) -> None:
+  """The RoPE scalings of a ModelConfig `m` (bdlm_jax.config), the model trained on
+  sequences of `seq_len` tokens."""
+  if m.rope_scaling and m.global_partial_rotary_factor != 1:
+    raise ConfigError("model.rope_scaling with model.global_partial_rotary_factor < 1 "
+                      "(Gemma 4's proportional RoPE) is not implemented")
+  dim = rotary_dim(m.head_dim, m.partial_rotary_factor)
+  for key in ("rope_scaling", "rope_local_scaling"):
+    check(f"model.{key}", getattr(m, key), dim)
+    _check_length(f"model.{key}", getattr(m, key), seq_len)
+
+
+def _check_length(key: str, text: str, seq_len: int) -> None:
   """A length-dependent scaling is fixed at the length the run trains at."""
   scaling = parse(text)
   if scaling.get("rope_type") in LENGTH_DEPENDENT and scaling["seq_len"] != seq_len:
