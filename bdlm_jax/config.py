@@ -296,6 +296,8 @@ class ModelConfig(Section):
     it) splits in halves; the RoPE scaling's own rules: models/rope.py, at load."""
     for key in ("head_dim", "global_head_dim"):
       dim = int(getattr(self, key) * self.partial_rotary_factor)
+      if dim % 2 and self.partial_rotary_factor == 1:
+        raise ConfigError(f"model.{key}={dim} must be even for RoPE")
       if dim % 2:
         raise ConfigError(f"model.{key}={getattr(self, key)} with model.partial_rotary_factor="
                           f"{self.partial_rotary_factor} rotates {dim} dims, which do not split "

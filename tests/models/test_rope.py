@@ -60,7 +60,7 @@ def test_yarn_scales_cos_and_sin_by_its_attention_factor():
     (["model.head_dim=12", "model.partial_rotary_factor=0.25"],
      r"model.head_dim=12 with model.partial_rotary_factor=0.25 rotates 3 dims, which do not "
      r"split in halves for RoPE"),
-    (["model.head_dim=15"], r"model.head_dim=15 .* rotates 15 dims, which do not split"),
+    (["model.head_dim=15"], r"model.head_dim=15 must be even for RoPE"),
 ])
 def test_bad_rope_is_a_config_error_at_load(sets, message):
   with pytest.raises(ConfigError, match=message):
