@@ -23,6 +23,8 @@ VOCAB = 64
 LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=ORIGINAL)
 YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=ORIGINAL)
+# A ramp across the interior pairs (beta_fast, beta_slow) and DeepSeek's attention factor.
+YARN_TUNED = dict(YARN, beta_fast=2.0, beta_slow=0.05, mscale=1.0, mscale_all_dim=0.5)
 CASES = {  # name: (config class, config keys)
     "llama_llama3": ("LlamaConfig", dict(rope_parameters=LLAMA3)),
     "llama_linear": ("LlamaConfig", dict(rope_parameters=dict(rope_type="linear", factor=4.0))),
@@ -35,7 +37,7 @@ CASES = {  # name: (config class, config keys)
                              original_max_position_embeddings=ORIGINAL),
         max_position_embeddings=LENGTH)),
     "qwen3_yarn": ("Qwen3Config", dict(rope_parameters=YARN)),
-    "qwen2_yarn": ("Qwen2Config", dict(rope_parameters=YARN)),
+    "qwen2_yarn": ("Qwen2Config", dict(rope_parameters=YARN_TUNED)),
     "mistral_window_linear": ("MistralConfig", dict(
         sliding_window=5, rope_parameters=dict(rope_type="linear", factor=2.0))),
     "gemma3_linear": ("Gemma3TextConfig", dict(GEMMA3_SHAPES, rope_parameters={
