@@ -36,17 +36,16 @@ VOCAB_TENSORS = ("model.embed_tokens.weight", "model.decoder.embed_tokens.weight
                  "lm_head.weight")  # [vocab, d_model] in HF
 # ModelConfig fields a config.json sets that leave the params' shapes alone.
 _BEHAVIOUR_KEYS = ("rope_theta", "rope_local_theta", "rope_scaling", "rope_local_scaling",
-                   "norm_eps", "layer_pattern",
-                   "sliding_window", "scale_embeddings", "query_pre_attn_scalar",
-                   "mlp_activation", "logit_softcap", "moe_top_k", "moe_norm_topk",
-                   "global_partial_rotary_factor", "last_layer_global", "v_norm",
+                   "norm_eps", "layer_pattern", "sliding_window", "scale_embeddings",
+                   "query_pre_attn_scalar", "mlp_activation", "logit_softcap", "moe_top_k",
+                   "moe_norm_topk", "global_partial_rotary_factor", "last_layer_global", "v_norm",
                    "partial_rotary_factor", "output_multiplier")
 
 
 def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dict]:
-  """(cfg, params) from a Llama, Qwen3, Qwen3-MoE, Qwen3.5 (text, dense or MoE), Qwen3-Next,
-  Gemma 3 (text), Gemma 4 (text) or DiffusionGemma (its text model: the vision tower is left
-  out, with a warning) Hugging Face folder, params placed on `mesh`.
+  """(cfg, params) from a Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Qwen3.5 (text, dense or
+  MoE), Qwen3-Next, Gemma 3 (text), Gemma 4 (text) or DiffusionGemma (its text model: the
+  vision tower is left out, with a warning) Hugging Face folder, params placed on `mesh`.
 
   `cfg.model` comes from config.json (params and compute in `dtype`); every other section
   keeps the `Config()` defaults, except:
@@ -54,6 +53,8 @@ def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dic
     DiffusionGemma's `canvas_length` (data.seq_len then a multiple of it), and
     `data.tokenizer` is the folder when it holds tokenizer.json;
   * a DiffusionGemma trains with its own objective, `objective.name=diffusiongemma`;
+  * a length-dependent RoPE scaling (dynamic, longrope) is fixed at `data.seq_len`
+    (models/rope.py);
   * `objective.mask_token_id` is `bdlm_mask_token_id` when recorded, else an id no text
     encodes to, from the folder's tokenizer (`pick_mask_id`: its mask token, an embedding row
     beyond its vocabulary as Fast-dLLM v2 uses 151665 of Qwen2.5, a reserved placeholder).

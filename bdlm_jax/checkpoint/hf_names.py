@@ -1,13 +1,16 @@
-"""Hugging Face Llama/Qwen3/Qwen3-MoE/Gemma 3 <-> bdlm_jax: tensor names and model config fields
-(Gemma 4 and DiffusionGemma: hf_gemma4.py; Qwen3.5 and Qwen3-Next: hf_qwen3_5.py).
+"""Hugging Face Llama/Qwen2/Qwen3/Qwen3-MoE/Mistral/Gemma 3 <-> bdlm_jax: tensor names and model
+config fields (Gemma 4 and DiffusionGemma: hf_gemma4.py; Qwen3.5 and Qwen3-Next: hf_qwen3_5.py).
 
 The one place that knows both vocabularies; import (hf_import.py) and export (hf_export.py)
 read the same tables in opposite directions. Llama and Qwen3 match our decoder exactly:
 pre-norm, RMSNorm in float32 with a multiplicative weight, SwiGLU MLP, grouped-query attention
 without biases, half-split ("rotate_half") RoPE, and for Qwen3 an RMSNorm on q and k per head
-before RoPE. Qwen3-MoE (`qwen3_moe`) is Qwen3 with our `MoE` as every layer's MLP: a router
-without bias, no shared expert, and each expert's SwiGLU saved as its own three tensors.
-Gemma 3 (`gemma3_text`, text only) is Qwen3 plus what `ModelConfig` has fields
+before RoPE. Qwen2 (`qwen2`, Qwen2.5) is Llama with biases on q, k and v (`qkv_bias`);
+Mistral (`mistral`) is Llama whose every layer sees a sliding window where `sliding_window`
+is set. Their RoPE scaling (`rope_parameters`, 4.x's `rope_scaling`) is `model.rope_scaling`
+(hf_tensor.rope_from_hf). Qwen3-MoE (`qwen3_moe`) is Qwen3 with our `MoE` as every layer's
+MLP: a router without bias, no shared expert, and each expert's SwiGLU saved as its own
+three tensors. Gemma 3 (`gemma3_text`, text only) is Qwen3 plus what `ModelConfig` has fields
 for: norms on the attention and MLP outputs, embeddings times sqrt(d_model), GeGLU, its own
 attention scale, a final logit soft cap and sliding-window layers. Its RMSNorms multiply by
 (1 + w) in float32, so our `scale` is HF's w + 1, added in float32 as HF does. HF `nn.Linear`
@@ -154,7 +157,8 @@ def tensor_map(m: ModelConfig, like: str | None = None) -> list[Tensor]:
   norms = {**_NORMS[model_type], **(_QK_NORMS if m.qk_norm else {})}
   per_layer = [(name, (*path, "scale"), False, offset) for name, path in norms.items()]
   per_layer += [(name, path, True, 0.0) for name, path in _LINEARS.items()]
-  per_layer += [(name, path, False, 0.0) for name, path in (_QKV_BIASES if m.qkv_bias else {}).items()]
+  biases = _QKV_BIASES if m.qkv_bias else {}
+  per_layer += [(name, path, False, 0.0) for name, path in biases.items()]
   out = [Tensor("model.embed_tokens.weight", ("embed", "embedding"), False, None)]
   for i, ((stack, j), kind) in enumerate(zip(layer_slots(m), mlp_types(m))):
     mlp = [(name, path, True, 0.0)
