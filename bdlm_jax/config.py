@@ -104,12 +104,19 @@ class ModelConfig(Section):
   d_ff: int = 384
   rope_theta: float = 10000.0
   qk_norm: bool = False  # Qwen3-style RMSNorm on q and k per head
+  qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2, Qwen2.5)
   # Attention type of each layer as a repeating period, comma-separated "global" / "local"
   # (Gemma 3: "local,local,local,local,local,global"); the layers scan over one period.
   # Local layers see a sliding window of `sliding_window` positions (docs/local_and_moe.md).
   layer_pattern: str = "global"
   sliding_window: int = 0  # W, needed (>= 1) when the pattern has a local layer
   rope_local_theta: float = 0.0  # RoPE base of local layers; 0: rope_theta
+  # RoPE scaling as a JSON object of transformers' rope_parameters keys (models/rope.py;
+  # docs/conversion_sft.md), e.g. '{"rope_type": "yarn", "factor": 4,
+  # "original_max_position_embeddings": 32768}'; "": plain RoPE. Local layers: their own, "":
+  # rope_scaling's.
+  rope_scaling: str = ""
+  rope_local_scaling: str = ""
   # Gated DeltaNet layers (kind "gdn", docs/gdn.md): key and value heads and their dims (0:
   # n_heads, head_dim) and the causal conv's kernel. Qwen3.5 / Qwen3-Next's attention layers
   # gate their output (q_proj gives [q | gate] per head: attention_gate) and rotate only the
@@ -275,10 +282,7 @@ class ModelConfig(Section):
     if self.n_heads % self.n_kv_heads:
       raise ConfigError(f"model.n_heads={self.n_heads} must be a multiple of "
                         f"model.n_kv_heads={self.n_kv_heads}")
-    if self.head_dim % 2:
-      raise ConfigError(f"model.head_dim={self.head_dim} must be even for RoPE")
-    if self.global_head_dim % 2:
-      raise ConfigError(f"model.global_head_dim={self.global_head_dim} must be even for RoPE")
+    self._check_rope()
     if self.n_heads % (self.global_n_kv_heads or self.n_kv_heads):
       raise ConfigError(f"model.n_heads={self.n_heads} must be a multiple of "
                         f"model.global_n_kv_heads={self.global_n_kv_heads}")
@@ -288,6 +292,19 @@ class ModelConfig(Section):
     if self.moe_beside_dense and not self.post_norms:
       raise ConfigError("model.moe_beside_dense norms the dense and expert outputs' sum with "
                         "the post-MLP norm: set model.post_norms=true")
+
+
+  def _check_rope(self) -> None:
+    """Each head dim's rotary part (int(dim * partial_rotary_factor), as transformers takes
+    it) splits in halves; the RoPE scaling's own rules: models/rope.py, at load."""
+    for key in ("head_dim", "global_head_dim"):
+      dim = int(getattr(self, key) * self.partial_rotary_factor)
+      if dim % 2 and self.partial_rotary_factor == 1:
+        raise ConfigError(f"model.{key}={dim} must be even for RoPE")
+      if dim % 2:
+        raise ConfigError(f"model.{key}={getattr(self, key)} with model.partial_rotary_factor="
+                          f"{self.partial_rotary_factor} rotates {dim} dims, which do not split "
+                          f"in halves for RoPE")
 
 
 @dataclasses.dataclass

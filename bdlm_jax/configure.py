@@ -14,6 +14,7 @@ from typing import Iterable
 from bdlm_jax import objectives
 from bdlm_jax.config import Config, apply_overrides, updated
 from bdlm_jax.errors import ConfigError
+from bdlm_jax.models import rope
 from bdlm_jax.parallel import experts, mesh, recurrence, registry
 from bdlm_jax.parallel.registry import plan_for
 
@@ -48,6 +49,7 @@ def validate(cfg: Config) -> None:
   mesh.check_config(cfg)
   experts.check_config(cfg)
   recurrence.check_config(cfg)
+  rope.check_config(cfg.model, cfg.data.seq_len)
   plan_for(cfg)  # the layout (block count vs ranks, divisibility) fails here, not at a batch
   if cfg.pretrain.objective:
     _check_pretrain(cfg)

@@ -26,7 +26,10 @@ GEMMA3_27B = dict(vocab_size=262208, d_model=5376, n_layers=62, n_heads=32, n_kv
                   head_dim=128, d_ff=21504, qk_norm=True, post_norms=True,
                   scale_embeddings=True, query_pre_attn_scalar=168, mlp_activation="gelu_tanh",
                   layer_pattern="local,local,local,local,local,global", sliding_window=1024,
-                  rope_theta=1e6, rope_local_theta=10000.0, norm_eps=1e-6, tie_embeddings=True)
+                  rope_theta=1e6, rope_local_theta=10000.0, norm_eps=1e-6, tie_embeddings=True,
+                  # google/gemma-3-27b-pt's RoPE: global layers linear x8, local ones plain.
+                  rope_scaling='{"factor": 8.0, "rope_type": "linear"}',
+                  rope_local_scaling='{"rope_type": "default"}')
 
 
 def get_config() -> Config:

@@ -1,4 +1,5 @@
-"""Llama-3-8B as a block diffusion LM on one 1,048,576-token sequence a step, 16 devices.
+"""Llama-3.1-8B as a block diffusion LM on one 1,048,576-token sequence a step, 16 devices, its
+context extended at conversion from the 128K its RoPE scaling reaches to 1M.
 
   python run.py --config configs/llama3_8b_bdlm_1m.py --set mode=plan
   python run.py --config configs/llama3_8b_bdlm_1m.py --set mode=plan --set parallel.seq=8 \
@@ -17,28 +18,40 @@ On 8 devices a rank's residuals double (129 GiB), past the host memory XLA:TPU a
 `model.remat=offload_input` keeps the layer inputs alone there (69 GB) and re-runs each
 layer's attention in the backward.
 
+Context extension (docs/conversion_sft.md): Llama 3.1's config.json scales RoPE with
+rope_type llama3, factor 8 over its original 8,192 positions (128K); this recipe keeps that
+scaling's shape and sets factor 64, 8x further, for 1M. Starting from the folder, the run's
+first lines say so ("model.rope_scaling was ..., now ..."), and its export writes the new
+scaling back.
+
 Random weights and the embedded data, so it compiles and runs from a fresh clone; for the real
 model, uncomment `init_from` (a Hugging Face folder: the import adds the [MASK] row) and point
 `data` at a tokenized corpus (`mode=prepare`, `data.source=tokens`).
 """
+
+import json
 
 from bdlm_jax.config import (Config, DataConfig, ModelConfig, ObjectiveConfig, ParallelConfig,
                              PlanConfig, TrainConfig)
 
 LLAMA3_8B = dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                  head_dim=128, d_ff=14336, rope_theta=500000.0, norm_eps=1e-5,
-                 tie_embeddings=False)  # meta-llama/Meta-Llama-3-8B config.json
+                 tie_embeddings=False)  # meta-llama/Llama-3.1-8B config.json, but its RoPE scaling
+# Llama 3.1's rope_scaling (factor 8: 8,192 -> 128K positions) with the factor for 1M.
+ROPE_1M = json.dumps(dict(rope_type="llama3", factor=64.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=8192))
 
 
 def get_config() -> Config:
   return Config(
-      model=ModelConfig(**LLAMA3_8B, param_dtype="float32", compute_dtype="bfloat16",
-                        remat="offload", row_chunks=16, attention_chunk=512, logits_chunk=1024),
+      model=ModelConfig(**LLAMA3_8B, rope_scaling=ROPE_1M, param_dtype="float32",
+                        compute_dtype="bfloat16", remat="offload", row_chunks=16,
+                        attention_chunk=512, logits_chunk=1024),
       data=DataConfig(source="arithmetic", seq_len=1 << 20),
       objective=ObjectiveConfig(name="bd3lm", block_size=64, mask_token_id=128255),
       parallel=ParallelConfig(strategy="csbp_ring", seq=16),
       train=TrainConfig(steps=1000, batch_size=1, lr=1e-5, warmup_steps=50, log_every=1,
                         ckpt_every=100),
       plan=PlanConfig(target="tpu:v5p:2x2x4"),
-      # init_from="/path/to/Meta-Llama-3-8B",
+      # init_from="/path/to/Llama-3.1-8B",
   )

@@ -1,4 +1,4 @@
-"""Llama-3-8B as a block diffusion LM on one 1,048,576-token sequence a step, 4 TPU v5p chips:
+"""Llama-3.1-8B as a block diffusion LM on one 1,048,576-token sequence a step, 4 TPU v5p chips:
 configs/llama3_8b_bdlm_1m.py on a quarter of its chips, so a pod trains four times as many
 sequences side by side.
 

@@ -26,6 +26,7 @@ from bdlm_jax.checkpoint.hf_names import (IGNORED_SUFFIXES, Tensor, get_path,
 from bdlm_jax.config import Config, ModelConfig
 from bdlm_jax.configure import replace
 from bdlm_jax.errors import ConfigError
+from bdlm_jax.models import rope
 from bdlm_jax.objectives import diffusiongemma
 from bdlm_jax.params import transformer_params
 from bdlm_jax.parallel.zero3 import zero3_shardings
@@ -34,17 +35,17 @@ INDEX_FILE = "model.safetensors.index.json"
 VOCAB_TENSORS = ("model.embed_tokens.weight", "model.decoder.embed_tokens.weight",
                  "lm_head.weight")  # [vocab, d_model] in HF
 # ModelConfig fields a config.json sets that leave the params' shapes alone.
-_BEHAVIOUR_KEYS = ("rope_theta", "rope_local_theta", "norm_eps", "layer_pattern",
-                   "sliding_window", "scale_embeddings", "query_pre_attn_scalar",
-                   "mlp_activation", "logit_softcap", "moe_top_k", "moe_norm_topk",
-                   "global_partial_rotary_factor", "last_layer_global", "v_norm",
+_BEHAVIOUR_KEYS = ("rope_theta", "rope_local_theta", "rope_scaling", "rope_local_scaling",
+                   "norm_eps", "layer_pattern", "sliding_window", "scale_embeddings",
+                   "query_pre_attn_scalar", "mlp_activation", "logit_softcap", "moe_top_k",
+                   "moe_norm_topk", "global_partial_rotary_factor", "last_layer_global", "v_norm",
                    "partial_rotary_factor", "output_multiplier")
 
 
 def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dict]:
-  """(cfg, params) from a Llama, Qwen3, Qwen3-MoE, Qwen3.5 (text, dense or MoE), Qwen3-Next,
-  Gemma 3 (text), Gemma 4 (text) or DiffusionGemma (its text model: the vision tower is left
-  out, with a warning) Hugging Face folder, params placed on `mesh`.
+  """(cfg, params) from a Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Qwen3.5 (text, dense or
+  MoE), Qwen3-Next, Gemma 3 (text), Gemma 4 (text) or DiffusionGemma (its text model: the
+  vision tower is left out, with a warning) Hugging Face folder, params placed on `mesh`.
 
   `cfg.model` comes from config.json (params and compute in `dtype`); every other section
   keeps the `Config()` defaults, except:
@@ -52,6 +53,8 @@ def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dic
     DiffusionGemma's `canvas_length` (data.seq_len then a multiple of it), and
     `data.tokenizer` is the folder when it holds tokenizer.json;
   * a DiffusionGemma trains with its own objective, `objective.name=diffusiongemma`;
+  * a length-dependent RoPE scaling (dynamic, longrope) is fixed at `data.seq_len`
+    (models/rope.py);
   * `objective.mask_token_id` is `bdlm_mask_token_id` when recorded, else an id no text
     encodes to, from the folder's tokenizer (`pick_mask_id`: its mask token, an embedding row
     beyond its vocabulary as Fast-dLLM v2 uses 151665 of Qwen2.5, a reserved placeholder).
@@ -68,6 +71,9 @@ def import_hf(path: str, dtype: str = "float32", mesh=None) -> tuple[Config, dic
   block = int(hf.get("bdlm_block_size", hf.get("canvas_length", CANVAS_LENGTH) if diffusion
                      else defaults.objective.block_size))
   data = dict(seq_len=math.lcm(defaults.data.seq_len, block))
+  for key in ("rope_scaling", "rope_local_scaling"):  # dynamic, longrope: at the trained length
+    if key in model:
+      model[key] = rope.at_length(model[key], data["seq_len"])
   mask = hf.get("bdlm_mask_token_id")
   if os.path.isfile(os.path.join(path, "tokenizer.json")):
     from bdlm_jax.data.tokenizers import HFTokenizer, pick_mask_id  # late: data needs grain
@@ -116,8 +122,8 @@ def params_from_hf(cfg: Config, mesh=None, layers: bool = True) -> dict:
 
   Only shapes are enforced, and the vocabulary may be larger than the folder's (a [MASK] row
   `import_hf` added starts as the mean row); other architecture fields that differ from the
-  folder's (e.g. a longer-context RoPE base for conversion) are used as configured, with a
-  warning.
+  folder's (a context extension's RoPE base or scaling) are used as configured, each change
+  printed as "was / now".
   """
   path = cfg.init_from
   hf_config = ModelConfig(**model_config_from_hf(read_hf_config(path), path))
@@ -129,12 +135,17 @@ def params_from_hf(cfg: Config, mesh=None, layers: bool = True) -> dict:
   if wrong:
     raise ConfigError(f"init_from={path} does not fit model.*: {'; '.join(wrong)}. Set those "
                       f"model.* keys to the folder's values (import_hf(path) returns them)")
-  hf_model, ours = vars(hf_config), vars(cfg.model)
-  differ = [f"{k}={ours[k]!r} (folder has {hf_model[k]!r})" for k in _BEHAVIOUR_KEYS
-            if hf_model[k] != ours[k]]
-  if differ:
-    warnings.warn(f"init_from={path}: training with {', '.join(differ)}")
+  if jax.process_index() == 0:
+    for line in conversion_changes(hf_config, cfg.model):
+      print(f"init_from={path}: {line}")
   return _read_params(path, cfg, mesh, layers)
+
+
+def conversion_changes(folder: ModelConfig, model: ModelConfig) -> list[str]:
+  """'model.K was X, now Y' for each field a conversion may change without touching the
+  weights (a context extension's RoPE base or scaling, a window...)."""
+  return [f"model.{k} was {getattr(folder, k)!r}, now {getattr(model, k)!r}"
+          for k in _BEHAVIOUR_KEYS if getattr(folder, k) != getattr(model, k)]
 
 
 def read_hf_config(path: str) -> dict:

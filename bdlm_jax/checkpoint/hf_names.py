@@ -1,13 +1,16 @@
-"""Hugging Face Llama/Qwen3/Qwen3-MoE/Gemma 3 <-> bdlm_jax: tensor names and model config fields
-(Gemma 4 and DiffusionGemma: hf_gemma4.py; Qwen3.5 and Qwen3-Next: hf_qwen3_5.py).
+"""Hugging Face Llama/Qwen2/Qwen3/Qwen3-MoE/Mistral/Gemma 3 <-> bdlm_jax: tensor names and model
+config fields (Gemma 4 and DiffusionGemma: hf_gemma4.py; Qwen3.5 and Qwen3-Next: hf_qwen3_5.py).
 
 The one place that knows both vocabularies; import (hf_import.py) and export (hf_export.py)
 read the same tables in opposite directions. Llama and Qwen3 match our decoder exactly:
 pre-norm, RMSNorm in float32 with a multiplicative weight, SwiGLU MLP, grouped-query attention
 without biases, half-split ("rotate_half") RoPE, and for Qwen3 an RMSNorm on q and k per head
-before RoPE. Qwen3-MoE (`qwen3_moe`) is Qwen3 with our `MoE` as every layer's MLP: a router
-without bias, no shared expert, and each expert's SwiGLU saved as its own three tensors.
-Gemma 3 (`gemma3_text`, text only) is Qwen3 plus what `ModelConfig` has fields
+before RoPE. Qwen2 (`qwen2`, Qwen2.5) is Llama with biases on q, k and v (`qkv_bias`);
+Mistral (`mistral`) is Llama whose every layer sees a sliding window where `sliding_window`
+is set. Their RoPE scaling (`rope_parameters`, 4.x's `rope_scaling`) is `model.rope_scaling`
+(hf_tensor.rope_from_hf). Qwen3-MoE (`qwen3_moe`) is Qwen3 with our `MoE` as every layer's
+MLP: a router without bias, no shared expert, and each expert's SwiGLU saved as its own
+three tensors. Gemma 3 (`gemma3_text`, text only) is Qwen3 plus what `ModelConfig` has fields
 for: norms on the attention and MLP outputs, embeddings times sqrt(d_model), GeGLU, its own
 attention scale, a final logit soft cap and sliding-window layers. Its RMSNorms multiply by
 (1 + w) in float32, so our `scale` is HF's w + 1, added in float32 as HF does. HF `nn.Linear`
@@ -17,20 +20,24 @@ weights are [out, in]; our flax kernels are [in, out].
 from __future__ import annotations
 
 from bdlm_jax.checkpoint import hf_gemma4, hf_qwen3_5
-from bdlm_jax.checkpoint.hf_tensor import (ACTIVATIONS, LAYER_TYPES, Tensor, mlp_pattern,
-                                           require, shared_config, shortest_period,
-                                           sparse_config)
+from bdlm_jax.checkpoint.hf_tensor import (ACTIVATIONS, LAYER_TYPES, Tensor, max_positions_of,
+                                           mlp_pattern, require, rope_from_hf, rope_to_hf,
+                                           shared_config, shortest_period, sparse_config)
 from bdlm_jax.config import ModelConfig
 from bdlm_jax.errors import ConfigError
-from bdlm_jax.models.pattern import layer_types, mlp_types
+from bdlm_jax.models.pattern import layer_types, mlp_types, rope_scaling
 from bdlm_jax.models.transformer import layer_slots
 
 GEMMA3 = "gemma3_text"
 QWEN3_MOE = "qwen3_moe"
+QWEN2 = "qwen2"  # Qwen2, Qwen2.5: Llama with biases on q, k and v
+MISTRAL = "mistral"  # Llama with a sliding window on every layer where one is set
 GEMMA4_TYPES = ("gemma4_text", "diffusion_gemma")  # hf_gemma4.py
-MODEL_TYPES = ("llama", "qwen3", QWEN3_MOE, GEMMA3, *GEMMA4_TYPES, *hf_qwen3_5.MODEL_TYPES)
+MODEL_TYPES = ("llama", "qwen3", QWEN3_MOE, QWEN2, MISTRAL, GEMMA3, *GEMMA4_TYPES,
+               *hf_qwen3_5.MODEL_TYPES)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 QWEN3_MOE: "Qwen3MoeForCausalLM", GEMMA3: "Gemma3ForCausalLM"}
+                 QWEN3_MOE: "Qwen3MoeForCausalLM", GEMMA3: "Gemma3ForCausalLM",
+                 QWEN2: "Qwen2ForCausalLM", MISTRAL: "MistralForCausalLM"}
 # Tensors an HF folder may hold that carry nothing we need (old Llama checkpoints keep the
 # RoPE frequencies as a buffer).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -65,7 +72,8 @@ _EXPERTS = {f"{proj}.weight": ("mlp", proj) for proj in ("gate_proj", "up_proj",
 # "post_attention_layernorm" is the norm before the MLP, Gemma's the one on the attention output.
 _LLAMA_NORMS = {"input_layernorm.weight": ("attn_norm",),
                 "post_attention_layernorm.weight": ("mlp_norm",)}
-_NORMS = {"llama": _LLAMA_NORMS, "qwen3": _LLAMA_NORMS, QWEN3_MOE: _LLAMA_NORMS, GEMMA3: {
+_NORMS = {"llama": _LLAMA_NORMS, "qwen3": _LLAMA_NORMS, QWEN3_MOE: _LLAMA_NORMS,
+          QWEN2: _LLAMA_NORMS, MISTRAL: _LLAMA_NORMS, GEMMA3: {
     "input_layernorm.weight": ("attn_norm",),
     "post_attention_layernorm.weight": ("post_attn_norm",),
     "pre_feedforward_layernorm.weight": ("mlp_norm",),
@@ -73,6 +81,8 @@ _NORMS = {"llama": _LLAMA_NORMS, "qwen3": _LLAMA_NORMS, QWEN3_MOE: _LLAMA_NORMS,
 }}
 _QK_NORMS = {"self_attn.q_norm.weight": ("attn", "q_norm"),
              "self_attn.k_norm.weight": ("attn", "k_norm")}
+PLAIN = '{"rope_type": "default"}'  # local layers' plain RoPE beside scaled global layers
+_QKV_BIASES = {f"self_attn.{p}.bias": ("attn", p, "bias") for p in ("q_proj", "k_proj", "v_proj")}
 # Gemma3TextConfig's defaults, for keys a hand-written config.json may leave out.
 _GEMMA3_DEFAULTS = dict(head_dim=256, hidden_activation="gelu_pytorch_tanh", rope_theta=1e6,
                         rope_local_base_freq=1e4, query_pre_attn_scalar=256, sliding_window=4096,
@@ -89,9 +99,13 @@ def hf_model_type(m: ModelConfig, like: str | None = None) -> str:
   Qwen3-MoE (experts), Qwen3 (q/k norms) or Llama; Qwen3.5 or Qwen3-Next (hf_qwen3_5.py)
   with Gated DeltaNet layers or gated attention, `like` (the model_type of the folder `m`
   came from) choosing where both express it; a ConfigError when no family fits."""
+  gemma4 = any(getattr(m, k) for k in hf_gemma4.FEATURES) or m.global_partial_rotary_factor != 1
+  if (m.rope_scaling or m.rope_local_scaling) and (gemma4 or hf_qwen3_5.owns(m)):
+    raise ConfigError("model.rope_scaling is exported for Llama, Qwen2, Qwen3, Qwen3-MoE, "
+                      "Mistral and Gemma 3; the Gemma 4 and Qwen3.5 families keep plain RoPE")
   if hf_qwen3_5.owns(m):
     return hf_qwen3_5.model_type(m, like)
-  if any(getattr(m, k) for k in hf_gemma4.FEATURES) or m.global_partial_rotary_factor != 1:
+  if gemma4:
     return hf_gemma4.model_type(m)
   gemma = ("post_norms", "scale_embeddings", "qk_norm")
   if m.moe_experts and (m.post_norms or m.scale_embeddings or not m.qk_norm):
@@ -105,8 +119,15 @@ def hf_model_type(m: ModelConfig, like: str | None = None) -> str:
       raise ConfigError(f"no Hugging Face family expresses this model: it has Gemma 3 features, "
                         f"but Gemma 3 also needs {', '.join(missing)}=true")
     return GEMMA3
+  kinds = set(layer_types(m))
+  if m.qkv_bias and (m.moe_experts or m.qk_norm or kinds != {"global"}):
+    raise ConfigError(f"no Hugging Face family expresses this model: its q/k/v biases "
+                      f"(model.qkv_bias) need Qwen2, which has no experts, no q/k norms and "
+                      f"no sliding-window layers (model.moe_experts={m.moe_experts}, "
+                      f"model.qk_norm={m.qk_norm}, model.layer_pattern={m.layer_pattern!r})")
+  mistral = kinds == {"local"} and not (m.qk_norm or m.moe_experts)
   not_llama = [f"model.{k}={getattr(m, k)!r}" for k, fits in (
-      ("layer_pattern", "local" not in layer_types(m)),
+      ("layer_pattern", "local" not in kinds or mistral),
       ("mlp_activation", m.mlp_activation == "silu"),
       ("query_pre_attn_scalar", m.query_pre_attn_scalar in (0, m.head_dim)),
       ("logit_softcap", m.logit_softcap == 0)) if not fits]
@@ -114,12 +135,14 @@ def hf_model_type(m: ModelConfig, like: str | None = None) -> str:
     raise ConfigError(f"no Hugging Face family expresses this model: its experts need "
                       f"Qwen3-MoE, which cannot have {', '.join(not_llama)}")
   if not_llama:
-    raise ConfigError(f"no Hugging Face family expresses this model: Llama and Qwen3 cannot "
-                      f"have {', '.join(not_llama)}, and Gemma 3 needs "
-                      f"{', '.join(f'model.{k}' for k in gemma)} all true")
+    raise ConfigError(f"no Hugging Face family expresses this model: Llama, Qwen2, Qwen3 and "
+                      f"Mistral (every layer local) cannot have {', '.join(not_llama)}, and "
+                      f"Gemma 3 needs {', '.join(f'model.{k}' for k in gemma)} all true")
   if m.moe_experts:
     return QWEN3_MOE
-  return "qwen3" if m.qk_norm else "llama"
+  if m.qkv_bias:
+    return QWEN2
+  return MISTRAL if mistral else "qwen3" if m.qk_norm else "llama"
 
 
 def tensor_map(m: ModelConfig, like: str | None = None) -> list[Tensor]:
@@ -134,6 +157,8 @@ def tensor_map(m: ModelConfig, like: str | None = None) -> list[Tensor]:
   norms = {**_NORMS[model_type], **(_QK_NORMS if m.qk_norm else {})}
   per_layer = [(name, (*path, "scale"), False, offset) for name, path in norms.items()]
   per_layer += [(name, path, True, 0.0) for name, path in _LINEARS.items()]
+  biases = _QKV_BIASES if m.qkv_bias else {}
+  per_layer += [(name, path, False, 0.0) for name, path in biases.items()]
   out = [Tensor("model.embed_tokens.weight", ("embed", "embedding"), False, None)]
   for i, ((stack, j), kind) in enumerate(zip(layer_slots(m), mlp_types(m))):
     mlp = [(name, path, True, 0.0)
@@ -152,7 +177,7 @@ def tensor_map(m: ModelConfig, like: str | None = None) -> list[Tensor]:
 def shape_fields(m: ModelConfig) -> dict:
   """The ModelConfig fields that fix the params' shapes: with experts, their width
   (moe_d_ff, 0 meaning d_ff) and which layers have them; d_ff only if some layer is dense."""
-  out = {k: getattr(m, k) for k in (*SHAPE_KEYS, "qk_norm", "post_norms", "moe_experts",
+  out = {k: getattr(m, k) for k in (*SHAPE_KEYS, "qk_norm", "qkv_bias", "post_norms", "moe_experts",
                                     "global_head_dim", "global_n_kv_heads", "attention_k_eq_v",
                                     "moe_beside_dense", "moe_router_norm", "layer_scalar",
                                     "self_conditioning", "attention_gate", "gdn_key_heads",
@@ -201,8 +226,10 @@ def _family_fields(hf: dict, where: str) -> dict:
     return hf_gemma4.model_fields(hf, where)
   if model_type in hf_qwen3_5.MODEL_TYPES:
     return hf_qwen3_5.model_fields(hf, where)
-  require(hf, where, "attention_bias", (False,), "attention projections have no bias")
+  if model_type != QWEN2:  # Qwen2's q, k and v always have biases, its o_proj none
+    require(hf, where, "attention_bias", (False,), "attention projections have no bias")
   n_heads = hf["num_attention_heads"]
+  head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
   fields = dict(
       vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
       n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
@@ -212,17 +239,20 @@ def _family_fields(hf: dict, where: str) -> dict:
   require(hf, where, "hidden_act", ("silu",), "the MLP is SwiGLU")
   require(hf, where, "mlp_bias", (False,), "MLP projections have no bias")
   require(hf, where, "use_sliding_window", (False,), "every layer attends to the full context")
-  if any(t != "full_attention" for t in hf.get("layer_types") or ()):
+  window = hf.get("sliding_window") if model_type == MISTRAL else None
+  if model_type != MISTRAL and any(t != "full_attention" for t in hf.get("layer_types") or ()):
     raise ConfigError(f"{where}: layer_types={hf['layer_types']} has sliding-window layers; "
-                      f"bdlm_jax supports only 'full_attention'")
+                      f"bdlm_jax imports them from Gemma 3 and Mistral only")
   params, key = ((hf["rope_parameters"], "rope_parameters") if hf.get("rope_parameters") else
                  (hf.get("rope_scaling") or {}, "rope_scaling"))
+  theta, scaling = rope_from_hf(params, hf, key, where, hf.get("rope_theta", 10000.0), head_dim)
   if model_type == QWEN3_MOE:
     fields.update(_qwen3_moe_fields(hf, where))
+  if window:
+    fields.update(layer_pattern="local", sliding_window=int(window))
   return dict(
-      fields, head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-      rope_theta=_plain_rope_theta(params, key, where, hf.get("rope_theta", 10000.0)),
-      qk_norm=model_type in ("qwen3", QWEN3_MOE),
+      fields, head_dim=head_dim, rope_theta=theta, rope_scaling=scaling,
+      qk_norm=model_type in ("qwen3", QWEN3_MOE), qkv_bias=model_type == QWEN2,
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
 
 
@@ -277,27 +307,20 @@ def _gemma3_fields(hf: dict, where: str) -> dict:
     full = rope or hf.get("rope_scaling") or {}
     full_key = "rope_parameters" if rope else "rope_scaling"
     local, local_key = {}, "rope_local_base_freq"
+  theta, scaling = rope_from_hf(full, hf, full_key, where, hf["rope_theta"], hf["head_dim"])
+  local_theta, local_scaling = rope_from_hf(local, hf, local_key, where,
+                                            hf["rope_local_base_freq"], hf["head_dim"])
   return dict(
       head_dim=hf["head_dim"], qk_norm=True, post_norms=True, scale_embeddings=True,
       layer_pattern=",".join(shortest_period(types)),
       sliding_window=int(hf["sliding_window"]) if has_local else 0,
-      rope_theta=_plain_rope_theta(full, full_key, where, hf["rope_theta"]),
-      rope_local_theta=(_plain_rope_theta(local, local_key, where, hf["rope_local_base_freq"])
-                        if has_local else 0.0),
+      rope_theta=theta, rope_scaling=scaling,
+      rope_local_theta=local_theta if has_local else 0.0,
+      rope_local_scaling=(local_scaling or PLAIN) if has_local and local_scaling != scaling else "",
       query_pre_attn_scalar=int(hf["query_pre_attn_scalar"]),
       mlp_activation=ACTIVATIONS[hf["hidden_activation"]],
       logit_softcap=float(hf.get("final_logit_softcapping") or 0.0),
       tie_embeddings=bool(hf["tie_word_embeddings"]))
-
-
-def _plain_rope_theta(params: dict, key: str, where: str, default: float) -> float:
-  """The base of plain RoPE, from transformers 5's `rope_parameters` or 4.x's `rope_scaling`
-  (`key` names the one read); scaled or partial RoPE raises ConfigError."""
-  rope_type = params.get("rope_type", params.get("type", "default"))
-  if rope_type != "default" or params.get("partial_rotary_factor", 1.0) != 1.0:
-    raise ConfigError(f"{where}: RoPE scaling {key}={params} is not supported; bdlm_jax "
-                      f"implements plain RoPE ({key} null or rope_type 'default') only")
-  return float(params.get("rope_theta", default))
 
 
 def hf_config(m: ModelConfig, dtype: str, max_positions: int, extra: dict,
@@ -309,6 +332,7 @@ def hf_config(m: ModelConfig, dtype: str, max_positions: int, extra: dict,
     return hf_gemma4.hf_config(m, model_type, dtype, max_positions, extra, vision)
   if model_type in hf_qwen3_5.MODEL_TYPES:
     return hf_qwen3_5.hf_config(m, model_type, dtype, max_positions, extra)
+  max_positions = max_positions_of(m.rope_scaling, max_positions)
   out = {
       "architectures": [ARCHITECTURES[model_type]],
       "model_type": model_type,
@@ -318,15 +342,20 @@ def hf_config(m: ModelConfig, dtype: str, max_positions: int, extra: dict,
   if model_type == GEMMA3:
     out.update(_gemma3_config(m, max_positions))
   else:
+    rope = rope_to_hf(m.rope_scaling, m.rope_theta)
     out.update({
         "hidden_act": "silu",
-        # Both spellings: transformers >= 5 reads rope_parameters, 4.x reads rope_theta.
+        # Both spellings: transformers >= 5 reads rope_parameters, 4.x reads rope_theta and
+        # rope_scaling.
         "rope_theta": m.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "rope_parameters": rope,
+        **({"rope_scaling": rope} if m.rope_scaling else {}),
         "mlp_bias": False,
     })
-  if model_type in ("qwen3", QWEN3_MOE):
+  if model_type in ("qwen3", QWEN3_MOE, QWEN2):
     out["use_sliding_window"] = False
+  if model_type == MISTRAL:
+    out["sliding_window"] = m.sliding_window
   if model_type == QWEN3_MOE:
     out.update({
         "num_experts": m.moe_experts,
@@ -356,8 +385,8 @@ def _gemma3_config(m: ModelConfig, max_positions: int) -> dict:
       "rope_theta": m.rope_theta,
       "rope_local_base_freq": local_theta,
       "rope_parameters": {
-          "full_attention": {"rope_type": "default", "rope_theta": m.rope_theta},
-          "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
+          "full_attention": rope_to_hf(m.rope_scaling, m.rope_theta),
+          "sliding_attention": rope_to_hf(rope_scaling(m, "local"), local_theta)},
       "query_pre_attn_scalar": m.query_pre_attn_scalar or m.head_dim,
       "final_logit_softcapping": m.logit_softcap or None,
       "attn_logit_softcapping": None,

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import numpy as np
 
 from bdlm_jax.errors import ConfigError
+from bdlm_jax.models import rope
 
 LAYER_TYPES = {"full_attention": "global", "sliding_attention": "local"}  # HF -> ours
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF -> ours
@@ -137,3 +138,53 @@ def shared_config(m, max_positions: int) -> dict:
       "tie_word_embeddings": m.tie_embeddings,
       "max_position_embeddings": max_positions,
   }
+
+
+# Keys of a config.json's RoPE object that are not its scaling: ModelConfig has fields of
+# their own (rope_theta, partial_rotary_factor); "type" is 4.x's spelling of rope_type.
+_NOT_SCALING = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
+
+
+def rope_from_hf(params: dict, hf: dict, key: str, where: str, theta: float,
+                 rotary_dim: int) -> tuple[float, str]:
+  """(base, `model.rope_scaling`) of one RoPE object of a config.json (`key` names it):
+  transformers 5's `rope_parameters` or 4.x's `rope_scaling`, completed as transformers
+  completes it (the original length from config.json, a YaRN or LongRoPE factor from the
+  two lengths, dynamic NTK's starting length)."""
+  kind = params.get("rope_type", params.get("type", "default"))
+  if params.get("partial_rotary_factor", 1.0) != 1.0:
+    raise ConfigError(f"{where}: {key}={params} rotates part of the head, which this family "
+                      f"does not; bdlm_jax needs partial_rotary_factor 1 here")
+  theta = float(params.get("rope_theta", theta))
+  scaling = {k: v for k, v in params.items() if k not in _NOT_SCALING and v is not None}
+  if kind == "default":
+    return theta, ""
+  scaling["rope_type"] = kind
+  if kind in ("llama3", "yarn", "longrope"):
+    scaling["original_max_position_embeddings"] = (
+        hf.get("original_max_position_embeddings")
+        or scaling.get("original_max_position_embeddings") or hf.get("max_position_embeddings"))
+  if kind in ("yarn", "longrope") and scaling.get("factor") is None and hf.get(
+      "max_position_embeddings") and scaling.get("original_max_position_embeddings"):
+    scaling["factor"] = hf["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+  if kind in ("dynamic", "longrope"):
+    if kind == "dynamic":
+      scaling["max_position_embeddings"] = hf.get("max_position_embeddings")
+    scaling["seq_len"] = hf.get("max_position_embeddings")  # import_hf sets data.seq_len's
+  text = rope.dump(scaling)
+  rope.check(f"{where}: {key}", text, rotary_dim)
+  return theta, text
+
+
+def rope_to_hf(text: str, theta: float, **extra) -> dict:
+  """A `rope_parameters` object of transformers 5 (4.x's `rope_scaling` too) from a scaling
+  and its base; the lengths bdlm_jax fixes length-dependent types at are not written."""
+  scaling = {k: v for k, v in rope.parse(text).items()
+             if k not in ("seq_len", "max_position_embeddings")}
+  return {"rope_type": "default", **scaling, "rope_theta": theta, **extra}
+
+
+def max_positions_of(text: str, default: int) -> int:
+  """config.json's max_position_embeddings: dynamic NTK's starting length where it has one
+  (transformers scales from it), else `default`."""
+  return rope.parse(text).get("max_position_embeddings", default)

@@ -55,13 +55,14 @@ def target_depth(cfg: Config) -> int:
 
 def drafter_model(cfg: Config) -> ModelConfig:
   """The drafter's layers as a ModelConfig: Qwen3-style (q/k norm, SwiGLU, global attention),
-  the target's width, dtypes and attention settings, `drafter.*` for the rest."""
+  the target's width, RoPE (its base and scaling: the drafter sees the target's positions),
+  dtypes and attention settings, `drafter.*` for the rest."""
   m, d = cfg.model, cfg.drafter
   return ModelConfig(
       vocab_size=m.vocab_size, d_model=m.d_model, n_layers=d.n_layers,
       n_heads=d.n_heads or m.n_heads, n_kv_heads=d.n_kv_heads or m.n_kv_heads,
       head_dim=d.head_dim or m.head_dim, d_ff=d.d_ff or m.d_ff, rope_theta=m.rope_theta,
-      qk_norm=True, norm_eps=m.norm_eps, param_dtype=m.param_dtype,
+      rope_scaling=m.rope_scaling, qk_norm=True, norm_eps=m.norm_eps, param_dtype=m.param_dtype,
       compute_dtype=m.compute_dtype, remat=m.remat, attention_impl=m.attention_impl,
       attention_chunk=m.attention_chunk, logits_chunk=m.logits_chunk, row_chunks=m.row_chunks,
       layer_pattern="local" if d.window else "global", sliding_window=d.window)

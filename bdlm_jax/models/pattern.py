@@ -2,7 +2,10 @@
 
 from typing import NamedTuple
 
+import numpy as np
+
 from bdlm_jax.config import ModelConfig
+from bdlm_jax.models import rope
 
 
 def layer_types(m: ModelConfig) -> tuple[str, ...]:
@@ -44,6 +47,26 @@ def attention_shape(m: ModelConfig, kind: str) -> AttentionShape:
     return AttentionShape(m.n_kv_heads, m.head_dim, False)
   return AttentionShape(m.global_n_kv_heads or m.n_kv_heads, m.global_head_dim or m.head_dim,
                         m.attention_k_eq_v)
+
+
+def rope_scaling(m: ModelConfig, kind: str) -> str:
+  """The RoPE scaling of layers of this kind (local layers': their own, else the model's)."""
+  return (m.rope_local_scaling or m.rope_scaling) if kind == "local" else m.rope_scaling
+
+
+def layer_rope(m: ModelConfig, kind: str, head_dim: int) -> tuple[np.ndarray, float]:
+  """(inverse frequencies, factor on cos/sin) of a layer of this kind with this head dim:
+  local layers' own base and scaling; the first `partial_rotary_factor` of the head dim
+  rotating at frequencies over that part (Qwen3.5, Qwen3-Next); or on global layers only the
+  first `global_partial_rotary_factor` of the frequency pairs, each over the whole head dim
+  (HF's "proportional" RoPE, Gemma 4)."""
+  theta = (m.rope_local_theta or m.rope_theta) if kind == "local" else m.rope_theta
+  scaling = rope_scaling(m, kind)
+  if kind == "local" or m.global_partial_rotary_factor == 1 or m.partial_rotary_factor < 1:
+    return rope.frequencies(scaling, theta, rope.rotary_dim(head_dim, m.partial_rotary_factor))
+  inv_freq, attention = rope.frequencies(scaling, theta, head_dim)
+  kept = np.arange(head_dim // 2) < int(m.global_partial_rotary_factor * head_dim // 2)
+  return np.where(kept, inv_freq, 0.0).astype(np.float32), attention
 
 
 def gdn_shape(m: ModelConfig) -> tuple[int, int, int, int]:

@@ -22,8 +22,9 @@ from bdlm_jax.config import ModelConfig
 from bdlm_jax.kernels.chunking import over_row_chunks
 from bdlm_jax.models.gdn import GatedDeltaNet
 from bdlm_jax.models.norm import rms_norm
-from bdlm_jax.models.pattern import (attention_shape, layer_types, mlp_types, periodic_layers,
-                                     split_attention)
+from bdlm_jax.models.pattern import (attention_shape, layer_rope, layer_types, mlp_types,
+                                     periodic_layers, split_attention)
+from bdlm_jax.models.rope import rope
 from bdlm_jax.kernels import residuals
 from bdlm_jax.kernels.mask import RowMeta
 from bdlm_jax.models.moe import ACTIVATIONS, MoE, no_stats
@@ -33,24 +34,6 @@ AttendFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 def _dtype(name: str):
   return jnp.dtype(name)
-
-
-def rope(x_BRHD: jax.Array, pos_BR: jax.Array, theta: float,
-         fraction: float = 1.0) -> jax.Array:
-  """Rotary embedding, half-split convention (as in Hugging Face Llama/Qwen3). With
-  `fraction` < 1 only the first int(fraction * d // 2) frequency pairs rotate and the rest
-  pass unchanged, every frequency still over the whole head dim d (HF's "proportional"
-  RoPE, Gemma 4's global layers)."""
-  d = x_BRHD.shape[-1]
-  inv_freq = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
-  if fraction < 1:
-    inv_freq = jnp.where(jnp.arange(d // 2) < int(fraction * d // 2), inv_freq, 0.0)
-  angle_BRF = pos_BR[..., None].astype(jnp.float32) * inv_freq
-  cos = jnp.cos(angle_BRF)[:, :, None, :]
-  sin = jnp.sin(angle_BRF)[:, :, None, :]
-  x1, x2 = jnp.split(x_BRHD.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BRHD.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -64,8 +47,8 @@ class RMSNorm(nnx.Module):
     return rms_norm(x, self.eps, self.scale[...])
 
 
-def _linear(din, dout, cfg: ModelConfig, rngs):
-  return nnx.Linear(din, dout, use_bias=False, dtype=_dtype(cfg.compute_dtype),
+def _linear(din, dout, cfg: ModelConfig, rngs, bias: bool = False):
+  return nnx.Linear(din, dout, use_bias=bias, dtype=_dtype(cfg.compute_dtype),
                     param_dtype=_dtype(cfg.param_dtype), rngs=rngs)
 
 
@@ -79,27 +62,20 @@ class Attention(nnx.Module):
     self.n_kv_heads, self.head_dim, self.k_eq_v = attention_shape(cfg, shape_kind)
     # With model.attention_gate, q_proj gives [q | gate] per head (Qwen3.5's layout).
     self.q_proj = _linear(cfg.d_model, cfg.n_heads * self.head_dim * (1 + cfg.attention_gate),
-                          cfg, rngs)
-    self.k_proj = _linear(cfg.d_model, self.n_kv_heads * self.head_dim, cfg, rngs)
+                          cfg, rngs, cfg.qkv_bias)
+    self.k_proj = _linear(cfg.d_model, self.n_kv_heads * self.head_dim, cfg, rngs, cfg.qkv_bias)
     if not self.k_eq_v:
-      self.v_proj = _linear(cfg.d_model, self.n_kv_heads * self.head_dim, cfg, rngs)
+      self.v_proj = _linear(cfg.d_model, self.n_kv_heads * self.head_dim, cfg, rngs,
+                            cfg.qkv_bias)
     self.o_proj = _linear(cfg.n_heads * self.head_dim, cfg.d_model, cfg, rngs)
     if cfg.qk_norm:
       self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, _dtype(cfg.param_dtype))
       self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, _dtype(cfg.param_dtype))
 
   def _rope(self, x_BRHD, pos_BR, kind: str):
-    """RoPE of a layer of this kind: local layers' own base, global layers' rotary fraction;
-    with model.partial_rotary_factor < 1 only the first part of the head dim rotates, at
-    frequencies over that part (Qwen3.5, Qwen3-Next), the rest passes unchanged."""
-    cfg = self.cfg
-    if cfg.partial_rotary_factor < 1:
-      rot = int(x_BRHD.shape[-1] * cfg.partial_rotary_factor)
-      theta = (cfg.rope_local_theta or cfg.rope_theta) if kind == "local" else cfg.rope_theta
-      return jnp.concatenate([rope(x_BRHD[..., :rot], pos_BR, theta), x_BRHD[..., rot:]], -1)
-    if kind == "local":
-      return rope(x_BRHD, pos_BR, cfg.rope_local_theta or cfg.rope_theta)
-    return rope(x_BRHD, pos_BR, cfg.rope_theta, cfg.global_partial_rotary_factor)
+    """RoPE of a layer of this kind (`layer_rope`: local layers' own base and scaling,
+    global layers' rotary fraction)."""
+    return rope(x_BRHD, pos_BR, *layer_rope(self.cfg, kind, x_BRHD.shape[-1]))
 
   def qkv(self, x_BRD, pos_BR, kind: str = "global"):
     """(q, k, v), and with model.attention_gate the output gate's logits [B, R, H, D] last."""

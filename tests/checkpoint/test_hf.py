@@ -82,24 +82,31 @@ def hf_model(request, tmp_path_factory) -> HFModel:
   """A random `transformers` model saved to a folder, with weights far from their init
   values (norm weights too: Gemma's w of (1 + w) as well), so that every mapping error shows
   in the logits. MoE routers get a larger spread, so that routing is far from uniform."""
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
   model_type, tie, vocab, shard, keys = CASES[request.param]
   config_cls, shapes = CONFIGS[model_type]
+  return random_hf_model(config_cls, dict(vocab_size=vocab, tie_word_embeddings=tie,
+                                          **{**shapes, **keys}),
+                         str(tmp_path_factory.mktemp(request.param)), (2, 24), shard)
+
+
+def random_hf_model(config_cls: str, keys: dict, folder: str, tokens_shape: tuple,
+                    shard: str | None = None) -> HFModel:
+  """A `transformers` model of `config_cls(**keys)` with random weights (see `hf_model`)
+  saved to `folder`, and its logits of random tokens of `tokens_shape`."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
   torch.manual_seed(0)
-  model = transformers.AutoModelForCausalLM.from_config(
-      getattr(transformers, config_cls)(vocab_size=vocab, tie_word_embeddings=tie,
-                                        **{**shapes, **keys}),
-      attn_implementation="eager").eval()
-  norm_center = 0.0 if model_type == "gemma3_text" else 1.0
+  config = getattr(transformers, config_cls)(**keys)
+  model = transformers.AutoModelForCausalLM.from_config(config,
+                                                        attn_implementation="eager").eval()
+  norm_center = 0.0 if config.model_type == "gemma3_text" else 1.0
   with torch.no_grad():
     for name, p in model.named_parameters():
       p.copy_(norm_center + 0.2 * torch.randn_like(p) if name.endswith("norm.weight")
               else 0.5 * torch.randn_like(p) if name.endswith("mlp.gate.weight")  # router
               else 0.2 * torch.randn_like(p))
-  folder = str(tmp_path_factory.mktemp(request.param))
   model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
-  tokens = np.random.default_rng(0).integers(0, vocab, (2, 24))
+  tokens = np.random.default_rng(0).integers(0, config.vocab_size, tokens_shape)
   return HFModel(folder, model, tokens, torch_logits(model, tokens))
 
 
@@ -256,7 +263,11 @@ def test_gemma3_config_of_transformers_4_imports_alike(exported_gemma3, tmp_path
 
 @pytest.mark.parametrize("model, message", [
     (dict(layer_pattern="local,global", sliding_window=4),
-     r"Llama and Qwen3 cannot have model.layer_pattern='local,global'"),
+     r"Mistral \(every layer local\) cannot have model.layer_pattern='local,global'"),
+    (dict(qkv_bias=True, qk_norm=True), r"q/k/v biases \(model.qkv_bias\) need Qwen2, which "
+                                        r"has no experts, no q/k norms"),
+    (dict(rope_scaling='{"rope_type": "linear", "factor": 2}', attention_gate=True),
+     r"the Gemma 4 and Qwen3.5 families keep plain RoPE"),
     (dict(mlp_activation="gelu_tanh", logit_softcap=30.0),
      r"cannot have model.mlp_activation='gelu_tanh', model.logit_softcap=30.0"),
     (dict(post_norms=True), r"Gemma 3 also needs model.scale_embeddings, model.qk_norm=true"),
@@ -381,7 +392,14 @@ def write_config(tmp_path, hf: dict) -> None:
 @pytest.mark.parametrize("change, message", [
     (dict(model_type="gpt2"), r"model_type='gpt2' is not supported"),
     (dict(attention_bias=True), r"attention_bias=True is not supported"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), r"RoPE scaling .* not supported"),
+    (dict(rope_parameters={"rope_type": "ntk", "factor": 4.0}),
+     r"rope_parameters has rope_type='ntk'; bdlm_jax implements \['default', 'linear'"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": -2.0}),
+     r"rope_parameters has factor=-2.0; it must be a number > 0"),
+    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0}),
+     r"rope_parameters \(rope_type 'llama3'\) needs low_freq_factor, high_freq_factor"),
+    (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}),
+     r"rotates part of the head, which this family does not"),
     (dict(intermediate_size=48), r"'model.layers.0.mlp.gate_proj.weight' has shape \(64, 32\), "
                                  r"but config.json implies \(48, 32\)"),
 ])
@@ -407,11 +425,12 @@ def test_unsupported_qwen3_moe_config_is_a_config_error(exported_moe, tmp_path, 
 
 @pytest.mark.parametrize("change, message", [
     (dict(attn_logit_softcapping=50.0), r"attn_logit_softcapping=50.0 is not supported"),
-    (dict(rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0},
+    (dict(rope_parameters={"full_attention": {"rope_type": "linear"},
                            "sliding_attention": {"rope_type": "default"}}),
-     r"RoPE scaling rope_parameters.full_attention=.* is not supported"),
-    (dict(rope_parameters=None, rope_scaling={"rope_type": "linear", "factor": 8.0}),
-     r"RoPE scaling rope_scaling=.* is not supported"),
+     r"rope_parameters.full_attention \(rope_type 'linear'\) needs factor"),
+    (dict(rope_parameters=None, rope_scaling={"rope_type": "yarn", "factor": 8.0,
+                                               "beta": 2}),
+     r"rope_scaling has the keys \['beta'\], which it does not take"),
     (dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]),
      r"layer_types has the unsupported type\(s\) \['chunked_attention'\]"),
     (dict(hidden_activation="relu"), r"hidden_activation='relu' is not supported"),
