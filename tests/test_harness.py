@@ -1,0 +1,239 @@
+"""The lm-eval model `bdlm_jax`: its numbers are the project's own (ar_logits' NLL, the held-out
+NELBO, the sampler's prediction and generation), through lm-eval's request types, its
+`simple_evaluate` and its command line on the two local arithmetic tasks."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("lm_eval")
+from lm_eval import simple_evaluate  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from bdlm_jax import ar_logits, make_batch, make_mesh, sample  # noqa: E402
+from bdlm_jax.checkpoint import Checkpointer  # noqa: E402
+from bdlm_jax.config import Config  # noqa: E402
+from bdlm_jax.configure import replace  # noqa: E402
+from bdlm_jax.errors import ConfigError  # noqa: E402
+from bdlm_jax.evaluate import eval_config  # noqa: E402
+from bdlm_jax.harness_lm import BdlmLM  # noqa: E402
+from bdlm_jax.likelihood import scoring_config  # noqa: E402
+from bdlm_jax.loss import spec_loss  # noqa: E402
+from bdlm_jax.parallel.registry import SINGLE_DEVICE  # noqa: E402
+from bdlm_jax.sample import _model_json, _steps  # noqa: E402
+from bdlm_jax.spec import resolve  # noqa: E402
+from bdlm_jax.train import init_state  # noqa: E402
+from tests.harness_tasks.make import write_tasks  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OFFLINE = dict(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+CONTEXT, ANSWER = "3*4=12 12+7=", "19"
+DRAWS = 256
+
+
+def _tiny(objective: str) -> Config:
+  return replace(Config(), model=dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                      head_dim=8, d_ff=64),
+                 data=dict(seq_len=32), objective=dict(name=objective, block_size=4),
+                 parallel=dict(strategy=SINGLE_DEVICE))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """objective -> the workdir of a tiny model's checkpoint (random weights: these tests check
+  that the harness computes the project's numbers; what a trained model scores is
+  docs/evaluate.md's)."""
+  out = {}
+  for objective in ("ar", "bd3lm", "fast_dllm_v2"):
+    cfg, workdir = _tiny(objective), str(tmp_path_factory.mktemp(objective))
+    with Checkpointer(workdir, cfg, save_every=1, max_to_keep=1, async_save=False) as ckpt:
+      ckpt.save(1, init_state(cfg, jax.random.key(0), make_mesh(cfg)), force=True)
+      ckpt.wait()  # sealed: its checksums written
+    out[objective] = workdir
+  return out
+
+
+@pytest.fixture(scope="module")
+def models(runs):
+  return {name: BdlmLM(workdir=workdir, mc_samples=DRAWS, batch_size=4)
+          for name, workdir in runs.items()}
+
+
+def _loglikelihood(lm, pairs):
+  return lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
+
+
+def _ar_reference(lm, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+  """(log p, every token its argmax) of each (context, continuation) from one `ar_logits`
+  forward of the rows, right-padded."""
+  length = max(len(c) + len(x) for c, x in pairs)
+  tokens, seg = np.zeros((len(pairs), length), np.int32), np.zeros((len(pairs), length), np.int32)
+  for i, (c, x) in enumerate(pairs):
+    tokens[i, :len(c) + len(x)], seg[i, :len(c) + len(x)] = c + x, 1
+  logp = np.asarray(jax.nn.log_softmax(ar_logits(lm.params, lm.cfg, tokens, seg)))
+  out = []
+  for i, (c, x) in enumerate(pairs):
+    rows = np.arange(len(c) - 1, len(c) + len(x) - 1)
+    out.append((float(np.sum(logp[i, rows, x])), bool(np.all(np.argmax(logp[i, rows], -1) == x))))
+  return out
+
+
+def test_ar_loglikelihood_is_ar_logits_nll_and_greedy_its_argmax(models):
+  lm = models["ar"]
+  pairs = [(CONTEXT, ANSWER), ("5-", "2=3"), ("", "7*7=49")]
+  ids = [(lm.tok_encode(c) if c else [lm.eot_token_id], lm.tok_encode(x)) for c, x in pairs]
+  for (logprob, greedy), (want, want_greedy) in zip(_loglikelihood(lm, pairs),
+                                                    _ar_reference(lm, ids)):
+    assert logprob == pytest.approx(want, abs=1e-4)
+    assert greedy == want_greedy
+
+
+def _sampler_logprob(lm, context: list[int], token: int) -> float:
+  """log p of a one-token continuation as the sampler predicts it: its first denoising step
+  of the block after the context (all [MASK]), [MASK] logit removed."""
+  cfg, b = lm.cfg, lm.cfg.objective.block_size
+  first = -(-len(context) // b) * b
+  ctx, seg = np.zeros((1, first + b), np.int32), np.zeros((1, first + b), np.int32)
+  ctx[0, first - len(context):first], seg[0, first - len(context):first] = context, 1
+  block = jnp.full((1, b), cfg.objective.mask_token_id, jnp.int32)
+  logits, prev = _steps(_model_json(cfg)).denoise_full(lm.params, ctx, seg, block, first)
+  row = prev if cfg.objective.name == "fast_dllm_v2" else logits[0]  # token shift
+  return float(jax.nn.log_softmax(row.at[cfg.objective.mask_token_id].set(-jnp.inf))[token])
+
+
+@pytest.mark.parametrize("objective", ["bd3lm", "fast_dllm_v2"])
+def test_a_one_token_nelbo_estimates_the_samplers_log_probability(models, objective):
+  """A continuation of one token in a block of its own: its NELBO's expectation is exactly
+  -log p of the sampler's prediction; the estimate is within its Monte Carlo error."""
+  lm = models[objective]
+  context = lm.tok_encode(CONTEXT)
+  token = lm.tok_encode("1")[0]
+  scores = lm._scores([(context, [token])])
+  want = _sampler_logprob(lm, context, token)
+  assert abs(scores.logprob[0] - want) < 4 * scores.stderr[0], (scores, want)
+  assert 0 < scores.stderr[0] < 0.3 * abs(want)
+
+
+def test_bd3lm_loglikelihood_is_minus_the_held_out_nelbo_of_the_continuation(models):
+  """The harness's estimate and the held-out eval's NELBO (spec_loss under eval_config) of the
+  same protected-context row, on other noise draws, agree within their Monte Carlo errors."""
+  lm = models["bd3lm"]
+  context, cont = lm.tok_encode(CONTEXT), lm.tok_encode(ANSWER + " 5+5=10")
+  scores = lm._scores([(context, cont)])
+  length = 4 * (-(-len(context) // 4) + -(-len(cont) // 4))
+  one = eval_config(scoring_config(lm.cfg, length))
+  tokens, seg = np.zeros((1, length), np.int32), np.zeros((1, length), np.int32)
+  start = -(-len(context) // 4) * 4
+  tokens[0, start - len(context):start + len(cont)] = context + cont
+  seg[0, start - len(context):start + len(cont)] = 1
+  protected = (np.arange(length) < start)[None]
+  batch = make_batch(one, tokens, seg, protected)
+  spec = resolve(one)
+  draw = jax.jit(lambda key: spec_loss(spec, lm.params, batch, key)[1])
+  totals = []
+  for i in range(DRAWS):
+    metrics = draw(jax.random.key(1000 + i))
+    totals.append(float(metrics["loss"] * metrics["valid_tokens"]))
+  assert int(metrics["valid_tokens"]) == len(cont)
+  reference, error = np.mean(totals), np.std(totals) / np.sqrt(DRAWS)
+  assert abs(-scores.logprob[0] - reference) < 4 * np.hypot(scores.stderr[0], error)
+
+
+def test_a_request_scores_the_same_in_any_batch(models):
+  lm = models["fast_dllm_v2"]
+  pairs = [(lm.tok_encode(CONTEXT), lm.tok_encode(ANSWER)), (lm.tok_encode("1+1="), [50])]
+  alone = lm._scores(pairs[:1]).logprob[0]
+  assert lm._scores(pairs).logprob[0] == pytest.approx(alone, rel=1e-5)
+
+
+@pytest.mark.parametrize("objective", ["ar", "fast_dllm_v2"])
+def test_generation_is_samples_cut_at_the_stop_strings(models, objective):
+  lm = models[objective]
+  contexts = [CONTEXT, "2*2=4 7-"]
+  kwargs = dict(until=["="], max_gen_toks=6, do_sample=False)
+  got = lm.generate_until([Instance("generate_until", {}, (c, kwargs), i)
+                           for i, c in enumerate(contexts)])
+  for context, text in zip(contexts, got):
+    tokens = sample(lm.params, lm.cfg, lm.tok_encode(context), jax.random.key(0),
+                    max_new_tokens=6, temperature=0.0)
+    assert text == lm.tok_decode(tokens).split("=")[0]
+
+
+@pytest.mark.slow
+def test_the_local_tasks_run_through_simple_evaluate_with_the_models_numbers(models, tmp_path,
+                                                                            monkeypatch):
+  """lm-eval's own evaluation of the two local tasks, offline: its logged likelihoods are
+  ar_logits' and its generations `sample`'s."""
+  for name, value in OFFLINE.items():
+    monkeypatch.setenv(name, value)
+  lm = models["ar"]
+  tasks = write_tasks(str(tmp_path), 4, 24)
+  out = simple_evaluate(model=lm, tasks=tasks, task_manager=TaskManager(include_path=str(tmp_path)),
+                        log_samples=True, bootstrap_iters=0)
+  assert set(out["results"]) == set(tasks)
+  requests = [(args, doc["resps"][i][0][0]) for doc in out["samples"]["arith_mc"]
+              for i, args in enumerate(doc["arguments"])]
+  want = _ar_reference(lm, [(lm.tok_encode(c), lm.tok_encode(x)) for (c, x), _ in requests])
+  assert len(requests) == 4 * 4
+  for (_, got), (logprob, _) in zip(requests, want):
+    assert float(got) == pytest.approx(logprob, abs=1e-4)
+  for doc in out["samples"]["arith_gen"]:
+    tokens = sample(lm.params, lm.cfg, lm.tok_encode(doc["doc"]["prompt"]), jax.random.key(0),
+                    max_new_tokens=4, temperature=0.0)
+    assert doc["resps"][0][0] == lm.tok_decode(tokens).split(" ")[0]
+
+
+def test_a_workdir_without_a_checkpoint_is_refused_in_one_line(tmp_path):
+  with pytest.raises(ConfigError, match="holds no checkpoint"):
+    BdlmLM(workdir=str(tmp_path))
+
+
+def test_a_chat_template_for_a_plain_text_model_is_refused(models):
+  with pytest.raises(ConfigError, match="has none: run without --apply_chat_template"):
+    models["ar"].apply_chat_template([dict(role="user", content="1+1=")])
+
+
+def test_a_context_longer_than_the_model_is_refused_naming_both_lengths(models):
+  lm = models["fast_dllm_v2"]
+  with pytest.raises(ConfigError, match="takes 36 positions, more than the model's context of 32"):
+    _loglikelihood(lm, [("1+1=2 " * 5, "2")])
+  with pytest.raises(ConfigError, match="more than the model's context of 32"):
+    lm.generate_until([Instance("generate_until", {}, ("1+1=2 " * 6, dict(until=[" "])), 0)])
+
+
+def test_unknown_model_args_are_refused_naming_them(runs):
+  with pytest.raises(ConfigError, match=r"unknown model_args \['steps'\]"):
+    BdlmLM(workdir=runs["ar"], steps=3)
+
+
+@pytest.mark.slow
+def test_the_command_line_scores_the_local_tasks_offline(runs, tmp_path):
+  """`python -m bdlm_jax.harness` (lm-eval's CLI) with the tasks' folder, offline; a run
+  without a checkpoint fails in one line."""
+  tasks = ",".join(write_tasks(str(tmp_path / "tasks"), 4, 24))
+  env = dict(os.environ, **OFFLINE, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  env.pop("JAX_NUM_CPU_DEVICES", None)
+  base = [sys.executable, "-m", "bdlm_jax.harness", "--model", "bdlm_jax", "--tasks", tasks,
+          "--include_path", str(tmp_path / "tasks"), "--batch_size", "4"]
+  out = subprocess.run(base + ["--model_args", f"workdir={runs['fast_dllm_v2']},mc_samples=2",
+                               "--output_path", str(tmp_path / "out")],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  results = json.load(open(glob.glob(str(tmp_path / "out" / "**" / "results_*.json"),
+                                     recursive=True)[0]))["results"]
+  assert 0 <= results["arith_mc"]["acc,none"] <= 1
+  assert 0 <= results["arith_gen"]["exact_match,none"] <= 1
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  out = subprocess.run(base + ["--model_args", f"workdir={empty}"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 2
+  assert out.stderr.strip().splitlines()[-1].startswith("bdlm_jax harness: workdir=")
