@@ -29,8 +29,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from bdlm_jax.config import Config, SampleConfig
 from bdlm_jax.configure import override, replace
 from bdlm_jax.errors import ConfigError
-from bdlm_jax.likelihood import check_scored, continuation_scores, nelbo_length
-from bdlm_jax.objectives import get_objective
+from bdlm_jax.likelihood import check_scored, continuation_scores, exact, nelbo_length
 from bdlm_jax.sample import checked_tokenizer, sample
 
 MODEL_NAME = "bdlm_jax"
@@ -149,7 +148,7 @@ class BdlmLM(TemplateLM):
   def _row_length(self, context_len: int, continuation_len: int) -> int:
     """Positions a request takes: context + continuation, for a BDLM each padded to whole
     blocks (the context ends on a block boundary, as a prompt does in `sample`)."""
-    if self.cfg.objective.name == "ar":
+    if exact(self.cfg):
       return context_len + continuation_len
     return nelbo_length(self.cfg, context_len, continuation_len)
 
@@ -165,7 +164,7 @@ class BdlmLM(TemplateLM):
       self._check_length(self._row_length(len(context), len(cont)),
                          f"the request {strings[0][-40:]!r} + {strings[1][:40]!r}")
     scores = self._scores(pairs)
-    if get_objective(self.cfg.objective.name).SAMPLER == "ar":
+    if exact(self.cfg):
       greedy = scores.greedy
     else:
       greedy = [self._is_greedy(context, cont) for context, cont in pairs]
@@ -209,7 +208,7 @@ class BdlmLM(TemplateLM):
     """The whole text's log-likelihood, in windows of max_length tokens (each scored given
     the previous tokens that fit), as lm-eval's own models compute it."""
     # a window's context and continuation fit max_length once padded to whole blocks
-    padding = 0 if self.cfg.objective.name == "ar" else 2 * (self.cfg.objective.block_size - 1)
+    padding = 0 if exact(self.cfg) else 2 * (self.cfg.objective.block_size - 1)
     width = self.max_length - 1 - padding
     windows, owner = [], []
     for i, (text,) in enumerate(req.args for req in requests):

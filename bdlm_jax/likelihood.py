@@ -7,11 +7,11 @@ an evaluation harness's multiple-choice and perplexity tasks ask for (bdlm_jax/h
   training scores a prompt's response: the context is `protected` (never masked, never
   scored) and ends on a block boundary (left-padded, like `sample`'s prompt), the
   continuation's blocks are noised (t per block, a uniform per position) and each masked
-  token scored with weight 1/t. `bd3lm` under its `evaluated` objective (1/t, t over
-  [eval.t_min, 1]); `fast_dllm_v2` under its own corruption, both complementary copies, t
-  over [eval.t_min, 1 - eval.t_min]: copy 1 (masked where u < t) weighs 1/(2t), copy 2
-  (masked where u >= t, i.e. at noise level 1 - t) 1/(2(1 - t)), so each copy is an
-  unbiased NELBO estimate and the pair is antithetic. A continuation's first token in a
+  token scored with weight 1/t, by the objective's `nelbo_config` and `nelbo_corrupt`:
+  `bd3lm` as its held-out eval (t over [eval.t_min, 1]); `fast_dllm_v2` with both
+  complementary copies, t over [eval.t_min, 1 - eval.t_min], copy 1 (masked where u < t)
+  weighing 1/(2t) and copy 2 (masked where u >= t, noise level 1 - t) 1/(2(1 - t)): each
+  copy an unbiased NELBO estimate, the pair antithetic. A continuation's first token in a
   block of its own is scored from clean context only (exactly for fast_dllm_v2: its clean
   boundary row), so a one-token answer's NELBO has expectation exactly -log p of the
   sampler's first prediction.
@@ -28,23 +28,19 @@ import json
 from typing import NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from bdlm_jax.batch import make_batch
 from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
 from bdlm_jax.errors import ConfigError
-from bdlm_jax.evaluate import eval_config
 from bdlm_jax.loss import ar_forward, ar_rows
 from bdlm_jax.models.transformer import head_logits
-from bdlm_jax.objectives import fast_dllm_v2, get_objective
-from bdlm_jax.objectives.bd3lm import draw_noise
+from bdlm_jax.objectives import get_objective
 from bdlm_jax.params import merge
 from bdlm_jax.parallel.registry import SINGLE_DEVICE
 from bdlm_jax.spec import resolve
 
-SCORED = ("ar", "bd3lm", "fast_dllm_v2")  # objectives with a likelihood (or a bound) here
 
 
 class Scores(NamedTuple):
@@ -57,11 +53,18 @@ class Scores(NamedTuple):
   greedy: np.ndarray  # bool [N]
 
 
+def exact(cfg: Config) -> bool:
+  """Whether the model's likelihood is exact, not a NELBO: a model of the clean tokens alone
+  (no noisy stream: `ar`)."""
+  return not get_objective(cfg.objective.name).NOISY_STREAM
+
+
 def check_scored(cfg: Config) -> None:
-  """Refuses objectives without a likelihood here, naming what they are scored by instead."""
-  if cfg.objective.name not in SCORED:
-    raise ConfigError(f"no loglikelihood for objective={cfg.objective.name} (scored here: "
-                      f"{', '.join(SCORED)}); generation tasks (generate_until) still run")
+  """Refuses objectives without a likelihood or a NELBO here (those without `nelbo_corrupt`)."""
+  if not exact(cfg) and not hasattr(get_objective(cfg.objective.name), "nelbo_corrupt"):
+    raise ConfigError(f"no loglikelihood for objective={cfg.objective.name} yet (exact for ar, "
+                      f"a NELBO for objectives with nelbo_corrupt: bd3lm, fast_dllm_v2); "
+                      f"generation tasks (generate_until) still run")
 
 
 def continuation_scores(params, cfg: Config, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
@@ -71,7 +74,7 @@ def continuation_scores(params, cfg: Config, pairs: Sequence[tuple[Sequence[int]
   check_scored(cfg)
   if not pairs or any(not cont for _, cont in pairs):
     raise ConfigError("every request needs a non-empty continuation")
-  if cfg.objective.name == "ar":
+  if exact(cfg):
     return _ar_scores(params, cfg, pairs)
   return _nelbo_scores(params, cfg, pairs, draws, key)
 
@@ -111,12 +114,9 @@ def _ar_fn(cfg_json: str):
 
 
 def scoring_config(cfg: Config, seq_len: int) -> Config:
-  """The objective as the NELBO scores it, on one device, for rows of `seq_len` tokens."""
-  t_min = cfg.eval.t_min
-  if cfg.objective.name == fast_dllm_v2.NAME:
-    objective = dict(eps_min=t_min, eps_max=1.0 - t_min)
-  else:
-    objective = get_objective(cfg.objective.name).evaluated(cfg.objective, t_min)
+  """The objective as its NELBO scores it (`nelbo_config`), on one device, for rows of
+  `seq_len` tokens."""
+  objective = get_objective(cfg.objective.name).nelbo_config(cfg.objective, cfg.eval.t_min)
   return replace(cfg, objective=objective, data=dict(seq_len=seq_len),
                  parallel=dict(strategy=SINGLE_DEVICE, seq=1, data=1, fsdp=1))
 
@@ -151,12 +151,7 @@ def _nelbo_fn(cfg_json: str):
   spec, objective = resolve(cfg), get_objective(cfg.objective.name)
 
   def one_draw(model, batch, key):
-    if cfg.objective.name == fast_dllm_v2.NAME:
-      t_SN, u_SL = draw_noise(key, 1, cfg.data.seq_len, cfg.objective)
-      batch2, inputs, scored, _ = fast_dllm_v2.corrupt_with(t_SN, u_SL, batch, cfg)
-      weight = _complementary_weights(t_SN, batch, cfg.objective.block_size)
-    else:
-      batch2, inputs, scored, weight = objective.corrupt(key, batch, cfg)
+    batch2, inputs, scored, weight = objective.nelbo_corrupt(key, batch, cfg)
     hidden, _, _ = objective.hidden(spec, model, batch2, inputs, None)
     labels, scored, weight = (spec.plan.slot_rows(x, objective.LOSS_SLOT)
                               for x in (batch2.labels, scored, weight))
@@ -169,12 +164,3 @@ def _nelbo_fn(cfg_json: str):
     return jax.vmap(per_request)(batches)
 
   return jax.jit(nelbo)
-
-
-def _complementary_weights(t_SN, batch, block_size: int):
-  """fast_dllm_v2's two copies as two NELBO draws: a row scored on position p + 1 weighs
-  1/(2t) in copy 1 (masked where u < t) and 1/(2(1 - t)) in copy 2, t of p + 1's block."""
-  seq_len = t_SN.shape[1] * block_size
-  t_row = jnp.take_along_axis(t_SN, jnp.minimum(batch.pos + 1, seq_len - 1) // block_size, 1)
-  both = jnp.stack([0.5 / t_row, 0.5 / (1.0 - t_row)], axis=1)  # copies interleaved per sequence
-  return both.reshape(-1, *t_row.shape[1:])
