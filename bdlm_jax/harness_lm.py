@@ -29,7 +29,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from bdlm_jax.config import Config, SampleConfig
 from bdlm_jax.configure import override, replace
 from bdlm_jax.errors import ConfigError
-from bdlm_jax.likelihood import check_scored, continuation_scores, exact, nelbo_length
+from bdlm_jax.likelihood import (check_scored, continuation_scores, exact, nelbo_length,
+                                 padded_length)
 from bdlm_jax.sample import checked_tokenizer, sample
 
 MODEL_NAME = "bdlm_jax"
@@ -105,7 +106,6 @@ class BdlmLM(TemplateLM):
     self.batch_size = 16 if str(batch_size).startswith("auto") else max(int(batch_size), 1)
     self.tokenizer_ = checked_tokenizer(self.cfg)
     self.template = _chat_template(self.cfg)
-    self._greedy: dict[tuple[int, ...], np.ndarray] = {}
 
   @property
   def eot_token_id(self) -> int:
@@ -167,7 +167,8 @@ class BdlmLM(TemplateLM):
     if exact(self.cfg):
       greedy = scores.greedy
     else:
-      greedy = [self._is_greedy(context, cont) for context, cont in pairs]
+      made = self._greedy_generations(pairs)
+      greedy = [made[tuple(context)][:len(cont)].tolist() == cont for context, cont in pairs]
     out = [(float(lp), bool(g)) for lp, g in zip(scores.logprob, greedy)]
     for (strings, _, _), result in zip(requests, out):
       self.cache_hook.add_partial("loglikelihood", strings, result)
@@ -175,10 +176,10 @@ class BdlmLM(TemplateLM):
 
   def _scores(self, pairs: list[tuple[list[int], list[int]]]):
     """`continuation_scores` of `pairs`, in batches of `batch_size` requests of one padded
-    length (longest first), returned in the order given."""
+    length (`padded_length`, longest first), returned in the order given."""
     from bdlm_jax.likelihood import Scores
     check_scored(self.cfg)
-    length = lambda context, cont: self._row_length(len(context), len(cont))
+    length = lambda context, cont: padded_length(self.cfg, len(context), len(cont))
     order = sorted(range(len(pairs)), key=lambda i: -length(*pairs[i]))
     logprob, stderr, greedy = (np.zeros(len(pairs)), np.zeros(len(pairs)),
                                np.zeros(len(pairs), bool))
@@ -194,15 +195,24 @@ class BdlmLM(TemplateLM):
       start += len(same)
     return Scores(logprob, stderr, greedy)
 
-  def _is_greedy(self, context: list[int], cont: list[int]) -> bool:
-    """Whether greedy generation from `context` starts with `cont` (cached per context, at
-    the longest continuation asked so far)."""
-    made = self._greedy.get(tuple(context))
-    if made is None or (len(made) < len(cont) and self.eot_token_id not in made.tolist()):
-      made = generate(self.params, self.cfg, [np.asarray(context)], jax.random.key(self.seed),
-                      max_new_tokens=len(cont), temperature=0.0)[0]
-      self._greedy[tuple(context)] = made
-    return made[:len(cont)].tolist() == list(cont)
+  def _greedy_generations(self, pairs) -> dict[tuple[int, ...], np.ndarray]:
+    """Greedy generation from each distinct context of `pairs`, as long as its longest
+    continuation (a BDLM's `is_greedy`): contexts grouped by that length, `batch_size` at a
+    time."""
+    longest: dict[tuple[int, ...], int] = {}
+    for context, cont in pairs:
+      longest[tuple(context)] = max(longest.get(tuple(context), 0), len(cont))
+    by_length: dict[int, list[tuple[int, ...]]] = {}
+    for context, n in longest.items():
+      by_length.setdefault(n, []).append(context)
+    made = {}
+    for n, contexts in by_length.items():
+      for start in range(0, len(contexts), self.batch_size):
+        chunk = contexts[start:start + self.batch_size]
+        tokens = generate(self.params, self.cfg, [np.asarray(c, np.int32) for c in chunk],
+                          jax.random.key(self.seed), max_new_tokens=n, temperature=0.0)
+        made.update(zip(chunk, tokens))
+    return made
 
   def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
     """The whole text's log-likelihood, in windows of max_length tokens (each scored given

@@ -89,8 +89,15 @@ def nelbo_length(cfg: Config, context_len: int, continuation_len: int) -> int:
 _AR_BUCKET = 16  # AR rows are padded to a multiple: few shapes, few compiles
 
 
+def padded_length(cfg: Config, context_len: int, continuation_len: int) -> int:
+  """The row a request is scored in (requests of one length batch together)."""
+  if exact(cfg):
+    return -(-(context_len + continuation_len) // _AR_BUCKET) * _AR_BUCKET
+  return nelbo_length(cfg, context_len, continuation_len)
+
+
 def _ar_scores(params, cfg: Config, pairs) -> Scores:
-  length = -(-max(len(c) + len(x) for c, x in pairs) // _AR_BUCKET) * _AR_BUCKET
+  length = max(padded_length(cfg, len(c), len(x)) for c, x in pairs)
   tokens, seg = np.zeros((len(pairs), length), np.int32), np.zeros((len(pairs), length), np.int32)
   for i, (context, cont) in enumerate(pairs):
     row = list(context) + list(cont)
@@ -122,7 +129,7 @@ def scoring_config(cfg: Config, seq_len: int) -> Config:
 
 
 def _nelbo_scores(params, cfg: Config, pairs, draws: int, key) -> Scores:
-  length = max(nelbo_length(cfg, len(c), len(x)) for c, x in pairs)
+  length = max(padded_length(cfg, len(c), len(x)) for c, x in pairs)
   one = scoring_config(cfg, length)
   batches = []
   for context, cont in pairs:
