@@ -96,6 +96,25 @@ def test_ar_loglikelihood_is_ar_logits_nll_and_greedy_its_argmax(models):
     assert greedy == want_greedy
 
 
+def test_ar_rolling_loglikelihood_sums_windows_of_the_context_length(models):
+  """A text of 72 tokens through a 32-token model: disjoint windows of 31 tokens, each given
+  the tokens before it that fill the window (one; EOS for the first; 22 for the last, of 10),
+  as lm-eval's own models roll (context_len 1)."""
+  lm, text = models["ar"], "1+1=2 " * 12
+  tokens, width = lm.tok_encode(text), lm.max_length - 1
+  windows = [([lm.eot_token_id] if i == 0 else tokens[i + len(tokens[i:i + width]) - width - 1:i],
+              tokens[i:i + width]) for i in range(0, len(tokens), width)]
+  got = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
+  assert len(windows) == 3
+  assert got[0] == pytest.approx(sum(lp for lp, _ in _ar_reference(lm, windows)), abs=1e-3)
+
+
+def test_a_bdlm_rolls_a_short_text_as_one_request_after_eos(models):
+  lm, text = models["fast_dllm_v2"], "1+1=2 3*3=9"
+  rolled = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])[0]
+  assert rolled == pytest.approx(_loglikelihood(lm, [("", text)])[0][0], rel=1e-5)
+
+
 def _sampler_logprob(lm, context: list[int], token: int) -> float:
   """log p of a one-token continuation as the sampler predicts it: its first denoising step
   of the block after the context (all [MASK]), [MASK] logit removed."""
