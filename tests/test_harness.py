@@ -18,14 +18,14 @@ from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from bdlm_jax import ar_logits, make_batch, make_mesh, sample  # noqa: E402
+from bdlm_jax import ar_logits, export_hf, make_batch, make_mesh, sample  # noqa: E402
 from bdlm_jax.checkpoint import Checkpointer  # noqa: E402
 from bdlm_jax.config import Config  # noqa: E402
 from bdlm_jax.configure import replace  # noqa: E402
 from bdlm_jax.errors import ConfigError  # noqa: E402
 from bdlm_jax.evaluate import eval_config  # noqa: E402
 from bdlm_jax.harness_lm import BdlmLM  # noqa: E402
-from bdlm_jax.likelihood import scoring_config  # noqa: E402
+from bdlm_jax.likelihood import continuation_scores, scoring_config  # noqa: E402
 from bdlm_jax.loss import spec_loss  # noqa: E402
 from bdlm_jax.parallel.registry import SINGLE_DEVICE  # noqa: E402
 from bdlm_jax.sample import _model_json, _steps  # noqa: E402
@@ -221,6 +221,16 @@ def test_the_local_tasks_run_through_simple_evaluate_with_the_models_numbers(mod
     assert doc["resps"][0][0] == lm.tok_decode(tokens).split(" ")[0]
 
 
+def test_a_hugging_face_folder_scores_as_the_run_it_was_exported_from(models, tmp_path):
+  lm = models["ar"]
+  export_hf(jax.tree.map(jnp.asarray, lm.params), lm.cfg, str(tmp_path / "hf"))
+  folder = BdlmLM(workdir=str(tmp_path / "hf"))
+  assert folder.cfg.objective.name == lm.cfg.objective.name
+  pairs = [(CONTEXT, ANSWER)]
+  assert _loglikelihood(folder, pairs)[0][0] == pytest.approx(_loglikelihood(lm, pairs)[0][0],
+                                                              abs=1e-5)
+
+
 def test_a_workdir_without_a_checkpoint_is_refused_in_one_line(tmp_path):
   with pytest.raises(ConfigError, match="holds no checkpoint"):
     BdlmLM(workdir=str(tmp_path))
@@ -237,6 +247,13 @@ def test_a_context_longer_than_the_model_is_refused_naming_both_lengths(models):
     _loglikelihood(lm, [("1+1=2 " * 5, "2")])
   with pytest.raises(ConfigError, match="more than the model's context of 32"):
     lm.generate_until([Instance("generate_until", {}, ("1+1=2 " * 6, dict(until=[" "])), 0)])
+
+
+def test_an_objective_without_a_likelihood_is_refused_in_one_line():
+  cfg = replace(Config(), objective=dict(name="diffusiongemma", loss_weight="unit",
+                                         self_condition_p=0.0))
+  with pytest.raises(ConfigError, match="no loglikelihood for objective=diffusiongemma yet"):
+    continuation_scores(None, cfg, [([1], [2])], 1, jax.random.key(0))
 
 
 def test_unknown_model_args_are_refused_naming_them(runs):
