@@ -2,6 +2,7 @@
 NELBO, the sampler's prediction and generation), through lm-eval's request types, its
 `simple_evaluate` and its command line on the two local arithmetic tasks."""
 
+import copy
 import glob
 import json
 import os
@@ -24,7 +25,8 @@ from bdlm_jax.config import Config  # noqa: E402
 from bdlm_jax.configure import replace  # noqa: E402
 from bdlm_jax.errors import ConfigError  # noqa: E402
 from bdlm_jax.evaluate import eval_config  # noqa: E402
-from bdlm_jax.harness_lm import BdlmLM  # noqa: E402
+from bdlm_jax.data.chat import prompt_text  # noqa: E402
+from bdlm_jax.harness_lm import BdlmLM, _chat_template  # noqa: E402
 from bdlm_jax.likelihood import continuation_scores, scoring_config  # noqa: E402
 from bdlm_jax.loss import spec_loss  # noqa: E402
 from bdlm_jax.parallel.registry import SINGLE_DEVICE  # noqa: E402
@@ -231,14 +233,27 @@ def test_a_hugging_face_folder_scores_as_the_run_it_was_exported_from(models, tm
                                                               abs=1e-5)
 
 
-def test_a_workdir_without_a_checkpoint_is_refused_in_one_line(tmp_path):
+def test_a_workdir_without_a_checkpoint_is_refused_in_one_line(tmp_path, runs):
   with pytest.raises(ConfigError, match="holds no checkpoint"):
     BdlmLM(workdir=str(tmp_path))
+  with pytest.raises(ConfigError, match="has no checkpoint of step=7 .the latest is 1"):
+    BdlmLM(workdir=runs["ar"], step=7)
 
 
 def test_a_chat_template_for_a_plain_text_model_is_refused(models):
   with pytest.raises(ConfigError, match="has none: run without --apply_chat_template"):
     models["ar"].apply_chat_template([dict(role="user", content="1+1=")])
+
+
+def test_a_chat_models_template_renders_the_tasks_prompt_as_sampling_does(models):
+  """A model trained on chat data (data.format=chat) renders the harness's messages with its
+  data.chat_template, the prompt `sample_checkpoint` gives it."""
+  lm = copy.copy(models["ar"])
+  lm.cfg = replace(lm.cfg, data=dict(format="chat", chat_template="chatml"))
+  lm.template = _chat_template(lm.cfg)
+  assert lm.apply_chat_template([dict(role="user", content="12+7=")]) == prompt_text(
+      "12+7=", "chatml")
+  assert lm.chat_template(True) == "chatml"
 
 
 def test_a_context_longer_than_the_model_is_refused_naming_both_lengths(models):
