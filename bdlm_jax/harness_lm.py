@@ -66,6 +66,9 @@ def load_run(workdir: str, step: int = -1, overrides: Sequence[str] = ()) -> tup
     if latest is None:
       raise ConfigError(f"workdir={workdir!r} holds no checkpoint (train it first, or point "
                         f"workdir at a run's folder or a Hugging Face folder)")
+    if step >= 0 and not ckpt.step_dir(step).exists():
+      raise ConfigError(f"workdir={workdir!r} has no checkpoint of step={step} (the latest is "
+                        f"{latest}; step=-1 takes it)")
     saved = ckpt.saved_config(latest if step < 0 else step)
   cfg = override(replace(Config.from_dict(saved), parallel=one_device), overrides)
   found, state = restore_state(cfg, workdir, make_mesh(cfg), step)
