@@ -42,10 +42,9 @@ from bdlm_jax.parallel.registry import SINGLE_DEVICE
 from bdlm_jax.spec import resolve
 
 
-
 class Scores(NamedTuple):
   """Per request: the log-likelihood (exact, or minus a NELBO estimate), its Monte Carlo
-  standard error (0 when exact) and whether every continuation token is the argmax of its
+  standard error (0 when exact, NaN from one draw) and whether every continuation token is the argmax of its
   prediction (`ar`; a NELBO has no such prediction: False, the harness decides by sampling)."""
 
   logprob: np.ndarray  # float64 [N]
@@ -72,8 +71,9 @@ def continuation_scores(params, cfg: Config, pairs: Sequence[tuple[Sequence[int]
   """`Scores` of each (context ids, continuation ids) pair, computed together as one batch
   (callers group pairs of similar length). params on one device."""
   check_scored(cfg)
-  if not pairs or any(not cont for _, cont in pairs):
-    raise ConfigError("every request needs a non-empty continuation")
+  if not pairs or any(not context or not cont for context, cont in pairs):
+    raise ConfigError("every request needs a non-empty context (its first token is predicted "
+                      "from it: lm-eval gives EOS to an empty one) and continuation")
   if exact(cfg):
     return _ar_scores(params, cfg, pairs)
   return _nelbo_scores(params, cfg, pairs, draws, key)
@@ -134,7 +134,7 @@ def _nelbo_scores(params, cfg: Config, pairs, draws: int, key) -> Scores:
   batches = []
   for context, cont in pairs:
     # Left-padded to the block boundary before the continuation, then right-padded.
-    start = nelbo_length(cfg, len(context), 1) - cfg.objective.block_size
+    start = -(-len(context) // cfg.objective.block_size) * cfg.objective.block_size
     tokens = np.zeros((1, length), np.int32)
     seg, protected = np.zeros_like(tokens), np.zeros(tokens.shape, bool)
     tokens[0, start - len(context):start + len(cont)] = list(context) + list(cont)
