@@ -3,6 +3,7 @@ NELBO, the sampler's prediction and generation), through lm-eval's request types
 `simple_evaluate` and its command line on the two local arithmetic tasks."""
 
 import copy
+import dataclasses
 import glob
 import json
 import os
@@ -117,28 +118,49 @@ def test_a_bdlm_rolls_a_short_text_as_one_request_after_eos(models):
   assert rolled == pytest.approx(_loglikelihood(lm, [("", text)])[0][0], rel=1e-5)
 
 
+def _nelbo_row(lm, context: list[int], cont: list[int], objective: dict):
+  """(config, batch) of the row the harness scores (context protected, ending on a block
+  boundary), under `scoring_config` with `objective` overrides, built here."""
+  b = lm.cfg.objective.block_size
+  start = -(-len(context) // b) * b
+  length = start + -(-len(cont) // b) * b
+  one = replace(scoring_config(lm.cfg, length), objective=objective)
+  tokens, seg = np.zeros((1, length), np.int32), np.zeros((1, length), np.int32)
+  tokens[0, start - len(context):start + len(cont)] = context + cont
+  seg[0, start - len(context):start + len(cont)] = 1
+  return one, make_batch(one, tokens, seg, (np.arange(length) < start)[None])
+
+
+def _fully_masked_logprob(lm, context: list[int], token: int) -> float:
+  """bd3lm: log p of a one-token continuation with it masked (t = 1: the training loss of
+  that row is exactly its cross-entropy)."""
+  one, batch = _nelbo_row(lm, context, [token], dict(eps_min=1.0, eps_max=1.0))
+  return -float(spec_loss(resolve(one), lm.params, batch, jax.random.key(0))[0])
+
+
 def _sampler_logprob(lm, context: list[int], token: int) -> float:
-  """log p of a one-token continuation as the sampler predicts it: its first denoising step
-  of the block after the context (all [MASK]), [MASK] logit removed."""
+  """fast_dllm_v2: log p of a one-token continuation as the sampler predicts a block's first
+  token, from the clean row before the block (token shift), [MASK] logit removed."""
   cfg, b = lm.cfg, lm.cfg.objective.block_size
   first = -(-len(context) // b) * b
   ctx, seg = np.zeros((1, first + b), np.int32), np.zeros((1, first + b), np.int32)
   ctx[0, first - len(context):first], seg[0, first - len(context):first] = context, 1
   block = jnp.full((1, b), cfg.objective.mask_token_id, jnp.int32)
-  logits, prev = _steps(_model_json(cfg)).denoise_full(lm.params, ctx, seg, block, first)
-  row = prev if cfg.objective.name == "fast_dllm_v2" else logits[0]  # token shift
-  return float(jax.nn.log_softmax(row.at[cfg.objective.mask_token_id].set(-jnp.inf))[token])
+  _, prev = _steps(_model_json(cfg)).denoise_full(lm.params, ctx, seg, block, first)
+  return float(jax.nn.log_softmax(prev.at[cfg.objective.mask_token_id].set(-jnp.inf))[token])
 
 
-@pytest.mark.parametrize("objective", ["bd3lm", "fast_dllm_v2"])
-def test_a_one_token_nelbo_estimates_the_samplers_log_probability(models, objective):
-  """A continuation of one token in a block of its own: its NELBO's expectation is exactly
-  -log p of the sampler's prediction; the estimate is within its Monte Carlo error."""
+@pytest.mark.parametrize("objective,reference", [("bd3lm", _fully_masked_logprob),
+                                                 ("fast_dllm_v2", _sampler_logprob)])
+def test_a_one_token_nelbo_estimates_its_exact_log_probability(models, objective, reference):
+  """A continuation of one token: its NELBO's expectation is exactly -log p of the token
+  masked (bd3lm) or of the sampler's prediction from the clean context (fast_dllm_v2); the
+  estimate is within its Monte Carlo error."""
   lm = models[objective]
   context = lm.tok_encode(CONTEXT)
   token = lm.tok_encode("1")[0]
   scores = lm._scores([(context, [token])])
-  want = _sampler_logprob(lm, context, token)
+  want = reference(lm, context, token)
   assert abs(scores.logprob[0] - want) < 4 * scores.stderr[0], (scores, want)
   assert 0 < scores.stderr[0] < 0.3 * abs(want)
 
@@ -150,14 +172,7 @@ def test_bd3lm_loglikelihood_is_minus_the_held_out_nelbo_of_the_continuation(mod
   lm = models["bd3lm"]
   context, cont = lm.tok_encode(CONTEXT), lm.tok_encode(ANSWER + " 5+5=10")
   scores = lm._scores([(context, cont)])
-  length = 4 * (-(-len(context) // 4) + -(-len(cont) // 4))
-  one = eval_config(scoring_config(lm.cfg, length))
-  tokens, seg = np.zeros((1, length), np.int32), np.zeros((1, length), np.int32)
-  start = -(-len(context) // 4) * 4
-  tokens[0, start - len(context):start + len(cont)] = context + cont
-  seg[0, start - len(context):start + len(cont)] = 1
-  protected = (np.arange(length) < start)[None]
-  batch = make_batch(one, tokens, seg, protected)
+  one, batch = _nelbo_row(lm, context, cont, dataclasses.asdict(eval_config(lm.cfg).objective))
   spec = resolve(one)
   draw = jax.jit(lambda key: spec_loss(spec, lm.params, batch, key)[1])
 
