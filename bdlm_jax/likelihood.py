@@ -11,14 +11,13 @@ an evaluation harness's multiple-choice and perplexity tasks ask for (bdlm_jax/h
   `bd3lm` as its held-out eval (t over [eval.t_min, 1]); `fast_dllm_v2` with both
   complementary copies, t over [eval.t_min, 1 - eval.t_min], copy 1 (masked where u < t)
   weighing 1/(2t) and copy 2 (masked where u >= t, noise level 1 - t) 1/(2(1 - t)): each
-  copy an unbiased NELBO estimate, the pair antithetic. A continuation's first token in a
-  block of its own is scored from clean context only (exactly for fast_dllm_v2: its clean
-  boundary row), so a one-token answer's NELBO has expectation exactly -log p of the
-  sampler's first prediction.
+  copy an unbiased NELBO estimate, the pair antithetic. A one-token continuation's NELBO has
+  expectation exactly -log p of that token masked after the context (for fast_dllm_v2 the
+  clean boundary row's prediction, the sampler's for a block's first token).
 
 Monte Carlo: `draws` fixed keys, the same for every request (a choice's score never depends
-on the batch it runs in, and the choices of one question share their noise: common random
-numbers), each an antithetic draw over the blocks (`objective.antithetic`).
+on the batch it runs in, and the choices of one question, padded to one length, share their
+noise: common random numbers), each an antithetic draw over the blocks (`objective.antithetic`).
 """
 
 from __future__ import annotations
