@@ -169,10 +169,21 @@ def ar_logits(params, cfg: Config, tokens, segment_ids=None) -> jax.Array:
   `segment_ids` int [S, L] (None: each row one document): packed documents, 0 padding; each
   document's logits are its own run's (attention masked to it, Gated DeltaNet restarted at
   its first token). For interop and evaluation: the layout is built on the host, so `tokens`
-  is concrete (jit the model inside, not this function over `tokens`)."""
+  is concrete (jit the model inside, not this function over `tokens`: `ar_rows` then
+  `ar_forward`, as likelihood.py does)."""
+  return ar_forward(params, *ar_rows(cfg, tokens, segment_ids))
+
+
+def ar_rows(cfg: Config, tokens, segment_ids=None):
+  """(config, `Batch`) of `ar_logits`' forward: `cfg` as `ar` on one device at the tokens'
+  length, and their rows, built on the host."""
   ar_cfg = replace(cfg, objective=dict(name=ar.NAME), parallel=dict(strategy=SINGLE_DEVICE, seq=1),
                    data=dict(seq_len=int(np.shape(tokens)[1])))
-  batch = make_batch(ar_cfg, np.asarray(tokens), segment_ids)
+  return ar_cfg, make_batch(ar_cfg, np.asarray(tokens), segment_ids)
+
+
+def ar_forward(params, ar_cfg: Config, batch) -> jax.Array:
+  """float32 logits [S, L, vocab] of `ar_rows`' batch: jittable over (params, batch)."""
   model = merge(ar_cfg, params)
   hidden = model(batch.tokens, batch.pos, batch.meta, resolve(ar_cfg).attend["all"])
   return model.logits(hidden)

@@ -52,6 +52,8 @@ def test_ci_installs_the_checkout_before_testing(tmp_path):
   assert commands.index("-m pip install -q -r requirements-tpu.txt") < install  # XLA:TPU
   # The seed's package, oracle of the test_seed_* files, without its dependencies
   assert commands.index("-m pip install -q --no-deps -r requirements-seed.txt") < install
+  # lm-evaluation-harness, for tests/test_harness.py
+  assert commands.index("-m pip install -q -r requirements-eval.txt") < install
   assert install < commands.index(TESTS)
 
 

@@ -5,6 +5,10 @@ read from an objective, so that none of them branches on its name.
 `logical_rows` (host) lays out the logical rows that `make_batch` permutes; in the step
 `corrupt` draws the noise, `hidden` runs the model over the rows and returns those of
 `LOSS_SLOT`, and `score` sums the loss of one chunk of them.
+
+Optional: `nelbo_config(cfg, t_min) -> objective.* overrides` and `nelbo_corrupt` (`corrupt`'s
+signature, weights making `score` a NELBO draw), which a block diffusion objective defines so
+that likelihood.py scores a continuation by its NELBO (bd3lm, fast_dllm_v2).
 """
 
 from typing import Any, Callable, Protocol, runtime_checkable

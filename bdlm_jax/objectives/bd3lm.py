@@ -39,6 +39,12 @@ def evaluated(cfg: ObjectiveConfig, t_min: float) -> dict:
   return dict(loss_weight="inv_t", eps_min=t_min, eps_max=1.0)
 
 
+def nelbo_config(cfg: ObjectiveConfig, t_min: float) -> dict:
+  """The objective.* overrides under which `nelbo_corrupt` draws the NELBO (likelihood.py):
+  the held-out eval's."""
+  return evaluated(cfg, t_min)
+
+
 def logical_rows(tokens_SL, seg_SL, protected_SL, cfg: ObjectiveConfig) -> dict:
   """Noisy rows are supervised (and maskable) unless protected or padding."""
   rows = logical_stream(tokens_SL, seg_SL)
@@ -85,6 +91,9 @@ def corrupt(key, batch, cfg: Config, counts=None):
   inputs = jnp.where(masked, o.mask_token_id, batch.tokens)
   weight = 1.0 / t_row if o.loss_weight == "inv_t" else jnp.ones_like(t_row)
   return batch, inputs, masked, weight
+
+
+nelbo_corrupt = corrupt  # under `nelbo_config`: masked tokens weigh 1/t
 
 
 def token_nll(logits_SNV, labels_SN):

@@ -73,6 +73,12 @@ def evaluated(cfg: ObjectiveConfig, t_min: float) -> dict:
   return {}
 
 
+def nelbo_config(cfg: ObjectiveConfig, t_min: float) -> dict:
+  """t over [t_min, 1 - t_min]: both copies' noise levels (t and 1 - t) stay >= t_min."""
+  del cfg
+  return dict(eps_min=t_min, eps_max=1.0 - t_min)
+
+
 def supervised_positions(seg_SL, protected_SL) -> np.ndarray:
   """bool [S, L]: tokens that are masked in one copy and scored from their predecessor.
 
@@ -141,6 +147,18 @@ def corrupt_with(t_SN, u_SL, batch, cfg: Config):
   scored = _interleave(has_label & hit_next, has_label & ~hit_next)
   batch2 = jax.tree.map(lambda x: _interleave(x, x), batch)
   return batch2, inputs, scored, jnp.ones(scored.shape)
+
+
+def nelbo_corrupt(key, batch, cfg: Config, counts=None):
+  """`corrupt` with each copy weighted as a NELBO draw (likelihood.py): a row scored on
+  position p + 1 weighs 1/(2t) in copy 1 (p + 1 masked where u < t) and 1/(2(1 - t)) in copy
+  2 (masked at noise level 1 - t), t that of p + 1's block; the pair is antithetic."""
+  del counts
+  o, seq_len = cfg.objective, cfg.data.seq_len
+  t_SN, u_SL = draw_noise(key, batch.tokens.shape[0], seq_len, o)
+  batch2, inputs, scored, _ = corrupt_with(t_SN, u_SL, batch, cfg)
+  t_row = jnp.take_along_axis(t_SN, jnp.minimum(batch.pos + 1, seq_len - 1) // o.block_size, 1)
+  return batch2, inputs, scored, _interleave(0.5 / t_row, 0.5 / (1.0 - t_row))
 
 
 score = bd3lm.score  # the SUBS cross-entropy of the scored rows, as in BD3-LM (weights are 1)
