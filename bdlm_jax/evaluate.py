@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +37,7 @@ from bdlm_jax.data.chat import ArithmeticChatSource, make_template
 from bdlm_jax.feed import Feed
 from bdlm_jax.loss import spec_loss
 from bdlm_jax.parallel.mesh import make_mesh, row_sharding, to_host
-from bdlm_jax.sample import SampleStats, cannot_sample, checked_tokenizer, sample_batch
+from bdlm_jax.sample import SampleStats, checked_tokenizer, sample_batch
 from bdlm_jax.train import state_shardings
 from bdlm_jax.spec import resolve
 
@@ -93,10 +92,6 @@ class HeldOut:
     # (A drafter does not generate alone: experiments/dflash_tau.py measures it with its target.)
     generates = (cfg.data.source == "arithmetic" and cfg.eval.prompts
                  and not get_objective(cfg.objective.name).DRAFTER)
-    if generates and (why := cannot_sample(cfg)):
-      warnings.warn(f"no arithmetic accuracy: {why}; the held-out loss alone, as with "
-                    f"eval.prompts=0")
-      generates = False
     self._prompts = arithmetic_prompts(cfg, cfg.eval.prompts) if generates else []
 
   def __call__(self, params) -> dict[str, float]:
@@ -207,8 +202,6 @@ def show_sample(cfg: Config, workdir: str) -> str:
   from bdlm_jax.sample import sample_checkpoint
   if get_objective(cfg.objective.name).DRAFTER:
     return "(a drafter proposes blocks for its target: experiments/dflash_tau.py measures it)"
-  if why := cannot_sample(cfg):
-    return f"(no sample: {why})"
   if not (cfg.sample.prompt or cfg.sample.prompt_file):
     if cfg.data.source != "arithmetic":
       return "(set sample.prompt to see a sample here)"

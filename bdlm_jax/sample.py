@@ -14,19 +14,33 @@ attending to the clean rows of every earlier block. Each step reveals some maske
   position draws a time tau and positions are revealed in decreasing tau. With
   steps_per_block = 0 that is one token per step, which is exactly first hitting (the model
   has no time input, so only the order of the hitting times matters); with S steps, step s
-  reveals the positions whose tau falls in (1 - (s+1)/S, 1 - s/S].
+  reveals the positions whose tau falls in (1 - (s+1)/S, 1 - s/S] (steps that would reveal
+  none are skipped).
+* `sample.threshold` > 0 (Fast-dLLM's parallel decoding) also reveals, at each step, every
+  masked position whose confidence reaches it; the schedule's positions are still revealed,
+  so a block takes at most the schedule's steps and, with one token a step, at least its
+  most confident position each step. A block's steps run as one compiled loop.
 
 When the block is complete its clean rows are committed: their keys/values enter a KV
 cache, so a denoising step costs O(B x context) and never recomputes the context
-(`use_cache=False` recomputes the whole context every step: the reference). Generation
-stops after the block holding EOS. The prompt is placed so that it ends on a block
-boundary (like SFT data, data/chat.py); the positions before it are padding (segment 0).
+(`use_cache=False` recomputes the whole context every step: the reference). A Gated
+DeltaNet layer's cache is its recurrent state and causal-conv tail after the last committed
+block; a noisy block runs from them (the layer run on concat(context, block), docs/gdn.md).
+Generation stops after the block holding EOS. The prompt is placed so that it ends on a
+block boundary (like SFT data, data/chat.py); the slots before it are padding (segment 0),
+where a recurrent layer's state restarts.
+
+`sample_batch` runs several prompts as the rows of one batch: each prompt ends at the same
+slot, its RoPE positions those it would have alone (the slot less its row's pad, a multiple
+of B), and a row stops at its own EOS. The prompt region and the batch are padded to powers
+of two, so a few shapes compile, whatever the prompt lengths.
 
 For `fast_dllm_v2` (token shift) position j is predicted by row j-1: inside the block by
 the noisy row before it, and for the block's first token by the last clean row of the
 finished previous block, the row training scores it on (objectives/fast_dllm_v2.py).
-The model is run through its own modules (`Block.project`, `Block.finish`); only attention
-is re-wired over [cache ; block]. Sampling uses the `xla` attention on one device.
+The model is run through its own modules (`Block.project`, `Block.finish`, a GDN layer's
+`Cell`); only attention is re-wired over [cache ; block]. Sampling uses the `xla` attention
+on one device.
 
 `canvas`: DiffusionGemma's generation, as transformers' `generation_diffusion_gemma.py`
 runs it (`DiffusionGemmaGenerationMixin.generate`, one prompt). Canvases of C =
@@ -76,16 +90,35 @@ from bdlm_jax.errors import ConfigError
 from bdlm_jax.objectives import get_objective, reserved_mask_id
 from bdlm_jax.kernels import with_windows, xla
 from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta, row_meta
-from bdlm_jax.models.pattern import split_attention
+from bdlm_jax.models.pattern import gdn_shape, split_attention
 from bdlm_jax.params import merge
 
 
 class KVCache(NamedTuple):
-  """Clean keys/values by cache slot: k, v [layers, N, C, Hkv, D]; seg int32 [N, C]."""
+  """The context as of the last committed block, by cache slot: clean keys/values k, v
+  [layers, N, C, Hkv, D] and seg int32 [N, C]; for a model with Gated DeltaNet layers also
+  each layer's recurrent state [layers, N, Hv, K, V] (float32) and conv tail, the last
+  `gdn_conv - 1` pre-conv rows [layers, N, halo, channels], zero before the prompt (None
+  without). Every layer has a slot in each (the other kind's is unused), so the layers still
+  run as one scan."""
 
   k: jax.Array
   v: jax.Array
   seg: jax.Array  # 1 where a slot is filled, 0 = empty or padding (never attended)
+  state: jax.Array | None = None
+  tail: jax.Array | None = None
+
+
+def empty_cache(m, rows: int, slots: int) -> KVCache:
+  """An empty cache of `rows` generations of up to `slots` tokens for model config `m`."""
+  shape = (m.n_layers, rows, slots, m.n_kv_heads, m.head_dim)
+  state = tail = None
+  if "gdn" in m.layer_period:
+    hk, hv, dk, dv = gdn_shape(m)
+    state = jnp.zeros((m.n_layers, rows, hv, dk, dv), jnp.float32)
+    tail = jnp.zeros((m.n_layers, rows, m.gdn_conv - 1, 2 * hk * dk + hv * dv), m.compute_dtype)
+  return KVCache(jnp.zeros(shape, m.compute_dtype), jnp.zeros(shape, m.compute_dtype),
+                 jnp.zeros((rows, slots), jnp.int32), state, tail)
 
 
 @dataclasses.dataclass
@@ -123,23 +156,71 @@ def _meta(stream: int, slot_NR, seg_NR, block_size: int) -> RowMeta:
                   seg_NR.astype(jnp.int32), slot_NR)
 
 
-def _rows_forward(model, tokens_NR, pos_NR, meta: RowMeta, cache: KVCache, block_size: int,
-                  chunk: int):
-  """Hidden states of rows attending to [cache ; themselves], and the rows' K/V per layer."""
+def _doc_starts(seg_NR, prev_N):
+  """bool [N, R]: the rows whose document differs from the row before (`prev_N` before the
+  first): the prompt's first row after its padding."""
+  return seg_NR != jnp.concatenate([prev_N[:, None], seg_NR[:, :-1]], 1)
+
+
+def _rows_forward(model, tokens_NR, pos_NR, meta: RowMeta, cache: KVCache, start,
+                  block_size: int, chunk: int):
+  """Hidden states of rows (cache slots start..) attending to [cache ; themselves], and each
+  layer's new cache entries: the rows' K/V, and a Gated DeltaNet layer's state and conv tail
+  after them (run from the cache's)."""
+  n, r = tokens_NR.shape
   cache_slot = jnp.broadcast_to(jnp.arange(cache.seg.shape[1])[None], cache.seg.shape)
   kv_meta = _meta(CLEAN, cache_slot, cache.seg, block_size).concat(meta)
-
   attend = with_windows(functools.partial(xla.attend, chunk=chunk), block_size)
+  prev_seg = jnp.where(start > 0, jax.lax.dynamic_index_in_dim(cache.seg, jnp.maximum(start - 1, 0),
+                                                               1, keepdims=False), 0)
+  starts_NR = _doc_starts(meta.seg, prev_seg)
+  no_kv = jnp.zeros((n, r, *cache.k.shape[3:]), cache.k.dtype)
 
-  def layer(block, x, k_cache, v_cache, kind):
-    q, k, v = block.project(x, pos_NR, kind)
+  def layer(block, x, k_cache, v_cache, state, tail, kind):
+    if kind == "gdn":
+      pre, z, g, beta = block.linear_attn.project(block.attn_norm(x))
+      starts = jnp.concatenate([jnp.zeros(tail.shape[:2], bool), starts_NR], 1)
+      o, state = block.linear_attn.cell()(pre, tail, g, beta, state, starts, starts_NR)
+      in_doc = (meta.seg > 0)[..., None].astype(pre.dtype)  # the tail is zero before the prompt
+      tail = jnp.concatenate([tail, pre * in_doc], 1)[:, -tail.shape[1]:]
+      return block.finish(x, block.linear_attn.gated_norm(o, z))[0], (no_kv, no_kv, state, tail)
+    q, k, v, *gate = block.project(x, pos_NR, kind)
     k_all = jnp.concatenate([k_cache, k], axis=1)
     v_all = jnp.concatenate([v_cache, v], axis=1)
     out, _ = attend(q, k_all, v_all, meta, kv_meta, window=block.window(kind))
-    return block.finish(x, out)[0], (k, v)
+    if gate:
+      out = out * jax.nn.sigmoid(gate[0])
+    return block.finish(x, out)[0], (k, v, state, tail)
 
-  x, (ks, vs) = model.scan_layers(layer, model.embed_tokens(tokens_NR), cache.k, cache.v)
-  return model.final_norm(x), ks, vs
+  x, ys = model.scan_layers(layer, model.embed_tokens(tokens_NR), cache.k, cache.v, cache.state,
+                            cache.tail)
+  return model.final_norm(x), ys
+
+
+def _full_recur(block_size: int):
+  """`attend.recur` of the rows [clean context C ; a noisy block] (use_cache=false): the
+  clean rows run as one causal stream up to the block's first slot (the rows from there on,
+  empty, leave the state alone), and the block from that state with the conv reading the
+  clean rows before it: the layer run on concat(clean[:start], block) (docs/gdn.md)."""
+  def recur(cell, pre_NRC, g_NRH, beta_NRH, meta):
+    n, c = pre_NRC.shape[0], pre_NRC.shape[1] - block_size
+    start = meta.pos[0, c]
+    seg = meta.seg[:, :c]
+    starts = _doc_starts(seg, jnp.zeros(n, seg.dtype))
+    real = jnp.arange(c)[None] < start
+    keep = lambda a: jnp.where(real[..., None], a[:, :c], 0)
+    no_left = jnp.zeros((n, cell.halo), bool)
+    starts_left = jnp.concatenate([no_left, starts], 1)
+    o_clean, state = cell(pre_NRC[:, :c], None, keep(g_NRH), keep(beta_NRH), None, starts_left,
+                          starts & real)
+    pre_left = jnp.concatenate([jnp.zeros_like(pre_NRC[:, :cell.halo]), pre_NRC[:, :c]], 1)
+    left = jax.lax.dynamic_slice_in_dim(pre_left, start, cell.halo, 1)
+    left_starts = jax.lax.dynamic_slice_in_dim(starts_left, start, cell.halo, 1)
+    block_starts = jnp.concatenate([left_starts, jnp.zeros((n, block_size), bool)], 1)
+    o_block, _ = cell(pre_NRC[:, c:], left, g_NRH[:, c:], beta_NRH[:, c:], state, block_starts,
+                      jnp.zeros((n, block_size), bool))
+    return jnp.concatenate([o_clean, o_block], 1)
+  return recur
 
 
 def _slots(start, n_rows: int, rows: int):
@@ -154,11 +235,13 @@ def _commit_rows(model, cache: KVCache, tokens_NR, seg_NR, start, block_size: in
   pads are multiples of the block size."""
   slot = _slots(start, *tokens_NR.shape)
   meta = _meta(CLEAN, slot, seg_NR, block_size)
-  h, k, v = _rows_forward(model, tokens_NR, slot - pad_N1, meta, cache, block_size, chunk)
+  h, (k, v, state, tail) = _rows_forward(model, tokens_NR, slot - pad_N1, meta, cache, start,
+                                         block_size, chunk)
   at = (0, 0, start, 0, 0)
   return h, KVCache(jax.lax.dynamic_update_slice(cache.k, k, at),
                     jax.lax.dynamic_update_slice(cache.v, v, at),
-                    jax.lax.dynamic_update_slice(cache.seg, seg_NR.astype(jnp.int32), (0, start)))
+                    jax.lax.dynamic_update_slice(cache.seg, seg_NR.astype(jnp.int32), (0, start)),
+                    state, tail)
 
 
 def _predict(logits_RV, key, temperature):
@@ -216,7 +299,7 @@ def _steps(cfg_json: str) -> _Steps:
     model = merge(cfg, params)
     slot = _slots(start, *tokens_NB.shape)
     meta = _meta(NOISY, slot, jnp.ones_like(slot), bs)
-    return model.logits(_rows_forward(model, tokens_NB, slot - pad_N1, meta, cache, bs,
+    return model.logits(_rows_forward(model, tokens_NB, slot - pad_N1, meta, cache, start, bs,
                                       chunk)[0])
 
   def denoise_full(params, ctx_NC, seg_NC, tokens_NB, start, pad_N1):
@@ -226,9 +309,10 @@ def _steps(cfg_json: str) -> _Steps:
     n, c = ctx_NC.shape
     ctx_slot, slot = _slots(0, n, c), _slots(start, *tokens_NB.shape)
     meta = _meta(CLEAN, ctx_slot, seg_NC, bs).concat(_meta(NOISY, slot, jnp.ones_like(slot), bs))
+    attend = with_windows(functools.partial(xla.attend, chunk=chunk), bs)
+    attend.recur = _full_recur(bs)
     h = model(jnp.concatenate([ctx_NC, tokens_NB], 1),
-              jnp.concatenate([ctx_slot, slot], 1) - pad_N1, meta,
-              with_windows(functools.partial(xla.attend, chunk=chunk), bs))
+              jnp.concatenate([ctx_slot, slot], 1) - pad_N1, meta, attend)
     return model.logits(h[:, c:]), model.logits(jax.lax.dynamic_slice_in_dim(h, start - 1, 1,
                                                                               1))[:, 0]
 
@@ -280,14 +364,6 @@ def _schedule(strategy: str, block_size: int, steps: int, key) -> tuple[np.ndarr
   return np.pad(np.asarray(counts, np.int32), (0, block_size - len(counts))), priority
 
 
-def cannot_sample(cfg: Config) -> str | None:
-  """Why `sample` refuses `cfg`'s model, if it does: evaluations then score without it."""
-  if "gdn" in cfg.model.layer_period:
-    return ("sample does not run Gated DeltaNet layers yet (its contexts are left-padded and "
-            "its cache holds K/V only; docs/gdn.md)")
-  return None
-
-
 class _Options(NamedTuple):
   max_new_tokens: int
   steps_per_block: int
@@ -308,8 +384,6 @@ def _options(cfg: Config, max_new_tokens, steps_per_block, strategy, temperature
                  pick(use_cache, o.use_cache),
                  stop_ids(cfg) if eos_id is None else tuple(np.atleast_1d(eos_id).tolist()),
                  pick(threshold, o.threshold))
-  if why := cannot_sample(cfg):
-    raise ConfigError(f"{why}: score blocks with canvas_logits or ar_logits")
   objective = get_objective(cfg.objective.name)
   if not objective.SAMPLER:
     raise ConfigError(f"objective={cfg.objective.name} does not generate alone (a drafter "
@@ -419,9 +493,7 @@ def _sample_mask(params, cfg: Config, prompts: list[np.ndarray], key, o: _Option
   live = np.arange(n_rows) < len(prompts)  # rows still generating (padding rows never are)
   prev = None
   if o.use_cache:
-    shape = (m.n_layers, n_rows, ctx.shape[1], m.n_kv_heads, m.head_dim)
-    cache = KVCache(jnp.zeros(shape, m.compute_dtype), jnp.zeros(shape, m.compute_dtype),
-                    jnp.zeros_like(seg))
+    cache = empty_cache(m, n_rows, ctx.shape[1])
     cache, prev = fns.commit(params, cache, ctx[:, :first], seg[:, :first], 0, pad_N1)
   out = [[] for _ in prompts]
   for b in range(n_blocks):
@@ -621,9 +693,7 @@ def _sample_ar(params, cfg: Config, prompt_T, key, max_new_tokens: int, temperat
   if use_cache:
     extend = _ar_extend(_model_json(cfg))
     first = -(-prompt_T.size // _AR_PROMPT_BUCKET) * _AR_PROMPT_BUCKET
-    shape = (m.n_layers, 1, first + max_new_tokens, m.n_kv_heads, m.head_dim)
-    cache = KVCache(jnp.zeros(shape, m.compute_dtype), jnp.zeros(shape, m.compute_dtype),
-                    jnp.zeros((1, shape[2]), jnp.int32))
+    cache = empty_cache(m, 1, first + max_new_tokens)
     pad = first - prompt_T.size
     padded = np.zeros((1, first), np.int32)
     padded[0, pad:] = prompt_T
