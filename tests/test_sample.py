@@ -233,17 +233,25 @@ def test_sample_batch_equals_sample_prompt_by_prompt_for_prompts_of_different_le
 
 def test_sample_batch_compiles_once_per_prompt_bucket_and_stops_rows_at_their_eos():
   """Prompts of 5 to 8 tokens share one padded prompt region (two blocks): one compile of the
-  block loop for all of them; a row that met its EOS stops while the others go on."""
+  block loop for all of them; a row that met its EOS stops while the others go on, so the
+  batch costs what the prompts cost alone: the same tokens, forwards and cache commits."""
   cfg = _tiny("bd3lm")
   params = init_params(cfg, jax.random.key(0))
   free = sample(params, cfg, PROMPT, jax.random.key(1), max_new_tokens=12, eos_id=-1)
   block = _steps(_model_json(cfg)).block
   before = block._cache_size()
   prompts = [PROMPT + [49] * k for k in range(4)]
+  batched, alone = SampleStats(), SampleStats()
   out = sample_batch(params, cfg, prompts, jax.random.key(1), max_new_tokens=12,
-                     eos_id=int(free[1]))
+                     eos_id=int(free[1]), stats=batched)
   assert block._cache_size() - before <= 1  # the 1-row call above compiled its own shape
   assert len(out[0]) == 2 and out[0][-1] == free[1]  # stopped in its first block
+  for p in prompts:
+    sample(params, cfg, p, jax.random.key(1), max_new_tokens=12, eos_id=int(free[1]),
+           stats=alone)
+  assert ((batched.tokens, batched.forwards, batched.commit_forwards)
+          == (alone.tokens, alone.forwards, alone.commit_forwards))
+  assert batched.tokens < 4 * 12  # some row stopped early
 
 
 def test_a_tiny_threshold_reveals_each_block_in_one_forward_like_steps_per_block_one():

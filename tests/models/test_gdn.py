@@ -177,8 +177,8 @@ def test_packed_bd3lm_stream_equals_each_documents_concat_reference():
 
 def test_a_denoising_step_over_the_cached_state_and_conv_tail_is_the_concat_reference(
     gdn_model):
-  """The sampler commits a 3-token prompt after one padding slot (its state restarts, its
-  conv tail is zero before the prompt), then denoises a partly masked block from the cache:
+  """The sampler commits a 2-token prompt after two padding slots (its state restarts, its
+  conv tail is zero before the prompt, which the block's conv reaches), then denoises a partly masked block from the cache:
   the logits of the layers run on concat(prompt, block), the padding token unseen."""
   from bdlm_jax.sample import _model_json, _steps, empty_cache
   cfg, params, _ = gdn_model
@@ -186,9 +186,9 @@ def test_a_denoising_step_over_the_cached_state_and_conv_tail_is_the_concat_refe
   block = np.where([True, False, True, False], 31, clean[:, B:])
   fns, zero = _steps(_model_json(cfg)), np.zeros((1, 1), np.int32)
   cache, _ = fns.commit(params, empty_cache(cfg.model, 1, L), clean[:, :B],
-                        np.asarray([[0, 1, 1, 1]], np.int32), 0, zero)
+                        np.asarray([[0, 0, 1, 1]], np.int32), 0, zero)
   sampled = fns.denoise(params, cache, block, B, zero)
-  reference = ar_logits(params, cfg, np.concatenate([clean[:, 1:B], block], 1))[:, -B:]
+  reference = ar_logits(params, cfg, np.concatenate([clean[:, 2:B], block], 1))[:, -B:]
   np.testing.assert_allclose(sampled, reference, atol=1e-5, rtol=1e-5)
 
 
