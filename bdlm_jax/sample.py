@@ -374,8 +374,8 @@ class _Options(NamedTuple):
   threshold: float
 
 
-def _options(cfg: Config, max_new_tokens, steps_per_block, strategy, temperature, use_cache,
-             eos_id, threshold) -> _Options:
+def _options(cfg: Config, max_new_tokens=None, steps_per_block=None, strategy=None,
+             temperature=None, use_cache=None, eos_id=None, threshold=None) -> _Options:
   """`sample`'s options, each defaulting to `cfg.sample`, checked."""
   o = cfg.sample
   pick = lambda given, default: default if given is None else given
@@ -434,37 +434,40 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
   key, same tokens, with or without the KV cache. Prompt ids must index the embedding and
   not be the [MASK] id. `stats`, if given, accumulates the forwards and time spent.
   """
-  return sample_batch(params, cfg, [prompt_tokens], key, max_new_tokens=max_new_tokens,
-                      steps_per_block=steps_per_block, strategy=strategy,
-                      temperature=temperature, use_cache=use_cache, eos_id=eos_id,
-                      threshold=threshold, stats=stats, what="the prompt")[0]
+  opts = _options(cfg, max_new_tokens, steps_per_block, strategy, temperature, use_cache, eos_id,
+                  threshold)
+  return _generate(params, cfg, [_checked_prompt(cfg, prompt_tokens, "the prompt")], key, opts,
+                   stats)[0]
 
 
 def sample_batch(params, cfg: Config, prompts: Sequence, key, *, stats: SampleStats | None = None,
-                 what: str = "prompt {i}", **options) -> list[np.ndarray]:
+                 **options) -> list[np.ndarray]:
   """`sample` of each of `prompts` (int [T_i], lengths may differ) with the same `key` and
   options, in one batch for the [MASK] objectives: element i equals `sample(params, cfg,
   prompts[i], key, **options)`. At most `sample.max_batch` prompts. The batch and the prompt
   region are padded to powers of two (in blocks), so a few shapes compile, not one per
   prompt length; `ar` and canvas objectives generate prompt by prompt."""
-  opts = _options(cfg, **{name: options.pop(name, None) for name in _Options._fields})
-  if options:
-    raise TypeError(f"sample_batch got unknown options {sorted(options)}")
+  opts = _options(cfg, **options)
   if not len(prompts) or len(prompts) > cfg.sample.max_batch:
     raise ConfigError(f"sample_batch needs 1 to sample.max_batch={cfg.sample.max_batch} "
                       f"prompts, got {len(prompts)}")
-  checked = [_checked_prompt(cfg, p, what.format(i=i)) for i, p in enumerate(prompts)]
+  checked = [_checked_prompt(cfg, p, f"prompt {i}") for i, p in enumerate(prompts)]
+  return _generate(params, cfg, checked, key, opts, stats)
+
+
+def _generate(params, cfg: Config, prompts: list[np.ndarray], key, opts: _Options,
+              stats: SampleStats | None) -> list[np.ndarray]:
   stats = SampleStats() if stats is None else stats
   began = time.perf_counter()
   sampler = get_objective(cfg.objective.name).SAMPLER
   if sampler == "mask":
-    out = _sample_mask(params, cfg, checked, key, opts, stats)
+    out = _sample_mask(params, cfg, prompts, key, opts, stats)
   elif sampler == "canvas":
     out = [_sample_canvas(params, cfg, p, key, opts.max_new_tokens, opts.eos_id, stats)
-           for p in checked]
+           for p in prompts]
   else:  # "ar": token by token
     out = [_sample_ar(params, cfg, p, key, opts.max_new_tokens, opts.temperature, opts.use_cache,
-                      opts.eos_id, stats) for p in checked]
+                      opts.eos_id, stats) for p in prompts]
   stats.seconds += time.perf_counter() - began
   return out
 
