@@ -19,5 +19,5 @@ from bdlm_jax.train import TrainState, abstract_state, init_state, make_train_st
 
 __all__ = ["Batch", "Config", "ConfigError", "SampleStats", "TrainState", "abstract_batch",
            "abstract_state", "ar_logits", "canvas_logits", "draft_logits", "draft_proposals",
-           "export_hf", "import_hf", "init_params", "init_state", "load_config", "loss_fn", "make_batch",
-           "make_mesh", "make_train_step", "override", "sample", "sample_batch"]
+           "export_hf", "import_hf", "init_params", "init_state", "load_config", "loss_fn",
+           "make_batch", "make_mesh", "make_train_step", "override", "sample", "sample_batch"]

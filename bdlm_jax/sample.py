@@ -254,16 +254,20 @@ _pick = jax.jit(_predict)
 
 
 def reveal(logits_NBV, tokens_NB, masked_NB, n, key, temperature, priority_B, threshold,
-           by_confidence: bool):
+           factor, by_confidence: bool):
   """One denoising step of N blocks: (tokens, masked) after revealing, in each, the `n`
   masked positions of highest priority (the confidence of the predicted token where
   `by_confidence`, else `priority_B`), and every masked position whose confidence is at least
-  `threshold` (0: none beyond the n). Every block draws from `key` as if it were alone."""
+  `threshold` (0: none beyond the n), and, by Fast-dLLM's factor rule, the k most confident
+  masked positions where (k + 1)(1 - c_k) < `factor` (c_k: the k-th highest confidence; 0:
+  off). Every block draws from `key` as if it were alone."""
   pred_NB = jax.vmap(lambda logits_BV: _predict(logits_BV, key, temperature))(logits_NBV)
   confidence_NB = jnp.take_along_axis(jax.nn.softmax(logits_NBV), pred_NB[..., None], -1)[..., 0]
   priority_NB = confidence_NB if by_confidence else jnp.broadcast_to(priority_B, pred_NB.shape)
   rank_NB = jnp.argsort(jnp.argsort(-jnp.where(masked_NB, priority_NB, -jnp.inf), -1), -1)
   sure_NB = (threshold > 0) & (confidence_NB >= threshold)
+  by_rank_NB = jnp.argsort(jnp.argsort(-jnp.where(masked_NB, confidence_NB, -jnp.inf), -1), -1)
+  sure_NB |= (factor > 0) & ((by_rank_NB + 2) * (1 - confidence_NB) < factor)
   now_NB = masked_NB & ((rank_NB < n) | sure_NB)
   return jnp.where(now_NB, pred_NB, tokens_NB), masked_NB & ~now_NB
 
@@ -279,7 +283,8 @@ class _Steps(NamedTuple):
   # (params, ctx_NC, seg_NC, tokens_NB, start, pad_N1) -> ([N, B, V], row start-1's [N, V])
   denoise_full: Callable
   # (params, cache | (ctx, seg), prev_NV, start, pad_N1, masked_NB, key, counts_S, priority_B,
-  #  temperature, threshold; by_confidence, use_cache) -> (tokens [N, B], denoising forwards [N])
+  #  temperature, threshold, factor; by_confidence, use_cache)
+  #  -> (tokens [N, B], denoising forwards [N])
   block: Callable
 
 
@@ -317,7 +322,7 @@ def _steps(cfg_json: str) -> _Steps:
                                                                               1))[:, 0]
 
   def block(params, context, prev_NV, start, pad_N1, masked_NB, key, counts_S, priority_B,
-            temperature, threshold, by_confidence, use_cache):
+            temperature, threshold, factor, by_confidence, use_cache):
     """A block's denoising steps as one loop: step s reveals counts_S[s] positions (and those
     above the threshold) until none is masked; a row starting with nothing masked (its
     generation has ended) counts no forward."""
@@ -333,7 +338,7 @@ def _steps(cfg_json: str) -> _Steps:
       logits = logits.at[..., mask_id].set(-jnp.inf)  # [MASK] is never a prediction
       tokens_NB, now_masked = reveal(logits, tokens_NB, masked_NB, counts_S[s],
                                      jax.random.fold_in(key, s), temperature, priority_B,
-                                     threshold, by_confidence)
+                                     threshold, factor, by_confidence)
       return s + 1, tokens_NB, now_masked, forwards_N + jnp.any(masked_NB, -1)
 
     tokens = jnp.full(masked_NB.shape, mask_id, jnp.int32)
@@ -372,10 +377,12 @@ class _Options(NamedTuple):
   use_cache: bool
   eos_id: tuple[int, ...]
   threshold: float
+  factor: float
 
 
 def _options(cfg: Config, max_new_tokens=None, steps_per_block=None, strategy=None,
-             temperature=None, use_cache=None, eos_id=None, threshold=None) -> _Options:
+             temperature=None, use_cache=None, eos_id=None, threshold=None,
+             factor=None) -> _Options:
   """`sample`'s options, each defaulting to `cfg.sample`, checked."""
   o = cfg.sample
   pick = lambda given, default: default if given is None else given
@@ -383,7 +390,7 @@ def _options(cfg: Config, max_new_tokens=None, steps_per_block=None, strategy=No
                  pick(strategy, o.strategy), pick(temperature, o.temperature),
                  pick(use_cache, o.use_cache),
                  stop_ids(cfg) if eos_id is None else tuple(np.atleast_1d(eos_id).tolist()),
-                 pick(threshold, o.threshold))
+                 pick(threshold, o.threshold), pick(factor, o.factor))
   objective = get_objective(cfg.objective.name)
   if not objective.SAMPLER:
     raise ConfigError(f"objective={cfg.objective.name} does not generate alone (a drafter "
@@ -397,6 +404,8 @@ def _options(cfg: Config, max_new_tokens=None, steps_per_block=None, strategy=No
     raise ConfigError(f"sample.steps_per_block must be >= 0, got {got.steps_per_block}")
   if not 0 <= got.threshold <= 1:
     raise ConfigError(f"sample.threshold must be in (0, 1], or 0 for off; got {got.threshold}")
+  if got.factor < 0:
+    raise ConfigError(f"sample.factor must be > 0, or 0 for off; got {got.factor}")
   if got.use_cache and split_attention(cfg.model) and objective.SAMPLER != "canvas":
     raise ConfigError("sample.use_cache keeps every layer's K/V in one array, but this model's "
                       "global layers have K/V of other shapes than its local ones "
@@ -421,7 +430,7 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
            steps_per_block: int | None = None, strategy: str | None = None,
            temperature: float | None = None, use_cache: bool | None = None,
            eos_id: int | Sequence[int] | None = None, threshold: float | None = None,
-           stats: SampleStats | None = None) -> np.ndarray:
+           factor: float | None = None, stats: SampleStats | None = None) -> np.ndarray:
   """Tokens generated after `prompt_tokens` (int [T]): int32 [<= max_new_tokens].
 
   Block diffusion objectives generate block by block, DiffusionGemma canvas by canvas
@@ -430,12 +439,13 @@ def sample(params, cfg: Config, prompt_tokens, key, *, max_new_tokens: int | Non
   `cfg.sample`; `eos_id` (one id or a list: generation stops at any of them) defaults to
   `sample.eos_ids` (an imported folder's generation config sets it), else the EOS of
   `data.tokenizer`. `threshold` (0: off) also reveals, at each step, every masked position
-  whose confidence reaches it. The result ends with its EOS if generation stopped there. Same
-  key, same tokens, with or without the KV cache. Prompt ids must index the embedding and
-  not be the [MASK] id. `stats`, if given, accumulates the forwards and time spent.
+  whose confidence reaches it, `factor` (0: off) those Fast-dLLM's factor rule picks. The
+  result ends with its EOS if generation stopped there. Same key, same tokens, with or
+  without the KV cache. Prompt ids must index the embedding and not be the [MASK] id.
+  `stats`, if given, accumulates the forwards and time spent.
   """
   opts = _options(cfg, max_new_tokens, steps_per_block, strategy, temperature, use_cache, eos_id,
-                  threshold)
+                  threshold, factor)
   return _generate(params, cfg, [_checked_prompt(cfg, prompt_tokens, "the prompt")], key, opts,
                    stats)[0]
 
@@ -506,7 +516,7 @@ def _sample_mask(params, cfg: Config, prompts: list[np.ndarray], key, o: _Option
     context = cache if o.use_cache else (ctx, seg)
     tokens, forwards = fns.block(params, context, prev, start, pad_N1,
                                  np.repeat(live[:, None], bs, 1), block_key, counts, priority,
-                                 o.temperature, o.threshold,
+                                 o.temperature, o.threshold, o.factor,
                                  by_confidence=o.strategy == "confidence", use_cache=o.use_cache)
     tokens = np.asarray(tokens)
     stats.forwards += int(np.sum(forwards))
@@ -726,7 +736,8 @@ def checked_tokenizer(cfg: Config):
 
 def sample_checkpoint(cfg: Config, workdir: str) -> tuple[int, str, str, SampleStats]:
   """mode=sample: (step, prompt, completion, what it cost) from checkpoint
-  `sample.checkpoint_step` (-1: latest) of `workdir`, prompted by `sample.prompt` or the text of `sample.prompt_file`."""
+  `sample.checkpoint_step` (-1: latest) of `workdir`, prompted by `sample.prompt` or the
+  text of `sample.prompt_file`."""
   from bdlm_jax.checkpoint import restore_state
   from bdlm_jax.data.chat import make_template, prompt_text
   from bdlm_jax.data.sources import DataError

@@ -274,15 +274,18 @@ def test_a_tiny_threshold_reveals_each_block_in_one_forward_like_steps_per_block
 
 def test_reveal_takes_every_token_above_the_threshold_and_at_least_the_most_confident():
   """Two blocks of 4: the first has confidences ~0.97, ~0.90, ~0.5 and a masked-out one; the
-  second none above 0.8, so only its most confident masked position is revealed."""
+  second none above 0.8, so only its most confident masked position is revealed. The factor
+  rule with f = 0.25 takes the k most confident with (k + 1)(1 - c_k) < f: 2 x 0.03 and
+  3 x 0.10 < 0.25 fails, so only the first; f = 0.35 takes both."""
   sure = lambda p: jnp.log(jnp.asarray([p, 1 - p, 1e-9]))  # token 0 with probability p
   logits = jnp.stack([jnp.stack([sure(0.97), sure(0.9), sure(0.5), sure(0.99)]),
                       jnp.stack([sure(0.6), sure(0.7), sure(0.5), sure(0.55)])])
   masked = jnp.asarray([[True, True, True, False], [True, True, True, True]])
   tokens = jnp.full((2, 4), 7, jnp.int32)
-  for threshold, first_row in ((0.8, [0, 0, 7, 7]), (0.0, [0, 7, 7, 7])):
+  for threshold, factor, first_row in ((0.8, 0.0, [0, 0, 7, 7]), (0.0, 0.0, [0, 7, 7, 7]),
+                                       (0.0, 0.25, [0, 7, 7, 7]), (0.0, 0.35, [0, 0, 7, 7])):
     out, still = reveal(logits, tokens, masked, 1, jax.random.key(0), 0.0, jnp.zeros(4),
-                        threshold, by_confidence=True)
+                        threshold, factor, by_confidence=True)
     np.testing.assert_array_equal(out, [first_row, [7, 0, 7, 7]])
     np.testing.assert_array_equal(still, masked & (out == 7))
 
@@ -290,12 +293,13 @@ def test_reveal_takes_every_token_above_the_threshold_and_at_least_the_most_conf
 @pytest.mark.parametrize("options, message", [
     (dict(threshold=1.5), r"sample.threshold must be in \(0, 1\], or 0 for off; got 1.5"),
     (dict(threshold=-0.1), r"sample.threshold must be in \(0, 1\], or 0 for off; got -0.1"),
+    (dict(factor=-1.0), r"sample.factor must be > 0, or 0 for off; got -1.0"),
 ])
-def test_a_threshold_outside_zero_to_one_is_refused(options, message):
+def test_a_threshold_outside_zero_to_one_or_a_negative_factor_is_refused(options, message):
   cfg = _tiny("bd3lm")
   with pytest.raises(ConfigError, match=message):
     sample(init_params(cfg, jax.random.key(0)), cfg, PROMPT, jax.random.key(1), **options)
-  with pytest.raises(ConfigError, match=r"sample.threshold"):
+  with pytest.raises(ConfigError, match=f"sample.{next(iter(options))}"):
     replace(cfg, sample=options)
 
 

@@ -178,8 +178,9 @@ def test_packed_bd3lm_stream_equals_each_documents_concat_reference():
 def test_a_denoising_step_over_the_cached_state_and_conv_tail_is_the_concat_reference(
     gdn_model):
   """The sampler commits a 2-token prompt after two padding slots (its state restarts, its
-  conv tail is zero before the prompt, which the block's conv reaches), then denoises a partly masked block from the cache:
-  the logits of the layers run on concat(prompt, block), the padding token unseen."""
+  conv tail is zero before the prompt, which the block's conv reaches), then denoises a
+  partly masked block from the cache: the logits of the layers run on concat(prompt, block),
+  the padding tokens unseen."""
   from bdlm_jax.sample import _model_json, _steps, empty_cache
   cfg, params, _ = gdn_model
   clean = np.random.default_rng(5).integers(0, 30, (1, L))
