@@ -1,6 +1,6 @@
 """Parallel decoding's trade-off on the quickstart's converted model: held-out arithmetic
 accuracy against tokens per denoising forward, fixed steps per block beside confidence
-thresholds (`sample.threshold`, Fast-dLLM's rule).
+thresholds (`sample.threshold`) and Fast-dLLM's factor rule (`sample.factor`).
 
   python run.py --config configs/quickstart.py --workdir runs/quickstart   # train it first
   python experiments/decode_tradeoff.py --workdirs runs/quickstart --seeds 0
@@ -28,16 +28,23 @@ from bdlm_jax.sample import SampleStats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
-FIELDS = ["seed", "decoding", "steps_per_block", "threshold", "prompts", "accuracy", "chance",
-          "tokens_per_forward", "seconds"]
+FIELDS = ["seed", "decoding", "steps_per_block", "threshold", "factor", "prompts", "accuracy",
+          "chance", "tokens_per_forward", "seconds"]
+RULES = (("fixed steps per block", "o-"), ("threshold", "s--"), ("factor", "^:"))
 
 
-def decodings(args) -> list[tuple[str, int, float]]:
-  """(name, steps_per_block, threshold): the fixed schedules, then each threshold over one
-  token a step (at least the most confident token each step)."""
-  fixed = [(f"fixed, {'one token a step' if s == 0 else f'{s} steps a block'}", s, 0.0)
+def decodings(args) -> list[tuple[str, int, float, float]]:
+  """(name, steps_per_block, threshold, factor): the fixed schedules, then each threshold and
+  each factor over one token a step (so at least the most confident token each step)."""
+  fixed = [(f"fixed, {'one token a step' if s == 0 else f'{s} steps a block'}", s, 0.0, 0.0)
            for s in args.steps]
-  return fixed + [(f"threshold {t:g}", 0, t) for t in args.thresholds]
+  return (fixed + [(f"threshold {t:g}", 0, t, 0.0) for t in args.thresholds]
+          + [(f"factor {f:g}", 0, 0.0, f) for f in args.factors])
+
+
+def rule(row: dict) -> str:
+  return ("threshold" if float(row["threshold"]) else "factor" if float(row["factor"]) else
+          "fixed steps per block")
 
 
 def measure(workdir: str, seed: int, args) -> list[dict]:
@@ -46,14 +53,14 @@ def measure(workdir: str, seed: int, args) -> list[dict]:
   params = jax.tree.map(to_host, state.params)
   prompts = arithmetic_prompts(cfg, args.prompts)
   rows = []
-  for name, steps, threshold in decodings(args):
+  for name, steps, threshold, factor in decodings(args):
     stats = SampleStats()
     began = time.perf_counter()
-    accuracy, chance, _ = arithmetic_accuracy(
-        params, replace(cfg, sample=dict(steps_per_block=steps, threshold=threshold)), prompts,
-        stats=stats)
-    rows.append(dict(seed=seed, decoding=name, steps_per_block=steps, threshold=threshold,
-                     prompts=len(prompts), accuracy=accuracy, chance=chance,
+    options = dict(steps_per_block=steps, threshold=threshold, factor=factor)
+    accuracy, chance, _ = arithmetic_accuracy(params, replace(cfg, sample=options), prompts,
+                                              stats=stats)
+    rows.append(dict(seed=seed, decoding=name, **options, prompts=len(prompts),
+                     accuracy=accuracy, chance=chance,
                      tokens_per_forward=stats.tokens_per_forward,
                      seconds=time.perf_counter() - began))
     print(f"seed {seed}, {name}: accuracy {accuracy:.1%} (chance {chance:.1%}), "
@@ -95,11 +102,11 @@ def plot(rows: list[dict], path: str) -> None:
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(5, 3.5))
   groups = _grouped(rows)
-  for label, thresholded, style in (("fixed steps per block", False, "o-"),
-                                    ("confidence threshold", True, "s--")):
+  for label, style in RULES:
     points = sorted((_mean(rs, "tokens_per_forward"), 100 * _mean(rs, "accuracy"))
-                    for rs in groups.values() if (float(rs[0]["threshold"]) > 0) == thresholded)
-    ax.plot(*zip(*points), style, label=label)
+                    for rs in groups.values() if rule(rs[0]) == label)
+    if points:
+      ax.plot(*zip(*points), style, label=label)
   ax.set_xlabel("tokens per denoising forward")
   ax.set_ylabel("held-out accuracy (%)")
   ax.legend()
@@ -116,7 +123,8 @@ def main(argv=None):
   parser.add_argument("--prompts", type=int, default=512)
   parser.add_argument("--steps", type=int, nargs="+", default=[0, 2, 1],
                       help="fixed sample.steps_per_block values (0: one token a step)")
-  parser.add_argument("--thresholds", type=float, nargs="+", default=[0.9, 0.7, 0.5, 0.3, 0.1])
+  parser.add_argument("--thresholds", type=float, nargs="*", default=[0.9, 0.7, 0.5, 0.3, 0.1])
+  parser.add_argument("--factors", type=float, nargs="*", default=[0.5, 1.0, 2.0])
   parser.add_argument("--out", default=RESULTS_DIR)
   args = parser.parse_args(argv)
   if len(args.workdirs) != len(args.seeds):
