@@ -32,8 +32,8 @@ where a recurrent layer's state restarts.
 
 `sample_batch` runs several prompts as the rows of one batch: each prompt ends at the same
 slot, its RoPE positions those it would have alone (the slot less its row's pad, a multiple
-of B), and a row stops at its own EOS. The prompt region and the batch are padded to powers
-of two, so a few shapes compile, whatever the prompt lengths.
+of B), and a row stops at its own EOS. The prompt region (at least 64 slots) and the batch
+are padded to powers of two, so a few shapes compile, whatever the prompt lengths.
 
 For `fast_dllm_v2` (token shift) position j is predicted by row j-1: inside the block by
 the noisy row before it, and for the block's first token by the last clean row of the
@@ -487,6 +487,11 @@ def _bucket(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
+# The shortest prompt region (slots, rounded up to blocks): padding a short prompt to it costs
+# less than compiling another shape (the quickstart's eval: 0.4 s of sampling, ~5 s a compile).
+_MIN_PROMPT_SLOTS = 64
+
+
 def _sample_mask(params, cfg: Config, prompts: list[np.ndarray], key, o: _Options,
                  stats: SampleStats) -> list[np.ndarray]:
   """Block-by-block generation of every prompt at once (module docstring). Row n's prompt ends
@@ -495,7 +500,7 @@ def _sample_mask(params, cfg: Config, prompts: list[np.ndarray], key, o: _Option
   m, bs = cfg.model, cfg.objective.block_size
   fns = _steps(_model_json(cfg))
   own_first = np.asarray([-p.size % bs + p.size for p in prompts])
-  first = bs * _bucket(int(own_first.max()) // bs)
+  first = bs * _bucket(-(-max(int(own_first.max()), _MIN_PROMPT_SLOTS) // bs))
   n_rows, n_blocks = _bucket(len(prompts)), -(-o.max_new_tokens // bs)
   pad_N1 = np.zeros((n_rows, 1), np.int32)
   pad_N1[:len(prompts), 0] = first - own_first

@@ -219,9 +219,10 @@ def test_trained_model_writes_well_formed_statements_far_above_chance(tmp_path):
 
 
 def test_sample_batch_equals_sample_prompt_by_prompt_for_prompts_of_different_lengths():
-  """One batch of three prompts (1, 5 and 9 tokens: three prompt buckets, the batch padded to
-  4 rows) against each prompt sampled alone, greedy, with the cache (fast_dllm_v2: the shifted
-  first token of each block comes from each row's own commit)."""
+  """One batch of three prompts (1, 5 and 9 tokens: each row padded by another number of
+  blocks, the batch padded to 4 rows) against each prompt sampled alone, greedy, with the
+  cache (fast_dllm_v2: the shifted first token of each block comes from each row's own
+  commit)."""
   cfg = _tiny("fast_dllm_v2")
   params = init_params(cfg, jax.random.key(0))
   prompts = [PROMPT, list(b"3*4=12 5+"), list(b"1")]
@@ -232,8 +233,8 @@ def test_sample_batch_equals_sample_prompt_by_prompt_for_prompts_of_different_le
 
 
 def test_sample_batch_compiles_once_per_prompt_bucket_and_stops_rows_at_their_eos():
-  """Prompts of 5 to 8 tokens share one padded prompt region (two blocks): one compile of the
-  block loop for all of them; a row that met its EOS stops while the others go on, so the
+  """Prompts of 5 to 8 tokens share one padded prompt region: one compile of the block loop
+  for all of them; a row that met its EOS stops while the others go on, so the
   batch costs what the prompts cost alone: the same tokens, forwards and cache commits."""
   cfg = _tiny("bd3lm")
   params = init_params(cfg, jax.random.key(0))
