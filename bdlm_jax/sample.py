@@ -65,10 +65,9 @@ random tokens (`EntropyBoundSampler.initialize_canvas`) and takes at most
 The canvas kept is the last step's *argmax* canvas, which joins the context. Generation
 stops after the canvas holding EOS (`_finalize_canvas`; the tokens after EOS are dropped)
 or at max_new_tokens (whole canvases are cut there; transformers keeps the last canvas whole).
-Every step recomputes the whole context through `canvas_logits`: the `mask` sampler's KV
-cache keeps every layer's K/V in one array, which Gemma 4's global layers (K/V of other
-head dims and head counts than the local ones) do not fit. A canvas's steps run as one
-compiled loop, compiled once per context length (one per canvas of a generation).
+Every step recomputes the whole context through `canvas_logits` (no cache yet). A canvas's
+steps run as one compiled loop, compiled once per context length (one per canvas of a
+generation).
 """
 
 from __future__ import annotations
@@ -90,35 +89,47 @@ from bdlm_jax.errors import ConfigError
 from bdlm_jax.objectives import get_objective, reserved_mask_id
 from bdlm_jax.kernels import with_windows, xla
 from bdlm_jax.kernels.mask import CLEAN, NOISY, RowMeta, row_meta
-from bdlm_jax.models.pattern import gdn_shape, split_attention
+from bdlm_jax.models.pattern import (attention_shape, gdn_shape, layer_types,
+                                     split_attention)
 from bdlm_jax.params import merge
 
 
 class KVCache(NamedTuple):
   """The context as of the last committed block, by cache slot: clean keys/values k, v
-  [layers, N, C, Hkv, D] and seg int32 [N, C]; for a model with Gated DeltaNet layers also
+  {shape: [layers, N, C, Hkv, D]}, one array per attention shape (`_kv_shapes`: Gemma 4's
+  global layers have K/V of other head dims and counts than its local ones), and seg int32
+  [N, C]; for a model with Gated DeltaNet layers also
   each layer's recurrent state [layers, N, Hv, K, V] (float32) and conv tail, the last
   `gdn_conv - 1` pre-conv rows [layers, N, halo, channels], zero before the prompt (None
   without). Every layer has a slot in each (the other kind's is unused), so the layers still
   run as one scan."""
 
-  k: jax.Array
-  v: jax.Array
+  k: dict[str, jax.Array]
+  v: dict[str, jax.Array]
   seg: jax.Array  # 1 where a slot is filled, 0 = empty or padding (never attended)
   state: jax.Array | None = None
   tail: jax.Array | None = None
 
 
+def _kv_shapes(m) -> dict[str, tuple[int, int]]:
+  """{name: (K/V heads, head dim)} of the K/V arrays a cache keeps: one per attention shape,
+  named by the layer kinds that have it ("local" and "global" where they differ)."""
+  kinds = [k for k in dict.fromkeys(layer_types(m)) if k != "gdn"] or ["global"]
+  if split_attention(m):
+    return {kind: attention_shape(m, kind)[:2] for kind in kinds}
+  return {"all": attention_shape(m, kinds[0])[:2]}
+
+
 def empty_cache(m, rows: int, slots: int) -> KVCache:
   """An empty cache of `rows` generations of up to `slots` tokens for model config `m`."""
-  shape = (m.n_layers, rows, slots, m.n_kv_heads, m.head_dim)
+  kv = {name: jnp.zeros((m.n_layers, rows, slots, h, d), m.compute_dtype)
+        for name, (h, d) in _kv_shapes(m).items()}
   state = tail = None
   if "gdn" in m.layer_period:
     hk, hv, dk, dv = gdn_shape(m)
     state = jnp.zeros((m.n_layers, rows, hv, dk, dv), jnp.float32)
     tail = jnp.zeros((m.n_layers, rows, m.gdn_conv - 1, 2 * hk * dk + hv * dv), m.compute_dtype)
-  return KVCache(jnp.zeros(shape, m.compute_dtype), jnp.zeros(shape, m.compute_dtype),
-                 jnp.zeros((rows, slots), jnp.int32), state, tail)
+  return KVCache(kv, dict(kv), jnp.zeros((rows, slots), jnp.int32), state, tail)
 
 
 @dataclasses.dataclass
@@ -174,7 +185,8 @@ def _rows_forward(model, tokens_NR, pos_NR, meta: RowMeta, cache: KVCache, start
   prev_seg = jnp.where(start > 0, jax.lax.dynamic_index_in_dim(cache.seg, jnp.maximum(start - 1, 0),
                                                                1, keepdims=False), 0)
   starts_NR = _doc_starts(meta.seg, prev_seg)
-  no_kv = jnp.zeros((n, r, *cache.k.shape[3:]), cache.k.dtype)
+  no_kv = {name: jnp.zeros((n, r, *a.shape[3:]), a.dtype) for name, a in cache.k.items()}
+  split = "all" not in no_kv
 
   def layer(block, x, k_cache, v_cache, state, tail, kind):
     if kind == "gdn":
@@ -185,12 +197,13 @@ def _rows_forward(model, tokens_NR, pos_NR, meta: RowMeta, cache: KVCache, start
       tail = jnp.concatenate([tail, pre * in_doc], 1)[:, -tail.shape[1]:]
       return block.finish(x, block.linear_attn.gated_norm(o, z))[0], (no_kv, no_kv, state, tail)
     q, k, v, *gate = block.project(x, pos_NR, kind)
-    k_all = jnp.concatenate([k_cache, k], axis=1)
-    v_all = jnp.concatenate([v_cache, v], axis=1)
+    name = kind if split else "all"  # the other shapes' slots of this layer stay unused
+    k_all = jnp.concatenate([k_cache[name], k], axis=1)
+    v_all = jnp.concatenate([v_cache[name], v], axis=1)
     out, _ = attend(q, k_all, v_all, meta, kv_meta, window=block.window(kind))
     if gate:
       out = out * jax.nn.sigmoid(gate[0])
-    return block.finish(x, out)[0], (k, v, state, tail)
+    return block.finish(x, out)[0], ({**no_kv, name: k}, {**no_kv, name: v}, state, tail)
 
   x, ys = model.scan_layers(layer, model.embed_tokens(tokens_NR), cache.k, cache.v, cache.state,
                             cache.tail)
@@ -238,8 +251,8 @@ def _commit_rows(model, cache: KVCache, tokens_NR, seg_NR, start, block_size: in
   h, (k, v, state, tail) = _rows_forward(model, tokens_NR, slot - pad_N1, meta, cache, start,
                                          block_size, chunk)
   at = (0, 0, start, 0, 0)
-  return h, KVCache(jax.lax.dynamic_update_slice(cache.k, k, at),
-                    jax.lax.dynamic_update_slice(cache.v, v, at),
+  write = lambda into, rows: jax.lax.dynamic_update_slice(into, rows, at)
+  return h, KVCache(jax.tree.map(write, cache.k, k), jax.tree.map(write, cache.v, v),
                     jax.lax.dynamic_update_slice(cache.seg, seg_NR.astype(jnp.int32), (0, start)),
                     state, tail)
 
@@ -406,11 +419,6 @@ def _options(cfg: Config, max_new_tokens=None, steps_per_block=None, strategy=No
     raise ConfigError(f"sample.threshold must be in (0, 1], or 0 for off; got {got.threshold}")
   if got.factor < 0:
     raise ConfigError(f"sample.factor must be > 0, or 0 for off; got {got.factor}")
-  if got.use_cache and split_attention(cfg.model) and objective.SAMPLER != "canvas":
-    raise ConfigError("sample.use_cache keeps every layer's K/V in one array, but this model's "
-                      "global layers have K/V of other shapes than its local ones "
-                      "(model.global_head_dim, global_n_kv_heads, attention_k_eq_v); set "
-                      "sample.use_cache=false")
   return got
 
 

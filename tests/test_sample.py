@@ -19,7 +19,7 @@ from bdlm_jax.errors import ConfigError
 from bdlm_jax.metrics import last_evaluated
 from bdlm_jax.data import ArithmeticSource, ByteTokenizer
 from bdlm_jax.params import merge
-from bdlm_jax.sample import KVCache, _model_json, _steps, reveal, sample_checkpoint
+from bdlm_jax.sample import _model_json, _steps, empty_cache, reveal, sample_checkpoint
 from bdlm_jax.parallel.strategies import make_attend
 from tests import conftest
 from tests.data.conftest import save_word_level
@@ -96,9 +96,7 @@ def test_a_denoising_step_over_the_cache_gives_the_training_forwards_logits(mode
 
   d = cfg.to_dict()
   fns = _steps(json.dumps(dict(model=d["model"], objective=d["objective"]), sort_keys=True))
-  m = cfg.model
-  shape = (m.n_layers, 1, L, m.n_kv_heads, m.head_dim)
-  cache = KVCache(jnp.zeros(shape), jnp.zeros(shape), jnp.zeros((1, L), jnp.int32))
+  cache = empty_cache(cfg.model, 1, L)
   for b in range(0, start, bs):
     cache, _ = fns.commit(params, cache, tokens[:, b:b + bs], np.ones((1, bs), np.int32), b,
                           np.zeros((1, 1), np.int32))
