@@ -76,8 +76,8 @@ def test_ar_decoding_with_the_kv_cache_equals_the_plain_causal_forward(model):
                                        temperature=0.0, eos_id=-1), greedy[len(PROMPT):])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model", [{}, LOCAL], ids=["global", "local_layers"])
+@pytest.mark.parametrize("model", [{}, pytest.param(LOCAL, marks=pytest.mark.slow)],
+                         ids=["global", "local_layers"])
 def test_a_denoising_step_over_the_cache_gives_the_training_forwards_logits(model):
   """The sampler's own wiring (KV cache, `Block.project` / `finish`) computes for a partly
   masked block what the training forward computes for the same block's noisy rows."""
