@@ -36,8 +36,8 @@ from bdlm_jax.data.arithmetic import ArithmeticSource, split_statement
 from bdlm_jax.data.chat import ArithmeticChatSource, make_template
 from bdlm_jax.feed import Feed
 from bdlm_jax.loss import spec_loss
-from bdlm_jax.parallel.mesh import make_mesh, row_sharding, to_host
-from bdlm_jax.sample import SampleStats, checked_tokenizer, sample_batch
+from bdlm_jax.parallel.mesh import make_mesh, row_sharding
+from bdlm_jax.sample import SampleStats, checked_tokenizer, sample_batch, sampling_params
 from bdlm_jax.train import state_shardings
 from bdlm_jax.spec import resolve
 
@@ -102,10 +102,9 @@ class HeldOut:
     loss = total / max(count, 1)
     metrics = dict(eval_loss=loss, eval_ppl=math.exp(min(loss, 700.0)), eval_tokens=count)
     if self._prompts:
-      host_params = jax.tree.map(to_host, params)  # sampling runs on one device
       stats = SampleStats()
-      accuracy, chance, _ = arithmetic_accuracy(host_params, self._cfg, self._prompts,
-                                                stats=stats)
+      accuracy, chance, _ = arithmetic_accuracy(sampling_params(params), self._cfg,
+                                                self._prompts, stats=stats)
       metrics.update(eval_accuracy=accuracy, eval_chance=chance,
                      eval_tokens_per_forward=stats.tokens_per_forward,
                      eval_tokens_per_s=stats.tokens_per_s)

@@ -39,8 +39,9 @@ For `fast_dllm_v2` (token shift) position j is predicted by row j-1: inside the 
 the noisy row before it, and for the block's first token by the last clean row of the
 finished previous block, the row training scores it on (objectives/fast_dllm_v2.py).
 The model is run through its own modules (`Block.project`, `Block.finish`, a GDN layer's
-`Cell`); only attention is re-wired over [cache ; block]. Sampling uses the `xla` attention
-on one device.
+`Cell`); only attention is re-wired over [cache ; block]. Sampling uses the `xla` attention,
+with the parameters where they lie (`sampling_params`): sharded over a mesh as trained, the
+compiler partitions each step.
 
 `canvas`: DiffusionGemma's generation, as transformers' `generation_diffusion_gemma.py`
 runs it (`DiffusionGemmaGenerationMixin.generate`, one prompt). Canvases of C =
@@ -546,6 +547,17 @@ def _sample_mask(params, cfg: Config, prompts: list[np.ndarray], key, o: _Option
   return [_until_eos(tokens, o.max_new_tokens, o.eos_id) for tokens in out]
 
 
+def sampling_params(params):
+  """`params` as the sampler reads them: where they lie, when this host holds every shard
+  (the compiler runs each jitted step over the shards, so a model sharded to train, e.g. by
+  `parallel.fsdp`, samples sharded, never gathered onto one device); gathered here where
+  other hosts hold some (the sampler's host loop reads whole arrays)."""
+  if all(x.is_fully_addressable for x in jax.tree.leaves(params)):
+    return params
+  from bdlm_jax.parallel.mesh import to_host
+  return jax.tree.map(to_host, params)
+
+
 def stop_ids(cfg: Config) -> tuple[int, ...]:
   """`sample.eos_ids`, else the EOS of `data.tokenizer`."""
   if cfg.sample.eos_ids:
@@ -754,7 +766,7 @@ def sample_checkpoint(cfg: Config, workdir: str) -> tuple[int, str, str, SampleS
   from bdlm_jax.checkpoint import restore_state
   from bdlm_jax.data.chat import make_template, prompt_text
   from bdlm_jax.data.sources import DataError
-  from bdlm_jax.parallel.mesh import make_mesh, to_host
+  from bdlm_jax.parallel.mesh import make_mesh
   o = cfg.sample
   if bool(o.prompt) == bool(o.prompt_file):
     raise ConfigError("mode=sample needs exactly one of sample.prompt or sample.prompt_file, "
@@ -773,7 +785,7 @@ def sample_checkpoint(cfg: Config, workdir: str) -> tuple[int, str, str, SampleS
              f"sample.prompt={o.prompt!r}")
     raise ConfigError(f"{given}: {e}") from e
   step, state = restore_state(cfg, workdir, make_mesh(cfg), o.checkpoint_step)
-  params = jax.tree.map(to_host, state.params)  # sampling runs on one device
+  params = sampling_params(state.params)
   stats = SampleStats()
   tokens = sample(params, cfg, prompt_ids, jax.random.key(cfg.seed), stats=stats)  # stop_ids
   return step, shown, tokenizer.decode(tokens), stats

@@ -310,3 +310,19 @@ def test_an_empty_prompt_in_a_batch_and_a_batch_over_the_limit_are_refused():
   with pytest.raises(ConfigError, match=r"sample_batch needs 1 to sample.max_batch=2 prompts, "
                                         r"got 3"):
     sample_batch(params, cfg, [PROMPT] * 3, jax.random.key(1), eos_id=-1)
+
+
+def test_parameters_sharded_over_a_mesh_sample_where_they_lie_as_on_one_device():
+  """fsdp over the 8 simulated devices, as training shards them: `sampling_params` leaves them
+  sharded, and the batch generates what the one-device parameters generate."""
+  from bdlm_jax.sample import sampling_params
+  from bdlm_jax.train import state_shardings
+  cfg = replace(_tiny("fast_dllm_v2"), parallel=dict(fsdp=8), train=dict(batch_size=8))
+  params = init_params(cfg, jax.random.key(0))
+  sharded = sampling_params(jax.device_put(params, state_shardings(cfg, make_mesh(cfg)).params))
+  assert any(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
+             for x in jax.tree.leaves(sharded))
+  prompts = [PROMPT, list(b"3*4=12 5+")]
+  for got, want in zip(*(sample_batch(p, cfg, prompts, jax.random.key(1), max_new_tokens=8,
+                                      eos_id=-1) for p in (sharded, params))):
+    np.testing.assert_array_equal(got, want)
