@@ -18,13 +18,11 @@ import os
 import statistics
 import time
 
-import jax
-
 from bdlm_jax.checkpoint import restore_state
 from bdlm_jax.configure import load_config, replace
 from bdlm_jax.evaluate import arithmetic_accuracy, arithmetic_prompts
-from bdlm_jax.parallel.mesh import make_mesh, to_host
-from bdlm_jax.sample import SampleStats
+from bdlm_jax.parallel.mesh import make_mesh
+from bdlm_jax.sample import SampleStats, sampling_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
@@ -50,7 +48,7 @@ def rule(row: dict) -> str:
 def measure(workdir: str, seed: int, args) -> list[dict]:
   cfg = load_config(args.config, [f"seed={seed}"])
   _, state = restore_state(cfg, workdir, make_mesh(cfg))
-  params = jax.tree.map(to_host, state.params)
+  params = sampling_params(state.params)
   prompts = arithmetic_prompts(cfg, args.prompts)
   rows = []
   for name, steps, threshold, factor in decodings(args):
