@@ -66,9 +66,11 @@ random tokens (`EntropyBoundSampler.initialize_canvas`) and takes at most
 The canvas kept is the last step's *argmax* canvas, which joins the context. Generation
 stops after the canvas holding EOS (`_finalize_canvas`; the tokens after EOS are dropped)
 or at max_new_tokens (whole canvases are cut there; transformers keeps the last canvas whole).
-Every step recomputes the whole context through `canvas_logits` (no cache yet). A canvas's
-steps run as one compiled loop, compiled once per context length (one per canvas of a
-generation).
+With `use_cache` the context (prompt and earlier canvases, causal rows) is committed once to
+the KV cache (K/V per attention shape, as the `mask` sampler keeps it), and each step runs
+the canvas over it, O(canvas x context); `use_cache=false` recomputes the whole context
+through `canvas_logits` at every step (the reference). A canvas's steps run as one compiled
+loop, compiled once per generation with the cache (once per canvas without).
 """
 
 from __future__ import annotations
@@ -175,10 +177,11 @@ def _doc_starts(seg_NR, prev_N):
 
 
 def _rows_forward(model, tokens_NR, pos_NR, meta: RowMeta, cache: KVCache, start,
-                  block_size: int, chunk: int):
+                  block_size: int, chunk: int, x_NRD=None):
   """Hidden states of rows (cache slots start..) attending to [cache ; themselves], and each
   layer's new cache entries: the rows' K/V, and a Gated DeltaNet layer's state and conv tail
-  after them (run from the cache's)."""
+  after them (run from the cache's). `x_NRD`: the first layer's input, if not the tokens'
+  embeddings (a self-conditioned canvas)."""
   n, r = tokens_NR.shape
   cache_slot = jnp.broadcast_to(jnp.arange(cache.seg.shape[1])[None], cache.seg.shape)
   kv_meta = _meta(CLEAN, cache_slot, cache.seg, block_size).concat(meta)
@@ -206,8 +209,8 @@ def _rows_forward(model, tokens_NR, pos_NR, meta: RowMeta, cache: KVCache, start
       out = out * jax.nn.sigmoid(gate[0])
     return block.finish(x, out)[0], ({**no_kv, name: k}, {**no_kv, name: v}, state, tail)
 
-  x, ys = model.scan_layers(layer, model.embed_tokens(tokens_NR), cache.k, cache.v, cache.state,
-                            cache.tail)
+  x = model.embed_tokens(tokens_NR) if x_NRD is None else x_NRD
+  x, ys = model.scan_layers(layer, x, cache.k, cache.v, cache.state, cache.tail)
   return model.final_norm(x), ys
 
 
@@ -482,8 +485,8 @@ def _generate(params, cfg: Config, prompts: list[np.ndarray], key, opts: _Option
   if sampler == "mask":
     out = _sample_mask(params, cfg, prompts, key, opts, stats)
   elif sampler == "canvas":
-    out = [_sample_canvas(params, cfg, p, key, opts.max_new_tokens, opts.eos_id, stats)
-           for p in prompts]
+    out = [_sample_canvas(params, cfg, p, key, opts.max_new_tokens, opts.eos_id, opts.use_cache,
+                          stats) for p in prompts]
   else:  # "ar": token by token
     out = [_sample_ar(params, cfg, p, key, opts.max_new_tokens, opts.temperature, opts.use_cache,
                       opts.eos_id, stats) for p in prompts]
@@ -618,9 +621,29 @@ def denoising_step(params, cfg: Config, context_1T, canvas_C, self_conditioning_
   """Step `step` (N..1: the steps left) of the canvas `canvas_C` after `context_1T`,
   self-conditioned on the previous step's processed logits (None at the first step)."""
   from bdlm_jax.loss import canvas_logits  # loss imports the strategies
-  o, vocab = cfg.sample, cfg.model.vocab_size
   given = None if self_conditioning_CV is None else self_conditioning_CV[None]
-  logits = canvas_logits(params, cfg, context_1T, canvas_C[None], given)[0]
+  return _step_from_logits(cfg, canvas_logits(params, cfg, context_1T, canvas_C[None],
+                                              given)[0], canvas_C, step, key)
+
+
+def _cached_canvas_logits(params, cfg: Config, cache: KVCache, t, canvas_C,
+                          self_conditioning_CV) -> jax.Array:
+  """`canvas_logits` [C, V] of the canvas after the context held in `cache` (slots < t, its
+  rows committed causally): one block of noisy rows at positions t.., over the cache."""
+  from bdlm_jax.loss import canvas_embeddings
+  model = merge(cfg, params)
+  canvas_1C = canvas_C[None]
+  slot = _slots(t, *canvas_1C.shape)
+  meta = row_meta(jnp.full_like(slot, NOISY), jnp.full_like(slot, t), jnp.ones_like(slot), slot)
+  given = None if self_conditioning_CV is None else self_conditioning_CV[None]
+  x = canvas_embeddings(model, cfg, canvas_1C, given)
+  h, _ = _rows_forward(model, canvas_1C, slot, meta, cache, t, 1, cfg.model.attention_chunk, x)
+  return model.logits(h)[0]
+
+
+def _step_from_logits(cfg: Config, logits, canvas_C, step, key) -> CanvasStep:
+  """`denoising_step` from the canvas's logits [C, V]."""
+  o, vocab = cfg.sample, cfg.model.vocab_size
   logits = logits / canvas_temperature(o, step)
   draw_key, noise_key = jax.random.split(key)
   denoised = jax.random.categorical(draw_key, logits).astype(jnp.int32)
@@ -644,29 +667,36 @@ class _Denoising(NamedTuple):
 
 
 @functools.lru_cache(maxsize=8)
-def _canvas_denoiser(cfg_json: str) -> Callable:
-  """jit (params, context_1T, canvas_C, key) -> (the argmax canvas int32 [C] after at most N
-  steps from `canvas_C`, the steps taken); step n draws from fold_in(key, n)."""
+def _canvas_denoiser(cfg_json: str, use_cache: bool) -> Callable:
+  """jit (params, context, canvas_C, key) -> (the argmax canvas int32 [C] after at most N
+  steps from `canvas_C`, the steps taken); step n draws from fold_in(key, n). The context:
+  (KV cache, its length t) with `use_cache`, else its tokens [1, T], recomputed each step."""
   cfg = Config.from_dict(json.loads(cfg_json))
   o, c = cfg.sample, cfg.objective.block_size
   self_conditioning = cfg.model.self_conditioning
 
-  def advance(params, context_1T, key, state: _Denoising) -> _Denoising:
-    out = denoising_step(params, cfg, context_1T, state.canvas, state.self_conditioning,
-                         state.step, jax.random.fold_in(key, state.step))
+  def advance(params, context, key, state: _Denoising) -> _Denoising:
+    step_key = jax.random.fold_in(key, state.step)
+    if use_cache:
+      logits = _cached_canvas_logits(params, cfg, *context, state.canvas,
+                                     state.self_conditioning)
+      out = _step_from_logits(cfg, logits, state.canvas, state.step, step_key)
+    else:
+      out = denoising_step(params, cfg, context, state.canvas, state.self_conditioning,
+                           state.step, step_key)
     stop, history = stable_and_confident(state.history, out.argmax, out.entropy,
                                          o.confidence_threshold)
     # transformers feeds the processed logits back in the embedding's dtype
     logits = out.logits.astype(cfg.model.param_dtype) if self_conditioning else None
     return _Denoising(state.step - 1, out.canvas, out.argmax, logits, history, stop)
 
-  def denoise(params, context_1T, canvas, key):
+  def denoise(params, context, canvas, key):
     start = _Denoising(jnp.int32(o.denoising_steps), canvas, canvas, None,
                        jnp.full((o.stability_threshold, c), -1, jnp.int32), jnp.bool_(False))
     # The first step has no self-conditioning logits: a loop state of its own
-    state = advance(params, context_1T, key, start)
+    state = advance(params, context, key, start)
     state = jax.lax.while_loop(lambda s: (s.step >= 1) & ~s.stop,
-                               functools.partial(advance, params, context_1T, key), state)
+                               functools.partial(advance, params, context, key), state)
     return state.argmax, o.denoising_steps - state.step
 
   return jax.jit(denoise)
@@ -680,19 +710,30 @@ def initial_canvas(cfg: Config, canvas_key) -> jax.Array:
 
 
 def _sample_canvas(params, cfg: Config, prompt_T, key, max_new_tokens: int,
-                   eos_ids: tuple[int, ...], stats: SampleStats) -> np.ndarray:
+                   eos_ids: tuple[int, ...], use_cache: bool, stats: SampleStats) -> np.ndarray:
   """DiffusionGemma's canvas-by-canvas generation (module docstring)."""
-  denoise = _canvas_denoiser(_model_json(cfg, "sample"))
+  c = cfg.objective.block_size
+  n_canvases = -(-max_new_tokens // c)
+  denoise = _canvas_denoiser(_model_json(cfg, "sample"), use_cache)
   context = prompt_T[None]
+  if use_cache:  # the context's rows are committed causally (blocks of one token), as AR's
+    commit = _ar_extend(_model_json(cfg))
+    cache = empty_cache(cfg.model, 1, prompt_T.size + n_canvases * c)
+    cache, _ = commit(params, cache, context, np.ones_like(context), 0, 0)
   out = []
-  for i in range(-(-max_new_tokens // cfg.objective.block_size)):
+  for i in range(n_canvases):
     canvas_key = jax.random.fold_in(key, i)
-    tokens, steps = denoise(params, context, initial_canvas(cfg, canvas_key), canvas_key)
+    given = (cache, context.shape[1]) if use_cache else context
+    tokens, steps = denoise(params, given, initial_canvas(cfg, canvas_key), canvas_key)
     tokens = np.asarray(tokens)
     stats.tokens, stats.forwards = stats.tokens + tokens.size, stats.forwards + int(steps)
     out.extend(tokens.tolist())
-    if set(eos_ids) & set(out):
+    if set(eos_ids) & set(out) or i + 1 == n_canvases:
       break
+    if use_cache:
+      cache, _ = commit(params, cache, tokens[None], np.ones_like(tokens[None]),
+                        context.shape[1], 0)
+      stats.commit_forwards += 1
     context = np.concatenate([context, tokens[None]], axis=1)
   return _until_eos(out, len(out), eos_ids)  # whole canvases, as transformers returns them
 
