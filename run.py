@@ -77,8 +77,9 @@ def main(argv=None) -> int:
         from bdlm_jax.speculative import sample_checkpoint
       else:
         from bdlm_jax.sample import sample_checkpoint
-      step, prompt, completion = sample_checkpoint(cfg, workdir)
-      print(f"step {step} of {workdir}; prompt {prompt!r}; completion:", file=sys.stderr)
+      step, prompt, completion, stats = sample_checkpoint(cfg, workdir)
+      print(f"step {step} of {workdir}; prompt {prompt!r}; {stats.describe()}; completion:",
+            file=sys.stderr)
       print(completion)
       return 0
     resume = "if_present" if args.resume_if_present else args.resume

@@ -627,6 +627,13 @@ class SampleConfig(Section):
   strategy: str = "confidence"  # or "first_hitting"
   temperature: float = 0.0  # 0: greedy
   use_cache: bool = True  # KV cache of the clean blocks before the current one
+  # Also reveal, at each step, every masked token whose confidence is at least this
+  # (Fast-dLLM's parallel decoding; 0: off, only the steps_per_block schedule).
+  threshold: float = 0.0
+  # Fast-dLLM's factor rule: also reveal the k most confident masked tokens where
+  # (k + 1)(1 - c_k) < factor, c_k the k-th highest confidence (0: off).
+  factor: float = 0.0
+  max_batch: int = 64  # prompts per sample_batch call (mode=eval splits its prompts to fit)
   checkpoint_step: int = -1  # -1: latest
   denoising_steps: int = 48  # at most this many denoising steps per canvas
   # Canvas temperature, linear in the steps left: t_max at the first step, t_min at the last.
@@ -645,6 +652,9 @@ class SampleConfig(Section):
   RULES = dict(strategy=OneOf(("confidence", "first_hitting")), max_new_tokens=AT_LEAST_1,
                steps_per_block=Holds(">= 0 (0: one token per step)", lambda x: x >= 0),
                temperature=Holds(">= 0 (0: greedy)", lambda x: x >= 0), checkpoint_step=STEP,
+               threshold=Holds("in (0, 1], or 0 for off", lambda x: 0 <= x <= 1),
+               factor=Holds("> 0, or 0 for off", lambda x: x >= 0),
+               max_batch=AT_LEAST_1,
                denoising_steps=AT_LEAST_1, t_min=AT_LEAST_0, t_max=ABOVE_0,
                entropy_bound=ABOVE_0, stability_threshold=AT_LEAST_0,
                confidence_threshold=ABOVE_0,

@@ -31,7 +31,7 @@ from bdlm_jax.configure import override, replace
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.likelihood import (check_scored, continuation_scores, exact, nelbo_length,
                                  padded_length)
-from bdlm_jax.sample import checked_tokenizer, sample
+from bdlm_jax.sample import checked_tokenizer, sample_batch
 
 MODEL_NAME = "bdlm_jax"
 _SAMPLE_KEYS = {f.name for f in dataclasses.fields(SampleConfig)}
@@ -39,9 +39,11 @@ _IGNORED = ("device", "max_batch_size")  # harness-wide arguments that do not ap
 
 
 def generate(params, cfg: Config, prompts: Sequence[np.ndarray], key, **options) -> list:
-  """Tokens generated after each prompt (int32 arrays): the one place the harness calls the
-  sampler, so a batched sampler drops in here."""
-  return [sample(params, cfg, prompt, key, **options) for prompt in prompts]
+  """Tokens generated after each prompt (int32 arrays), `sample_batch` at most
+  `sample.max_batch` prompts at a time: each as `sample` would write it alone."""
+  n = cfg.sample.max_batch
+  return [out for i in range(0, len(prompts), n)
+          for out in sample_batch(params, cfg, prompts[i:i + n], key, **options)]
 
 
 def load_run(workdir: str, step: int = -1, overrides: Sequence[str] = ()) -> tuple:

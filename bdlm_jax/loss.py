@@ -216,15 +216,23 @@ def canvas_logits(params, cfg: Config, prompt_tokens, canvas_tokens,
   attend = with_windows(functools.partial(xla.attend, chunk=cfg.model.attention_chunk), 1)
   attend.recur = recurrence.causal  # the canvas after its prompt: the concat reference itself
   model = merge(cfg, params)
-  x = model.embed_tokens(jnp.concatenate([prompt, canvas], axis=1))
-  if cfg.model.self_conditioning:
-    soft = (jnp.zeros_like(x[:, t:]) if self_conditioning_logits is None else
-            expected_embedding(model.embed, self_conditioning_logits,
-                               cfg.model.scale_embeddings).astype(x.dtype))
-    soft = jax.lax.stop_gradient(soft)  # a constant input, as the seed trains it
-    x = x.at[:, t:].set(model.self_condition(x[:, t:], soft))
+  x = jnp.concatenate([model.embed_tokens(prompt),
+                       canvas_embeddings(model, cfg, canvas, self_conditioning_logits)], axis=1)
   hidden, _ = model.over_layers(x, pos, meta, attend)
   return model.logits(hidden[:, t:])
+
+
+def canvas_embeddings(model, cfg: Config, canvas_SC, self_conditioning_logits=None):
+  """A canvas's first-layer input [S, C, D]: its embeddings, through the self-conditioning
+  module with `model.self_conditioning` (on zeros when no logits are given)."""
+  x = model.embed_tokens(canvas_SC)
+  if not cfg.model.self_conditioning:
+    return x
+  soft = (jnp.zeros_like(x) if self_conditioning_logits is None else
+          expected_embedding(model.embed, self_conditioning_logits,
+                             cfg.model.scale_embeddings).astype(x.dtype))
+  soft = jax.lax.stop_gradient(soft)  # a constant input, as the seed trains it
+  return model.self_condition(x, soft)
 
 
 def draft_logits(params, cfg: Config, tokens, segment_ids=None, protected=None, context=None):

@@ -51,6 +51,11 @@ class Decoded:
   def tokens_per_forward(self) -> float:
     return len(self.tokens) / self.target_forwards
 
+  def describe(self) -> str:
+    return (f"speculative decoding: tau {self.acceptance_length:.3f} (kept proposals + the "
+            f"target's token a verification), {self.tokens_per_forward:.3f} tokens per target "
+            f"forward ({len(self.tokens)} tokens, {self.target_forwards} forwards)")
+
 
 class Speculator:
   """A drafter run's target and drafter on one device: `greedy` (the target alone) and
@@ -137,12 +142,10 @@ class Speculator:
     return Decoded(tokens[len(prompt):len(prompt) + max_new_tokens], forwards, accepted)
 
 
-def sample_checkpoint(cfg: Config, workdir: str) -> tuple[int, str, str]:
-  """mode=sample for a drafter run: (step, prompt, completion) of `sample.prompt` (or the
-  text of `sample.prompt_file`) decoded speculatively with checkpoint
-  `sample.checkpoint_step` of `workdir` and its target, greedy, up to the first EOS; the
-  acceptance is printed to stderr."""
-  import sys
+def sample_checkpoint(cfg: Config, workdir: str) -> tuple[int, str, str, Decoded]:
+  """mode=sample for a drafter run: (step, prompt, completion, what the decoding did) of
+  `sample.prompt` (or the text of `sample.prompt_file`) decoded speculatively with checkpoint
+  `sample.checkpoint_step` of `workdir` and its target, greedy, up to the first EOS."""
   from bdlm_jax.checkpoint import restore_state
   from bdlm_jax.parallel.mesh import make_mesh, to_host
   from bdlm_jax.sample import checked_tokenizer, stop_ids
@@ -161,7 +164,4 @@ def sample_checkpoint(cfg: Config, workdir: str) -> tuple[int, str, str]:
   out = Speculator(params, cfg).decode(tokenizer.encode(prompt), o.max_new_tokens)
   stops = [i for i, t in enumerate(out.tokens) if t in stop_ids(cfg)]
   tokens = out.tokens[:stops[0] + 1] if stops else out.tokens
-  print(f"speculative decoding: tau {out.acceptance_length:.3f} (kept proposals + the "
-        f"target's token a verification), {out.tokens_per_forward:.3f} tokens per target "
-        f"forward ({len(out.tokens)} tokens, {out.target_forwards} forwards)", file=sys.stderr)
-  return step, prompt, tokenizer.decode(tokens)
+  return step, prompt, tokenizer.decode(tokens), out

@@ -146,7 +146,9 @@ def _sampler_logprob(lm, context: list[int], token: int) -> float:
   ctx, seg = np.zeros((1, first + b), np.int32), np.zeros((1, first + b), np.int32)
   ctx[0, first - len(context):first], seg[0, first - len(context):first] = context, 1
   block = jnp.full((1, b), cfg.objective.mask_token_id, jnp.int32)
-  _, prev = _steps(_model_json(cfg)).denoise_full(lm.params, ctx, seg, block, first)
+  _, prev = _steps(_model_json(cfg)).denoise_full(lm.params, ctx, seg, block, first,
+                                                  np.zeros((1, 1), np.int32))
+  prev = prev[0]  # [N, vocab] now: one row here
   return float(jax.nn.log_softmax(prev.at[cfg.objective.mask_token_id].set(-jnp.inf))[token])
 
 

@@ -36,20 +36,16 @@ def test_qwen3_5_tiny_under_csbp_ring_gives_the_one_device_step_1_loss(tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore:no arithmetic accuracy")  # checked in the mode=eval run
-def test_training_with_eval_and_mode_eval_give_the_held_out_loss_without_sampling(tmp_path,
-                                                                                  capsys):
-  """Sampling refuses Gated DeltaNet layers. Before, the end-of-training eval and mode=eval
-  failed with that refusal; now they give the held-out loss alone and say why once."""
-  _step1_loss(tmp_path, "train.eval_every=1", "eval.batches=1")
-  assert "(no sample: sample does not run Gated DeltaNet layers" in capsys.readouterr().out
-  with pytest.warns(UserWarning, match=r"^no arithmetic accuracy: sample does not run Gated "
-                                       r"DeltaNet layers yet .*; the held-out loss alone, as "
-                                       r"with eval.prompts=0$"):
-    assert run.main(["--config", CONFIG, "--no-progress", "--workdir", str(tmp_path),
-                     *[arg for item in [*SETS, "mode=eval", "eval.batches=1"]
-                       for arg in ("--set", item)]]) == 0
-  assert "step 1 of " in capsys.readouterr().out
+def test_training_with_eval_and_mode_eval_sample_the_hybrid(tmp_path, capsys):
+  """The end-of-training eval and mode=eval decode the Gated DeltaNet hybrid (its state and
+  conv tail cached per block): a sample, an accuracy and tokens per forward."""
+  _step1_loss(tmp_path, "train.eval_every=1", "eval.batches=1", "eval.prompts=4")
+  assert "sample: '" in capsys.readouterr().out
+  assert run.main(["--config", CONFIG, "--no-progress", "--workdir", str(tmp_path),
+                   *[arg for item in [*SETS, "mode=eval", "eval.batches=1", "eval.prompts=4"]
+                     for arg in ("--set", item)]]) == 0
+  out = capsys.readouterr().out
+  assert "step 1 of " in out and "arithmetic accuracy" in out and "tokens per forward" in out
 
 
 @pytest.mark.parametrize("segment_ids", [False, True], ids=["one_stream", "per_document"])

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bdlm_jax import ar_logits, init_params, load_config, make_batch, make_mesh, sample
+from bdlm_jax import (SampleStats, ar_logits, init_params, load_config, make_batch, make_mesh,
+                      sample, sample_batch)
 from bdlm_jax.checkpoint import restore_state
 from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
@@ -18,7 +19,7 @@ from bdlm_jax.errors import ConfigError
 from bdlm_jax.metrics import evaluated_at
 from bdlm_jax.data import ArithmeticSource, ByteTokenizer
 from bdlm_jax.params import merge
-from bdlm_jax.sample import KVCache, _steps, sample_checkpoint
+from bdlm_jax.sample import _model_json, _steps, empty_cache, reveal, sample_checkpoint
 from bdlm_jax.parallel.strategies import make_attend
 from tests import conftest
 from tests.data.conftest import save_word_level
@@ -75,8 +76,8 @@ def test_ar_decoding_with_the_kv_cache_equals_the_plain_causal_forward(model):
                                        temperature=0.0, eos_id=-1), greedy[len(PROMPT):])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model", [{}, LOCAL], ids=["global", "local_layers"])
+@pytest.mark.parametrize("model", [{}, pytest.param(LOCAL, marks=pytest.mark.slow)],
+                         ids=["global", "local_layers"])
 def test_a_denoising_step_over_the_cache_gives_the_training_forwards_logits(model):
   """The sampler's own wiring (KV cache, `Block.project` / `finish`) computes for a partly
   masked block what the training forward computes for the same block's noisy rows."""
@@ -95,12 +96,11 @@ def test_a_denoising_step_over_the_cache_gives_the_training_forwards_logits(mode
 
   d = cfg.to_dict()
   fns = _steps(json.dumps(dict(model=d["model"], objective=d["objective"]), sort_keys=True))
-  m = cfg.model
-  shape = (m.n_layers, 1, L, m.n_kv_heads, m.head_dim)
-  cache = KVCache(jnp.zeros(shape), jnp.zeros(shape), jnp.zeros((1, L), jnp.int32))
+  cache = empty_cache(cfg.model, 1, L)
   for b in range(0, start, bs):
-    cache, _ = fns.commit(params, cache, tokens[:, b:b + bs], np.ones((1, bs), np.int32), b)
-  sampled = fns.denoise(params, cache, block[None], start)
+    cache, _ = fns.commit(params, cache, tokens[:, b:b + bs], np.ones((1, bs), np.int32), b,
+                          np.zeros((1, 1), np.int32))
+  sampled = fns.denoise(params, cache, block[None], start, np.zeros((1, 1), np.int32))[0]
   np.testing.assert_allclose(sampled, trained, rtol=1e-5, atol=1e-5)
 
 
@@ -214,3 +214,115 @@ def test_trained_model_writes_well_formed_statements_far_above_chance(tmp_path):
   chance = _well_formed_fraction(completions(init_params(cfg, jax.random.key(0))))
   print(f"well-formed statements: trained {trained:.2f}, untrained {chance:.2f}")
   assert trained >= 0.6 and trained >= 5 * chance, (trained, chance)
+
+
+def test_sample_batch_equals_sample_prompt_by_prompt_for_prompts_of_different_lengths():
+  """One batch of three prompts (1, 5 and 9 tokens: each row padded by another number of
+  blocks, the batch padded to 4 rows) against each prompt sampled alone, greedy, with the
+  cache (fast_dllm_v2: the shifted first token of each block comes from each row's own
+  commit)."""
+  cfg = _tiny("fast_dllm_v2")
+  params = init_params(cfg, jax.random.key(0))
+  prompts = [PROMPT, list(b"3*4=12 5+"), list(b"1")]
+  batched = sample_batch(params, cfg, prompts, jax.random.key(1), max_new_tokens=8, eos_id=-1)
+  for prompt, got in zip(prompts, batched):
+    alone = sample(params, cfg, prompt, jax.random.key(1), max_new_tokens=8, eos_id=-1)
+    np.testing.assert_array_equal(got, alone)
+
+
+def test_sample_batch_compiles_once_per_prompt_bucket_and_stops_rows_at_their_eos():
+  """Prompts of 5 to 8 tokens share one padded prompt region: one compile of the block loop
+  for all of them; a row that met its EOS stops while the others go on, so the
+  batch costs what the prompts cost alone: the same tokens, forwards and cache commits."""
+  cfg = _tiny("bd3lm")
+  params = init_params(cfg, jax.random.key(0))
+  free = sample(params, cfg, PROMPT, jax.random.key(1), max_new_tokens=12, eos_id=-1)
+  block = _steps(_model_json(cfg)).block
+  before = block._cache_size()
+  prompts = [PROMPT + [49] * k for k in range(4)]
+  batched, alone = SampleStats(), SampleStats()
+  out = sample_batch(params, cfg, prompts, jax.random.key(1), max_new_tokens=12,
+                     eos_id=int(free[1]), stats=batched)
+  assert block._cache_size() - before <= 1  # the 1-row call above compiled its own shape
+  assert len(out[0]) == 2 and out[0][-1] == free[1]  # stopped in its first block
+  for p in prompts:
+    sample(params, cfg, p, jax.random.key(1), max_new_tokens=12, eos_id=int(free[1]),
+           stats=alone)
+  assert ((batched.tokens, batched.forwards, batched.commit_forwards)
+          == (alone.tokens, alone.forwards, alone.commit_forwards))
+  assert batched.tokens < 4 * 12  # some row stopped early
+
+
+def test_a_tiny_threshold_reveals_each_block_in_one_forward_like_steps_per_block_one():
+  """Every confidence is >= 1e-9, so each block is one denoising forward: the tokens of the
+  whole-block-at-once schedule, and 4 tokens per forward (blocks of 4), commits counted apart."""
+  cfg = _tiny("bd3lm")
+  params = init_params(cfg, jax.random.key(0))
+  stats, one_step = SampleStats(), SampleStats()
+  fast = sample(params, cfg, PROMPT, jax.random.key(1), max_new_tokens=12, eos_id=-1,
+                threshold=1e-9, stats=stats)
+  whole = sample(params, cfg, PROMPT, jax.random.key(1), max_new_tokens=12, eos_id=-1,
+                 steps_per_block=1, stats=one_step)
+  np.testing.assert_array_equal(fast, whole)
+  assert (stats.tokens, stats.forwards, stats.commit_forwards) == (12, 3, 2)
+  assert stats.tokens_per_forward == 4.0 and stats.tokens_per_s > 0
+  slow = SampleStats()
+  sample(params, cfg, PROMPT, jax.random.key(1), max_new_tokens=12, eos_id=-1, stats=slow)
+  assert slow.tokens_per_forward == 1.0
+
+
+def test_reveal_takes_every_token_above_the_threshold_and_at_least_the_most_confident():
+  """Two blocks of 4: the first has confidences ~0.97, ~0.90, ~0.5 and a masked-out one; the
+  second none above 0.8, so only its most confident masked position is revealed. The factor
+  rule with f = 0.25 takes the k most confident with (k + 1)(1 - c_k) < f: 2 x 0.03 and
+  3 x 0.10 < 0.25 fails, so only the first; f = 0.35 takes both."""
+  sure = lambda p: jnp.log(jnp.asarray([p, 1 - p, 1e-9]))  # token 0 with probability p
+  logits = jnp.stack([jnp.stack([sure(0.97), sure(0.9), sure(0.5), sure(0.99)]),
+                      jnp.stack([sure(0.6), sure(0.7), sure(0.5), sure(0.55)])])
+  masked = jnp.asarray([[True, True, True, False], [True, True, True, True]])
+  tokens = jnp.full((2, 4), 7, jnp.int32)
+  for threshold, factor, first_row in ((0.8, 0.0, [0, 0, 7, 7]), (0.0, 0.0, [0, 7, 7, 7]),
+                                       (0.0, 0.25, [0, 7, 7, 7]), (0.0, 0.35, [0, 0, 7, 7])):
+    out, still = reveal(logits, tokens, masked, 1, jax.random.key(0), 0.0, jnp.zeros(4),
+                        threshold, factor, by_confidence=True)
+    np.testing.assert_array_equal(out, [first_row, [7, 0, 7, 7]])
+    np.testing.assert_array_equal(still, masked & (out == 7))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(threshold=1.5), r"sample.threshold must be in \(0, 1\], or 0 for off; got 1.5"),
+    (dict(threshold=-0.1), r"sample.threshold must be in \(0, 1\], or 0 for off; got -0.1"),
+    (dict(factor=-1.0), r"sample.factor must be > 0, or 0 for off; got -1.0"),
+])
+def test_a_threshold_outside_zero_to_one_or_a_negative_factor_is_refused(options, message):
+  cfg = _tiny("bd3lm")
+  with pytest.raises(ConfigError, match=message):
+    sample(init_params(cfg, jax.random.key(0)), cfg, PROMPT, jax.random.key(1), **options)
+  with pytest.raises(ConfigError, match=f"sample.{next(iter(options))}"):
+    replace(cfg, sample=options)
+
+
+def test_an_empty_prompt_in_a_batch_and_a_batch_over_the_limit_are_refused():
+  cfg = replace(_tiny("bd3lm"), sample=dict(max_batch=2))
+  params = init_params(cfg, jax.random.key(0))
+  with pytest.raises(ConfigError, match=r"prompt 1 is empty: generation needs at least one"):
+    sample_batch(params, cfg, [PROMPT, []], jax.random.key(1), eos_id=-1)
+  with pytest.raises(ConfigError, match=r"sample_batch needs 1 to sample.max_batch=2 prompts, "
+                                        r"got 3"):
+    sample_batch(params, cfg, [PROMPT] * 3, jax.random.key(1), eos_id=-1)
+
+
+def test_parameters_sharded_over_a_mesh_sample_where_they_lie_as_on_one_device():
+  """fsdp over the 8 simulated devices, as training shards them: `sampling_params` leaves them
+  sharded, and the batch generates what the one-device parameters generate."""
+  from bdlm_jax.sample import sampling_params
+  from bdlm_jax.train import state_shardings
+  cfg = replace(_tiny("fast_dllm_v2"), parallel=dict(fsdp=8), train=dict(batch_size=8))
+  params = init_params(cfg, jax.random.key(0))
+  sharded = sampling_params(jax.device_put(params, state_shardings(cfg, make_mesh(cfg)).params))
+  assert any(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
+             for x in jax.tree.leaves(sharded))
+  prompts = [PROMPT, list(b"3*4=12 5+")]
+  for got, want in zip(*(sample_batch(p, cfg, prompts, jax.random.key(1), max_new_tokens=8,
+                                      eos_id=-1) for p in (sharded, params))):
+    np.testing.assert_array_equal(got, want)

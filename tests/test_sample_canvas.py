@@ -292,8 +292,7 @@ def test_bad_canvas_options_are_config_errors_naming_the_key(section, message):
 
 @pytest.mark.slow
 def test_sample_generates_canvases_deterministically_and_stops_after_eos():
-  """A Gemma 4-shaped model of ours with self-conditioning (its global layers' K/V need no
-  cache: canvases recompute the context, so sample.use_cache=true is no error); 6 tokens
+  """A Gemma 4-shaped model of ours with self-conditioning, sampled with the KV cache; 6 tokens
   are 2 whole canvases of 4, as transformers returns them. Stopping at a token it generates
   gives the same tokens up to and including its first occurrence, and so does a list of EOS
   ids (the IT checkpoint's kind) holding it and ids never generated, or sample.eos_ids."""
@@ -319,3 +318,45 @@ def test_sample_generates_canvases_deterministically_and_stops_after_eos():
   configured = replace(cfg, sample=dict(eos_ids=f"{never[0]},{eos}"))
   np.testing.assert_array_equal(sample(params, configured, prompt, jax.random.key(1),
                                        max_new_tokens=6), free[:first + 1])
+
+
+def _tiny_diffusion_gemma():
+  """A Gemma 4-shaped DiffusionGemma of ours with self-conditioning, canvases of 4."""
+  return replace(Config(), model={**dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
+                                         d_ff=64), **GEMMA4, "self_conditioning": True},
+                 data=dict(seq_len=32), objective=dict(name="diffusiongemma", block_size=4,
+                                                       loss_weight="unit"),
+                 sample=dict(denoising_steps=6))
+
+
+def test_a_canvas_over_the_cached_context_has_canvas_logits():
+  """The context (7 tokens) committed causally to the KV cache, local and global layers' K/V
+  in arrays of their own shapes; the canvas, self-conditioned, run over it: the logits of
+  `canvas_logits`, which recomputes the context."""
+  from bdlm_jax.loss import canvas_logits
+  from bdlm_jax.sample import _ar_extend, _cached_canvas_logits, _model_json, empty_cache
+  cfg = _tiny_diffusion_gemma()
+  params = init_params(cfg, jax.random.key(0))
+  rng = np.random.default_rng(6)
+  context, canvas = rng.integers(0, 250, (1, 7)), rng.integers(0, 250, 4)
+  given = jnp.asarray(rng.normal(size=(4, cfg.model.vocab_size)), jnp.float32)
+  cache, _ = _ar_extend(_model_json(cfg))(params, empty_cache(cfg.model, 1, 11), context,
+                                          np.ones_like(context), 0, 0)
+  run = jax.jit(lambda *args: _cached_canvas_logits(params, cfg, *args))
+  cached = run(cache, 7, canvas, given)
+  np.testing.assert_allclose(cached, canvas_logits(params, cfg, context, canvas[None],
+                                                   given[None])[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_canvases_over_the_kv_cache_equal_recomputing_the_context():
+  """Three canvases at the default temperatures (draws and re-noising) and near-greedy:
+  token for token, with the cache (the context committed once a canvas) and without."""
+  cfg = _tiny_diffusion_gemma()
+  params = init_params(cfg, jax.random.key(0))
+  for t_max in (0.8, 2e-4):
+    tried = replace(cfg, sample=dict(t_min=t_max / 2, t_max=t_max))
+    cached, full = (sample(params, tried, list(b"12+7="), jax.random.key(1), max_new_tokens=12,
+                           eos_id=-1, use_cache=use_cache) for use_cache in (True, False))
+    assert len(cached) == 12
+    np.testing.assert_array_equal(cached, full)

@@ -175,8 +175,38 @@ def test_packed_bd3lm_stream_equals_each_documents_concat_reference():
                                rtol=1e-5)
 
 
-def test_sampling_a_gdn_model_is_refused(gdn_model):
-  from bdlm_jax.sample import sample
+def test_a_denoising_step_over_the_cached_state_and_conv_tail_is_the_concat_reference(
+    gdn_model):
+  """The sampler commits a 2-token prompt after two padding slots (its state restarts, its
+  conv tail is zero before the prompt, which the block's conv reaches), then denoises a
+  partly masked block from the cache: the logits of the layers run on concat(prompt, block),
+  the padding tokens unseen."""
+  from bdlm_jax.sample import _model_json, _steps, empty_cache
   cfg, params, _ = gdn_model
-  with pytest.raises(ConfigError, match="does not run Gated DeltaNet"):
-    sample(params, cfg, np.array([1, 2, 3]), jax.random.PRNGKey(0), max_new_tokens=4)
+  clean = np.random.default_rng(5).integers(0, 30, (1, L))
+  block = np.where([True, False, True, False], 31, clean[:, B:])
+  fns, zero = _steps(_model_json(cfg)), np.zeros((1, 1), np.int32)
+  cache, _ = fns.commit(params, empty_cache(cfg.model, 1, L), clean[:, :B],
+                        np.asarray([[0, 0, 1, 1]], np.int32), 0, zero)
+  sampled = fns.denoise(params, cache, block, B, zero)
+  reference = ar_logits(params, cfg, np.concatenate([clean[:, 2:B], block], 1))[:, -B:]
+  np.testing.assert_allclose(sampled, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_sampling_a_gdn_hybrid_from_its_cache_equals_recomputing_the_context(gdn_model):
+  """Token for token, greedy and first-hitting at temperature 1, a hybrid (a GDN layer, then
+  attention) with prompts of 1 and 5 tokens in one batch: the cache (K/V, GDN state and conv
+  tail as of the last committed block) against use_cache=false."""
+  from bdlm_jax.sample import sample_batch
+  cfg = config(layer_pattern="gdn,global")
+  params = init_params(cfg, jax.random.PRNGKey(0))
+  prompts = [np.array([1, 2, 3, 4, 5]), np.array([7])]
+  for options in (dict(temperature=0.0), dict(strategy="first_hitting", steps_per_block=2,
+                                              temperature=1.0)):
+    cached, full = (sample_batch(params, cfg, prompts, jax.random.PRNGKey(1), max_new_tokens=8,
+                                 eos_id=-1, use_cache=use_cache, **options)
+                    for use_cache in (True, False))
+    for c, f in zip(cached, full):
+      assert len(c) == 8
+      np.testing.assert_array_equal(c, f)

@@ -113,6 +113,22 @@ def test_bad_gemma4_settings_are_refused(model, message):
     replace(_cfg(), model=model)
 
 
-def test_sampling_with_a_kv_cache_of_one_shape_is_refused():
-  with pytest.raises(ConfigError, match=r"set sample.use_cache=false"):
-    sample(None, _cfg(), np.array([1, 2, 3]), jax.random.key(0), use_cache=True)
+def test_the_sampling_cache_keeps_local_and_global_kv_in_arrays_of_their_own_shapes():
+  from bdlm_jax.sample import empty_cache
+  cache = empty_cache(_cfg().model, 2, 12)
+  assert {name: a.shape for name, a in cache.k.items()} == {
+      "local": (3, 2, 12, 2, 8), "global": (3, 2, 12, 1, 16)}
+
+
+@pytest.mark.slow
+def test_sampling_with_the_kv_cache_equals_recomputing_the_context():
+  """The cache keeps the local layers' K/V and the global layers' (other head dim and K/V
+  heads, keys serving as values) in arrays of their own shapes: greedy, token for token, as
+  use_cache=false (before, the cache was refused for such a model)."""
+  cfg = _cfg()
+  params = init_params(cfg, jax.random.key(0))
+  cached, full = (sample(params, cfg, np.array([1, 2, 3, 4, 5]), jax.random.key(1),
+                         max_new_tokens=8, eos_id=-1, temperature=0.0, use_cache=use_cache)
+                  for use_cache in (True, False))
+  assert len(cached) == 8
+  np.testing.assert_array_equal(cached, full)
