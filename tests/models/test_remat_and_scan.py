@@ -157,6 +157,16 @@ def test_scan_period_must_be_a_multiple_of_the_patterns_period():
                                  scan_period=3)).model.check()
 
 
+def test_patterns_of_coprime_lengths_repeat_at_their_lcm():
+  """Attention local,global and MLPs dense,moe,moe repeat every 6 layers, not every 3
+  (test_moe's scan-equals-loop test runs this pair)."""
+  layers = dict(layer_pattern="local,global", sliding_window=8, mlp_pattern="dense,moe,moe",
+                **MOE)
+  assert _cfg(n_layers=7, layers=layers).model.pattern_period == 6
+  with pytest.raises(ConfigError, match="model.scan_period=3 must be a multiple .* 6"):
+    _cfg(n_layers=7, layers=dict(layers, scan_period=3)).model.check()
+
+
 MOE = dict(moe_experts=4, moe_top_k=2, moe_aux_weight=0.01, moe_z_weight=0.01)
 
 
