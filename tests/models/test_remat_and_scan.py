@@ -6,6 +6,7 @@ import re
 import jax
 import numpy as np
 import pytest
+from jax._src import core
 from jax._src.ad_checkpoint import saved_residuals
 
 from bdlm_jax import ConfigError, init_params, loss_fn, make_batch, make_mesh
@@ -149,6 +150,20 @@ def test_offload_period_saves_only_each_steps_input():
   steps = [("f", (2, 2, rows, D)), *[("i", (2, 2, rows))] * 6]
   assert [s for s in saved if s[1][0] == 2 and s[1][1:2] == (2,)] == sorted(steps)
   assert not [s for s in saved if s[1][0] == cfg.model.n_layers]
+
+
+def test_an_offload_period_remainder_layer_saves_only_its_input_in_host_memory():
+  """5 layers scanned 4 a step: the step and the remainder layer, a step of its own, each
+  keep their input with its row metadata in host memory, nothing of their attention."""
+  cfg = _cfg("offload_period", n_layers=5, layers=dict(scan_period=4))
+  params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+  rows = 2 * L
+  layers = sorted((a.memory_space.name, a.dtype.kind, tuple(a.shape))
+                  for a, source in saved_residuals(_loss(cfg), params)
+                  if a.shape[:3] == (1, 2, rows) and not source.startswith("from the argument"))
+  host = core.MemorySpace.Host.name
+  step = [(host, "f", (1, 2, rows, D)), *[(host, "i", (1, 2, rows))] * 6]
+  assert layers == sorted(2 * step)
 
 
 def test_scan_period_must_be_a_multiple_of_the_patterns_period():
