@@ -32,7 +32,7 @@ def _loss(cfg, mesh=None):
 
 def _saved_per_layer(cfg, mesh=None):
   """(dtype kind, shape) of the residuals saved by the layer scan (layer axis in front)."""
-  params = init_params(cfg, jax.random.key(0), mesh)
+  params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), mesh))
   return sorted((a.dtype.kind, tuple(a.shape))
                 for a, source in saved_residuals(_loss(cfg, mesh), params)
                 if a.shape[:1] == (cfg.model.n_layers,) and a.ndim >= 3
@@ -142,7 +142,7 @@ def test_offload_period_saves_only_each_steps_input():
   """remat=offload_period, 2 layers a scan step: the 2 steps' inputs with their row metadata
   are all the layers keep ([steps, ...]); nothing a layer deep ([layers, ...])."""
   cfg = replace(_cfg("offload_period"), model=dict(scan_period=2))
-  params = init_params(cfg, jax.random.key(0))
+  params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
   saved = sorted((a.dtype.kind, tuple(a.shape))
                  for a, source in saved_residuals(_loss(cfg), params)
                  if a.ndim >= 3 and not source.startswith("from the argument"))
