@@ -217,3 +217,15 @@ def test_offload_period_keeps_a_steps_input_and_reruns_the_linear_layers_once_mo
   linear = work.plan.rows_per_rank * linear_flops_per_row(m) / (hw.matmul_tflops * 1e12)
   assert t_step["attention_s"] == t_in["attention_s"]
   assert t_step["linear_s"] - t_in["linear_s"] == pytest.approx(linear)
+
+
+def test_offload_period_host_bytes_of_a_hybrid_are_what_remat_puts_in_host_memory():
+  """Gated DeltaNet and global layers, 2 a scan step: each step's input (D floats and its row
+  metadata) goes to the host once, for both its layers, out in the forward and back in the
+  backward; the cost model counts the same bytes for either layer kind."""
+  cfg = replace(_cfg(), model=dict(n_layers=4, layer_pattern="gdn,global",
+                                   remat="offload_period"))
+  host = sum(a.size * a.dtype.itemsize for a in _host_residuals(cfg))
+  assert host == 2 * 2 * L * (D * 4 + 6 * 4)  # 2 scan steps x 2L rows x (input, 6 int32)
+  work, hw = plan_work("none", L, B, 1), setting.Hardware(nodes=1, gpus_per_node=1)
+  assert timing.step_time(cfg.model, work, hw, F32)["host_bytes_per_step"] == 2 * host

@@ -1,5 +1,6 @@
 """Checkpointer: round trips onto the mesh, retention, config checks and crash recovery."""
 
+import json
 import os
 import subprocess
 import sys
@@ -11,10 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from bdlm_jax.checkpoint import CheckpointError, Checkpointer
-from bdlm_jax.checkpoint.manager import MANIFEST, TMP_SUFFIX, trajectory_changes, workdir_path
+from bdlm_jax.checkpoint.manager import (MANIFEST, TMP_SUFFIX, DamagedCheckpoint,
+                                         trajectory_changes, verify_manifest, workdir_path)
 from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
 from bdlm_jax.errors import ConfigError
@@ -354,6 +357,32 @@ def test_a_step_damaged_at_the_same_size_is_set_aside_naming_both_steps(tmp_path
   [line] = [str(w.message) for w in warned]
   assert line.startswith(f"checkpoint {step2} is unusable (DamagedCheckpoint: state/"), line
   assert f"moved to {step2}.corrupt; restored {tmp_path / 'ckpt' / '1'} instead" in line, line
+
+
+def test_each_file_of_a_step_damaged_at_the_same_size_is_named(tmp_path):
+  """Every file the step holds is in its manifest and checked: the metadata, the OCDBT
+  manifests and data files, the first and the last entries alike. One byte flipped in any of
+  them raises DamagedCheckpoint naming that file; restored, the step verifies again."""
+  save_steps(tmp_path, [1])
+  step1 = tmp_path / "ckpt" / "1"
+  listed = json.loads((step1 / MANIFEST).read_text())["files"]
+  on_disk = {str(f.relative_to(step1)) for f in step1.rglob("*") if f.is_file()}
+  assert set(listed) == on_disk - {MANIFEST}
+  assert {"_CHECKPOINT_METADATA", "state/_METADATA",
+          "state/ocdbt.process_0/manifest.ocdbt"} <= set(listed)
+  for name in listed:
+    path = step1 / name
+    with open(path, "r+b") as f:
+      f.seek(os.path.getsize(path) // 2)
+      byte = f.read(1)
+      f.seek(-1, os.SEEK_CUR)
+      f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(DamagedCheckpoint, match=f"^{name} differs from what was saved"):
+      verify_manifest(epath.Path(step1))
+    with open(path, "r+b") as f:
+      f.seek(os.path.getsize(path) // 2)
+      f.write(byte)
+  assert verify_manifest(epath.Path(step1))
 
 
 def test_a_step_without_a_manifest_restores_unverified_with_a_warning(tmp_path):

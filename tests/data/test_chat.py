@@ -312,6 +312,20 @@ def test_a_prompt_longer_than_the_row_keeps_the_response_start_and_is_counted(tm
                                prompt_tokens_cut=len(prompt) - kept, response_tokens_cut=0)
 
 
+def test_a_response_only_cut_is_counted(tmp_path):
+  """A short prompt whose response outruns the row: the prompt is whole, the response keeps
+  the row's rest; the example counts as truncated, beside an uncut one."""
+  long = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "y" * 300}]
+  data = make_dataset(_chat_cfg(_write(tmp_path, [long, CONVERSATIONS[0]]), pack=False),
+                      batch_size=2, seed=0, vocab_size=260, block_size=B)
+  batch = next(data)
+  prompt = len("User: hi\nAssistant: ")  # 20 tokens, 5 whole blocks
+  counts = Truncations()
+  counts.add(batch)
+  assert counts.take() == dict(examples=2, truncated_examples=1, prompt_tokens_cut=0,
+                               response_tokens_cut=300 + 1 - (L - prompt))
+
+
 def test_a_response_longer_than_half_the_row_keeps_half_and_the_prompt_s_end():
   prompt, response = np.arange(1, 101, dtype=np.int32), np.arange(101, 301, dtype=np.int32)
   ex = align(0, B, L, turns(prompt, response))

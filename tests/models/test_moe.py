@@ -320,17 +320,18 @@ def assert_scan_equals_layer_loop(cfg, params):
 
 @pytest.mark.slow
 def test_mixed_dense_and_moe_layers_scan_like_a_loop_over_the_layers():
-  """Qwen3-MoE's decoder_sparse_step 2 over 5 layers, with local/global attention: the
-  scanned periods and the remainder take each layer's weights from its own stack (MoE layers
-  in `layers`, dense ones in `dense_layers`), as a plain loop over the layers does; router
-  statistics come from the MoE layers only."""
-  cfg = replace(_cfg("none"), model=MIXED)
+  """MLPs dense,moe,moe under local,global attention over 7 layers: the patterns repeat
+  every 6 layers (their lcm, not the longer one's 3); the scanned period and the remainder
+  take each layer's weights from its own stack (MoE layers in `layers`, dense ones in
+  `dense_layers`), as a plain loop over the layers does; router statistics come from the MoE
+  layers only."""
+  cfg = replace(_cfg("none"), model=dict(MIXED, n_layers=7, mlp_pattern="dense,moe,moe"))
   params = init_params(cfg, jax.random.key(0))
-  assert params["layers"]["mlp"]["gate_proj"].shape[:2] == (2, E)
+  assert params["layers"]["mlp"]["gate_proj"].shape[:2] == (4, E)
   assert params["dense_layers"]["mlp"]["gate_proj"]["kernel"].shape[0] == 3
   inputs, stats = assert_scan_equals_layer_loop(cfg, params)
   rows = inputs.size
-  assert stats["tokens"].tolist() == [0, rows, 0, rows, 0]
+  assert stats["tokens"].tolist() == [0, rows, rows, 0, rows, rows, 0]
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import re
 import jax
 import numpy as np
 import pytest
+from jax._src import core
 from jax._src.ad_checkpoint import saved_residuals
 
 from bdlm_jax import ConfigError, init_params, loss_fn, make_batch, make_mesh
@@ -31,7 +32,7 @@ def _loss(cfg, mesh=None):
 
 def _saved_per_layer(cfg, mesh=None):
   """(dtype kind, shape) of the residuals saved by the layer scan (layer axis in front)."""
-  params = init_params(cfg, jax.random.key(0), mesh)
+  params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), mesh))
   return sorted((a.dtype.kind, tuple(a.shape))
                 for a, source in saved_residuals(_loss(cfg, mesh), params)
                 if a.shape[:1] == (cfg.model.n_layers,) and a.ndim >= 3
@@ -141,7 +142,7 @@ def test_offload_period_saves_only_each_steps_input():
   """remat=offload_period, 2 layers a scan step: the 2 steps' inputs with their row metadata
   are all the layers keep ([steps, ...]); nothing a layer deep ([layers, ...])."""
   cfg = replace(_cfg("offload_period"), model=dict(scan_period=2))
-  params = init_params(cfg, jax.random.key(0))
+  params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
   saved = sorted((a.dtype.kind, tuple(a.shape))
                  for a, source in saved_residuals(_loss(cfg), params)
                  if a.ndim >= 3 and not source.startswith("from the argument"))
@@ -151,10 +152,34 @@ def test_offload_period_saves_only_each_steps_input():
   assert not [s for s in saved if s[1][0] == cfg.model.n_layers]
 
 
+def test_an_offload_period_remainder_layer_saves_only_its_input_in_host_memory():
+  """5 layers scanned 4 a step: the step and the remainder layer, a step of its own, each
+  keep their input with its row metadata in host memory, nothing of their attention."""
+  cfg = _cfg("offload_period", n_layers=5, layers=dict(scan_period=4))
+  params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+  rows = 2 * L
+  layers = sorted((a.memory_space.name, a.dtype.kind, tuple(a.shape))
+                  for a, source in saved_residuals(_loss(cfg), params)
+                  if a.shape[:3] == (1, 2, rows) and not source.startswith("from the argument"))
+  host = core.MemorySpace.Host.name
+  step = [(host, "f", (1, 2, rows, D)), *[(host, "i", (1, 2, rows))] * 6]
+  assert layers == sorted(2 * step)
+
+
 def test_scan_period_must_be_a_multiple_of_the_patterns_period():
   with pytest.raises(ConfigError, match="model.scan_period=3 must be a multiple .* 2"):
     _cfg(n_layers=6, layers=dict(layer_pattern="local,global", sliding_window=8,
                                  scan_period=3)).model.check()
+
+
+def test_patterns_of_coprime_lengths_repeat_at_their_lcm():
+  """Attention local,global and MLPs dense,moe,moe repeat every 6 layers, not every 3
+  (test_moe's scan-equals-loop test runs this pair)."""
+  layers = dict(layer_pattern="local,global", sliding_window=8, mlp_pattern="dense,moe,moe",
+                **MOE)
+  assert _cfg(n_layers=7, layers=layers).model.pattern_period == 6
+  with pytest.raises(ConfigError, match="model.scan_period=3 must be a multiple .* 6"):
+    _cfg(n_layers=7, layers=dict(layers, scan_period=3)).model.check()
 
 
 MOE = dict(moe_experts=4, moe_top_k=2, moe_aux_weight=0.01, moe_z_weight=0.01)

@@ -12,9 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bdlm_jax import ConfigError, ar_logits, canvas_logits, loss_fn, make_batch, make_mesh
+from bdlm_jax import (ConfigError, ar_logits, canvas_logits, init_params, loss_fn, make_batch,
+                      make_mesh)
 from bdlm_jax.configure import replace
 from bdlm_jax.kernels.mask import NOISY
+from bdlm_jax.models.transformer import Transformer
 from bdlm_jax.objectives import diffusiongemma
 from bdlm_jax.params import split_frozen
 from bdlm_jax.spec import resolve
@@ -182,6 +184,33 @@ def test_times_are_antithetic_over_response_blocks_only():
   n = response.sum()
   assert n < response.size
   np.testing.assert_allclose(np.sort((t - t[0]) % 1.0), np.arange(n) / n, atol=1e-5)
+
+
+def test_a_conversation_drawn_unconditioned_gets_a_zero_soft_embedding(monkeypatch):
+  """One small layer, one device, one row of two conversations drawn apart: the second pass
+  conditions the first conversation's canvas rows on a soft embedding and gives the second's
+  zeros, as the first pass gives every row (the fast tier's check of what the slow
+  canvas-by-canvas references cover)."""
+  cfg = replace(test_strategies._cfg("none", B), model=dict(n_layers=1, self_conditioning=True),
+                data=dict(seq_len=L), train=dict(batch_size=1),
+                objective=dict(name=diffusiongemma.NAME, self_condition_p=0.5,
+                               loss_weight="unit"))
+  tokens, seg, protected = (x[:1] for x in _packed_batch())
+  seg[0, :22], seg[0, 22:] = 1, 2
+  batch = make_batch(cfg, tokens, seg, protected)
+  key = jax.random.key(1)  # draws the first conversation conditioned, not the second
+  conditioned = _draws(cfg, batch, key)[1][0]
+  np.testing.assert_array_equal(conditioned, np.arange(L) < 22)  # one draw a conversation
+  softs = []
+  condition = Transformer.self_condition
+  def recorded(model, x_BRD, soft_BRD):
+    jax.debug.callback(lambda soft: softs.append(np.asarray(soft)), soft_BRD)
+    return condition(model, x_BRD, soft_BRD)
+  monkeypatch.setattr(Transformer, "self_condition", recorded)
+  jax.jit(lambda p, b: loss_fn(p, b, key, cfg))(init_params(cfg, jax.random.key(0)), batch)
+  first, second = softs
+  assert not first.any()
+  assert second[0, :22].any(axis=-1).all() and not second[0, 22:].any()
 
 
 @pytest.mark.slow

@@ -9,10 +9,11 @@ single-device packed rows equal each document's own run (tests/models/test_gdn.p
 
 import functools
 
+import jax
 import numpy as np
 import pytest
 
-from bdlm_jax import make_mesh
+from bdlm_jax import init_params, loss_fn, make_batch, make_mesh
 from bdlm_jax.config import Config
 from bdlm_jax.configure import replace
 from bdlm_jax.errors import ConfigError
@@ -69,6 +70,9 @@ def _reference(seq_len, block_size, objective="bd3lm"):
 
 # Beyond N = 2P, for time: greedy blocks where csbp and cp fetch copies, and cp's N = P.
 FURTHER_CASES = {"P<N<2P": ("cp_ring", "csbp_ring"), "seq8": ("cp_ring",)}
+# csbp_ring at N = 2P runs in test_gdn_hybrid_under_offload_period_equals_single_device (the
+# same layout and batch; remat none on csbp_ring: its P<N<2P case).
+ELSEWHERE = {("csbp_ring", "N=2P")}
 
 
 def _laid_out(strategy, case):
@@ -91,7 +95,7 @@ def _one_per_layout():
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, case", [
     (s, c) for s in _one_per_layout() for c in CASES
-    if _laid_out(s, c) and (c == "N=2P" or s in FURTHER_CASES[c])])
+    if _laid_out(s, c) and (c == "N=2P" or s in FURTHER_CASES[c]) and (s, c) not in ELSEWHERE])
 def test_gdn_hybrid_loss_and_grads_equal_single_device(strategy, case):
   seq_len, block_size, seq = CASES[case]
   try:  # cp's zigzag of the whole stream needs L / P rows to be whole blocks
@@ -156,3 +160,21 @@ def test_the_lowered_step_does_not_grow_with_the_stream(strategy):
     cfg = _cfg(strategy, seq_len, 4, 4)
     return lower_train_step(cfg, make_mesh(cfg)).as_text().count("\n")
   assert lines(512) == lines(128)  # 32 and 128 steps a stream
+
+
+def _gdn_layer_loss(strategy, seq):
+  """The loss alone (no backward, for time) of one Gated DeltaNet layer on `packed_segments`
+  rows of 32 tokens in blocks of 4."""
+  cfg = replace(_cfg(strategy, 32, 4, seq), model=dict(n_layers=1, layer_pattern="gdn"))
+  mesh = make_mesh(cfg) if seq > 1 else None
+  batch = make_batch(cfg, np.random.default_rng(0).integers(0, 60, (2, 32)), packed_segments(32))
+  params = init_params(cfg, jax.random.key(3), mesh)
+  return float(jax.jit(lambda p, b: loss_fn(p, b, jax.random.key(7), cfg, mesh)[0])(params, batch))
+
+
+def test_conv_tails_from_another_rank_carry_their_document_ids():
+  """cp_ring on 4 ranks, clean chunks of 8 rows: row 0's document starting at 8, a rank's
+  first clean row, reads nothing of the tail gathered from the rank before it, and row 1's
+  document, running on across ranks, reads its tail (the fast tier's check of what the
+  slow loss-and-gradient cases above cover)."""
+  assert _gdn_layer_loss("cp_ring", 4) == pytest.approx(_gdn_layer_loss("none", 1), rel=1e-5)

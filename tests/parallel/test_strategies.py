@@ -115,9 +115,10 @@ def test_offload_period_reruns_a_ring_step_exactly():
   _assert_matches_reference(cfg, make_mesh(cfg))
 
 
+# (csbp_ring at N = 2P: test_offload_period_reruns_a_ring_step_exactly, the same layout.)
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["N=P", "N=2P", "P<N<2P"])
-@pytest.mark.parametrize("strategy", ["bp", "csbp_ring"])
+@pytest.mark.parametrize("strategy, case", [("bp", "N=P"), ("bp", "N=2P"), ("bp", "P<N<2P"),
+                                            ("csbp_ring", "N=P"), ("csbp_ring", "P<N<2P")])
 def test_block_counts_around_the_rank_count(strategy, case):
   cfg = _cfg(strategy, BLOCKS[case], seq=8)
   _assert_matches_reference(cfg, make_mesh(cfg))
