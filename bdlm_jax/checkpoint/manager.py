@@ -452,13 +452,14 @@ def _check_compatible(saved: dict, cfg: Config, tokenizer: str | None, where: st
            ("drafter", "target")]  # a drafter's checkpoint holds its target's frozen weights
   if not _clean_stream_only(saved, now):  # an ar model has no blocks
     keys.append(("objective", "block_size"))
-  missing = "<missing>"
-  diffs = [_change(f"{a}.{b}", saved.get(a, {}).get(b, missing), now[a][b], names)
-           for a, b in keys if saved.get(a, {}).get(b, missing) != now[a][b]]
-  was = saved.get(TOKENIZER_KEY)  # absent from checkpoints that predate it
-  if was and tokenizer and was != tokenizer:
-    diffs.append(f"data.tokenizer={saved['data']['tokenizer']!r} (vocabulary {was}), current "
-                 f"config has {cfg.data.tokenizer!r} (vocabulary {tokenizer})")
+  default = Config().to_dict()  # a key newer than the checkpoint had its default there
+  was = lambda a, b: saved.get(a, {}).get(b, default[a][b])
+  diffs = [_change(f"{a}.{b}", was(a, b), now[a][b], names)
+           for a, b in keys if was(a, b) != now[a][b]]
+  vocabulary = saved.get(TOKENIZER_KEY)  # absent from checkpoints that predate it
+  if vocabulary and tokenizer and vocabulary != tokenizer:
+    diffs.append(f"data.tokenizer={saved['data']['tokenizer']!r} (vocabulary {vocabulary}), "
+                 f"current config has {cfg.data.tokenizer!r} (vocabulary {tokenizer})")
   if diffs:
     also = [c for c in trajectory_changes(saved, cfg, names) if c not in diffs]
     raise ConfigError(

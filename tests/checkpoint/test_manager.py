@@ -439,3 +439,17 @@ def test_what_the_parameters_depend_on_is_named_at_once_and_ar_has_no_blocks():
   with pytest.raises(ConfigError, match="drafter.target='runs/other_target', current config has "
                                         "''"):
     _check_compatible(drafter, saved, None, "w")
+
+
+def test_a_checkpoint_older_than_a_model_key_restores_where_the_key_is_its_default(tmp_path):
+  """A key added after a checkpoint was written (model.rope_scaling, model.qkv_bias) had its
+  default there: a config at that default restores it; another value is refused, naming the
+  default as what the checkpoint holds. (Before: every such checkpoint was refused, its key
+  '<missing>'.)"""
+  from bdlm_jax.checkpoint.manager import _check_compatible
+  cfg = Config()
+  saved = cfg.to_dict()
+  del saved["model"]["qkv_bias"]
+  _check_compatible(saved, cfg, None, "w")
+  with pytest.raises(ConfigError, match="model.qkv_bias=False, current config has True"):
+    _check_compatible(saved, replace(cfg, model=dict(qkv_bias=True)), None, "w")
