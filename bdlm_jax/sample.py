@@ -791,6 +791,18 @@ def _sample_ar(params, cfg: Config, prompt_T, key, max_new_tokens: int, temperat
   return np.asarray(tokens[prompt_T.size:], np.int32)
 
 
+def given_prompt(cfg: Config) -> str:
+  """mode=sample's prompt: `sample.prompt`, or the text of `sample.prompt_file`."""
+  o = cfg.sample
+  if bool(o.prompt) == bool(o.prompt_file):
+    raise ConfigError("mode=sample needs exactly one of sample.prompt or sample.prompt_file, "
+                      "e.g. --set sample.prompt='12+7='")
+  if not o.prompt_file:
+    return o.prompt
+  with open(o.prompt_file, encoding="utf-8") as f:
+    return f.read()
+
+
 def checked_tokenizer(cfg: Config):
   """`data.tokenizer`, checked against the model's vocabulary and [MASK] id (none for `ar`)."""
   from bdlm_jax.data.pipeline import check_tokenizer  # the data package imports grain
@@ -809,14 +821,7 @@ def sample_checkpoint(cfg: Config, workdir: str) -> tuple[int, str, str, SampleS
   from bdlm_jax.data.sources import DataError
   from bdlm_jax.parallel.mesh import make_mesh
   o = cfg.sample
-  if bool(o.prompt) == bool(o.prompt_file):
-    raise ConfigError("mode=sample needs exactly one of sample.prompt or sample.prompt_file, "
-                      "e.g. --set sample.prompt='12+7='")
-  if o.prompt_file:
-    with open(o.prompt_file, encoding="utf-8") as f:
-      prompt = f.read()
-  else:
-    prompt = o.prompt
+  prompt = given_prompt(cfg)
   tokenizer = checked_tokenizer(cfg)
   shown = prompt_text(prompt, make_template(cfg.data)) if cfg.data.format == "chat" else prompt
   try:

@@ -148,16 +148,11 @@ def sample_checkpoint(cfg: Config, workdir: str) -> tuple[int, str, str, Decoded
   `sample.checkpoint_step` of `workdir` and its target, greedy, up to the first EOS."""
   from bdlm_jax.checkpoint import restore_state
   from bdlm_jax.parallel.mesh import make_mesh, to_host
-  from bdlm_jax.sample import checked_tokenizer, stop_ids
+  from bdlm_jax.sample import checked_tokenizer, given_prompt, stop_ids
   o = cfg.sample
-  if bool(o.prompt) == bool(o.prompt_file) or o.temperature:
-    raise ConfigError("mode=sample with a drafter decodes greedily (sample.temperature=0) "
-                      "from exactly one of sample.prompt or sample.prompt_file")
-  if o.prompt_file:
-    with open(o.prompt_file, encoding="utf-8") as f:
-      prompt = f.read()
-  else:
-    prompt = o.prompt
+  if o.temperature:
+    raise ConfigError("mode=sample with a drafter decodes greedily: set sample.temperature=0")
+  prompt = given_prompt(cfg)
   tokenizer = checked_tokenizer(cfg)
   step, state = restore_state(cfg, workdir, make_mesh(cfg), o.checkpoint_step)
   params = jax.tree.map(to_host, state.params)

@@ -25,22 +25,27 @@ def _recipe(name: str) -> dict:
   return recipe
 
 
-@pytest.mark.parametrize("config, recipe_file", PAIRS.items())
-def test_recipe_config_trains_as_the_seeds_recipe(config, recipe_file):
-  cfg, recipe = load_config(str(CONFIGS / config)), _recipe(recipe_file)
-  opt, sched, train, obj = (recipe[k] for k in ("optimizer", "scheduler", "training",
-                                                "objective"))
-  t = cfg.train
+def assert_the_seeds_optimizer(cfg, recipe: dict) -> None:
+  """AdamW's settings and the run's seed, as the recipe file gives them."""
+  t, opt = cfg.train, recipe["optimizer"]
   assert (t.lr, t.b1, t.b2, t.eps, t.weight_decay, t.grad_clip) == pytest.approx(
       (opt["lr"], opt["adam_beta1"], opt["adam_beta2"], opt["adam_eps"], opt["weight_decay"],
        opt["gradient_clip_norm"]))
+  assert cfg.seed == recipe["launch"]["seed"]
+
+
+@pytest.mark.parametrize("config, recipe_file", PAIRS.items())
+def test_recipe_config_trains_as_the_seeds_recipe(config, recipe_file):
+  cfg, recipe = load_config(str(CONFIGS / config)), _recipe(recipe_file)
+  sched, train, obj = (recipe[k] for k in ("scheduler", "training", "objective"))
+  t = cfg.train
+  assert_the_seeds_optimizer(cfg, recipe)
   # One parameter group (every weight decayed); the seed's warm-up-then-cosine schedule
   assert t.decay_vectors and sched["type"] == "cosine" and t.schedule == "seed_cosine"
   assert (t.warmup_steps, t.steps, t.lr * t.min_lr_ratio) == pytest.approx(
       (sched["warmup_steps"], sched["decay_steps"], sched["min_lr"]))
   assert (t.batch_size, t.steps, t.grad_accum) == (
       train["batch_size"], train["steps"], train["gradient_accumulation_steps"])
-  assert cfg.seed == recipe["launch"]["seed"]
   assert cfg.data.seq_len == recipe["model"]["seq_len"]
   o = cfg.objective
   assert (o.block_size, o.loss_weight) == (obj["block_size"], obj["loss_weighting"])
@@ -64,16 +69,12 @@ DFLASH2_PAIRS = {"dflash2_muse_1m.py": "dflash2-muse-glimmer-30b-1m.yaml",
 @pytest.mark.parametrize("config, recipe_file", DFLASH2_PAIRS.items())
 def test_dflash2_config_trains_as_the_seeds_recipe(config, recipe_file):
   cfg, recipe = load_config(str(CONFIGS / config)), _recipe(recipe_file)
-  opt, train, obj, topo = (recipe[k] for k in ("optimizer", "training", "objective",
-                                               "topology"))
+  train, obj, topo = (recipe[k] for k in ("training", "objective", "topology"))
   t = cfg.train
-  assert (t.lr, t.b1, t.b2, t.eps, t.weight_decay, t.grad_clip) == pytest.approx(
-      (opt["lr"], opt["adam_beta1"], opt["adam_beta2"], opt["adam_eps"], opt["weight_decay"],
-       opt["gradient_clip_norm"]))
+  assert_the_seeds_optimizer(cfg, recipe)
   # One parameter group; the seed's default schedule is constant with no warm-up
   assert "scheduler" not in recipe and run_spec.SchedulerRunSpec().type == "constant"
   assert t.decay_vectors and (t.warmup_steps, t.min_lr_ratio) == (0, 1.0)
-  assert cfg.seed == recipe["launch"]["seed"]
   # CP and BP share one axis of max(CP, BP); the rest of the 8 GPUs are data-parallel, each
   # group one sequence of micro batch x accumulation
   ring = max(topo["context_parallel_size"], topo["block_parallel_size"])

@@ -23,7 +23,7 @@ import numpy as np
 import safetensors.numpy
 
 from bdlm_jax.checkpoint.hf_names import get_path, set_path
-from bdlm_jax.checkpoint.out_dir import check_out_dir, write_json
+from bdlm_jax.checkpoint.out_dir import check_out_dir, make_out_dir, save_tensors, write_json
 from bdlm_jax.config import Config
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.models.drafter import TRAINED, drafter_model, target_layer_ids
@@ -146,12 +146,9 @@ def export_drafter(params, cfg: Config, out_dir: str, step: int, source: str = "
     tensors[t.name] = np.ascontiguousarray(np.swapaxes(x, -1, -2) if t.transposed else x)
   if jax.process_index() != 0:
     return
-  try:
-    os.makedirs(out_dir, exist_ok=True)
-  except OSError as e:
-    raise ConfigError(f"export.out_dir={out_dir!r} cannot be created: {e}") from e
+  make_out_dir(out_dir)
   weights = os.path.join(out_dir, WEIGHTS_FILE)
-  safetensors.numpy.save_file(tensors, weights)
+  save_tensors(tensors, weights)
   write_json(os.path.join(out_dir, CONFIG_FILE), served_config(cfg))
   write_json(os.path.join(out_dir, PROVENANCE_FILE), dict(
       format=PROVENANCE_FORMAT, verifier_id=cfg.drafter.target, checkpoint=source,

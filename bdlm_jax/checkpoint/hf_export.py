@@ -17,14 +17,12 @@ import warnings
 
 import jax
 import numpy as np
-import safetensors
-import safetensors.numpy
 
 from bdlm_jax.checkpoint.hf_gemma4 import text_config
 from bdlm_jax.checkpoint.hf_import import INDEX_FILE, read_generation_config, read_hf_config
 from bdlm_jax.checkpoint.hf_names import get_path, hf_config, hf_model_type, tensor_map
-from bdlm_jax.checkpoint.manager import cause, restore_state
-from bdlm_jax.checkpoint.out_dir import check_out_dir, write_json
+from bdlm_jax.checkpoint.manager import restore_state
+from bdlm_jax.checkpoint.out_dir import check_out_dir, make_out_dir, save_tensors, write_json
 from bdlm_jax.config import Config
 from bdlm_jax.errors import ConfigError
 from bdlm_jax.objectives import get_objective
@@ -78,10 +76,7 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
     vision, tensors = _with_vision_tower(source, tensors)
   if jax.process_index() != 0:
     return
-  try:
-    os.makedirs(out_dir, exist_ok=True)
-  except OSError as e:
-    raise ConfigError(f"export.out_dir={out_dir!r} cannot be created: {e}") from e
+  make_out_dir(out_dir)
   for stale in (f for f in os.listdir(out_dir) if _OUR_FILES.match(f)):
     os.remove(os.path.join(out_dir, stale))  # shards of an earlier export, as save_pretrained
   shards = _split(tensors, max_shard_bytes)
@@ -90,10 +85,7 @@ def export_hf(params, cfg: Config, out_dir: str, max_shard_bytes: int = MAX_SHAR
   mode = _new_file_mode()
   for file, shard in zip(names, shards):
     path = os.path.join(out_dir, file)
-    try:
-      safetensors.numpy.save_file(shard, path, metadata={"format": "pt"})
-    except safetensors.SafetensorError as e:  # a full disk, a file size limit: one line
-      raise OSError(f"writing {path} failed: {cause(e)}") from None
+    save_tensors(shard, path, metadata={"format": "pt"})
     os.chmod(path, mode)  # safetensors renames a private (0600) temporary file into place
   if len(shards) > 1:
     write_json(os.path.join(out_dir, INDEX_FILE), {

@@ -1,8 +1,12 @@
-"""The folder an export writes into, and its JSON files, whichever model it exports."""
+"""The folder an export writes into, and its files, whichever model it exports."""
 
 import json
 import os
 
+import safetensors
+import safetensors.numpy
+
+from bdlm_jax.checkpoint.manager import cause
 from bdlm_jax.errors import ConfigError
 
 
@@ -24,3 +28,18 @@ def write_json(file: str, obj: dict) -> None:
   with open(file, "w") as f:
     json.dump(obj, f, indent=2, sort_keys=True)
     f.write("\n")
+
+
+def make_out_dir(out_dir: str) -> None:
+  try:
+    os.makedirs(out_dir, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(f"export.out_dir={out_dir!r} cannot be created: {e}") from e
+
+
+def save_tensors(tensors: dict, path: str, metadata: dict | None = None) -> None:
+  """safetensors' save_file, failing in one line (a full disk, a file size limit)."""
+  try:
+    safetensors.numpy.save_file(tensors, path, metadata=metadata)
+  except safetensors.SafetensorError as e:
+    raise OSError(f"writing {path} failed: {cause(e)}") from None
