@@ -57,6 +57,12 @@ ELSEWHERE = {
     "python experiments/conversion_forms.py": "trains 9 models (~40 minutes): the loop, export "
                                               "and eval that other tests test; the forms' "
                                               "losses: tests/objectives/test_seed_fast_dllm_v2.py",
+    "pip install -r requirements-eval.txt": ".ci/run",
+    "python tests/harness_tasks/make.py": "tests/test_harness.py writes the local tasks alike",
+    "python -m bdlm_jax.harness": "tests/test_harness.py runs lm-eval's command line offline on "
+                                  "the local tasks (the standard tasks' data is not here)",
+    "HF_ALLOW_CODE_EVAL=1 python -m bdlm_jax.harness": "HumanEval's data and code_eval are not "
+                                                       "here",
 }
 
 

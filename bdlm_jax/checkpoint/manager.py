@@ -25,7 +25,6 @@ import base64
 import json
 import logging
 import os
-import re
 import sys
 import time
 import uuid
@@ -38,7 +37,7 @@ from etils import epath
 
 from bdlm_jax.checksums import sha256
 from bdlm_jax.config import Config
-from bdlm_jax.errors import ConfigError
+from bdlm_jax.errors import ConfigError, cause, first_line
 from bdlm_jax.objectives import get_objective
 
 COMMIT_MARKER = "commit_success.txt"  # Orbax writes it into a step before the final rename.
@@ -212,7 +211,7 @@ class Checkpointer:
       except Exception as e:  # pylint: disable=broad-except
         if step is not None:
           raise CheckpointError(f"cannot restore checkpoint {self.step_dir(s)}: "
-                                f"{_short(e)}") from e
+                                f"{first_line(e)}") from e
         failures.append((s, e))
         continue
       if not verified:
@@ -227,7 +226,7 @@ class Checkpointer:
     raise CheckpointError(
         f"no checkpoint in {self.workdir} restores (if all fail alike, check the abstract "
         f"state and mesh):\n" +
-        "\n".join(f"  {self.step_dir(s)}: {_short(e)}" for s, e in failures))
+        "\n".join(f"  {self.step_dir(s)}: {first_line(e)}" for s, e in failures))
 
   def remove_unfinished_saves(self) -> None:
     """Deletes the `<step>.orbax-checkpoint-tmp` folders of saves a killed run left unfinished.
@@ -316,7 +315,7 @@ class Checkpointer:
         dst = src.parent / f"{src.name}.corrupt"
         if dst.exists():
           dst = dst.parent / f"{dst.name}-{time.time_ns()}"
-        why = f" ({_short(e)})" if e is not None else " (no commit marker)"
+        why = f" ({first_line(e)})" if e is not None else " (no commit marker)"
         try:
           src.rename(dst)
           warnings.warn(f"checkpoint {src} is unusable{why}: moved to {dst}; {then}")
@@ -379,14 +378,6 @@ class _OrbaxErrors(logging.Filter):
     if self.first is None:
       self.first = record.getMessage()
     return False
-
-
-def cause(e: Exception) -> str:
-  """What a failed write says in words: TensorStore's `[os_error_code='27']` (safetensors'
-  `os error 27`) is "File too large", 28 "No space left on device"; else the first line of
-  the error."""
-  code = re.search(r"os[_ ]error(?:_code=)?'? ?(\d+)", str(e))
-  return os.strerror(int(code.group(1))) if code else _short(e)
 
 
 def _quiet_late_reads() -> None:
@@ -534,11 +525,3 @@ def _decode_data_state(item: dict) -> Any:
   if item["kind"] == "bytes":
     return base64.b64decode(item["value"])
   return item["value"]
-
-
-def _short(e: Exception, limit: int = 300) -> str:
-  """One line: an error's first line, cut at `limit` characters (TensorStore's go on with
-  the whole spec of the array they read)."""
-  first = (str(e).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
-  text = f"{type(e).__name__}: {first}"
-  return text if len(text) <= limit else text[:limit] + "..."

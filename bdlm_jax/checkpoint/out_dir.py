@@ -6,8 +6,7 @@ import os
 import safetensors
 import safetensors.numpy
 
-from bdlm_jax.checkpoint.manager import cause
-from bdlm_jax.errors import ConfigError
+from bdlm_jax.errors import ConfigError, cause
 
 
 def check_out_dir(out_dir: str, overwrite: bool) -> None:
