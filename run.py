@@ -118,7 +118,7 @@ def first_stage(cfg, workdir: str) -> None:
   from bdlm_jax.loop import exported_step, pretrain_dir
   from bdlm_jax.metrics import evaluated_at
   folder = pretrain_dir(workdir)
-  step = exported_step(os.path.join(folder, "hf"))
+  step = exported_step(os.path.join(folder, "hf"), verified=False)  # for its figures: no rehash
   row = evaluated_at(folder, step) if step is not None else None
   figures = (describe(row, cfg.pretrain.objective) if row is not None else
              "no held-out figures recorded at that step" if step is not None else
