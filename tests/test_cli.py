@@ -39,6 +39,15 @@ def argv(*overrides, workdir=None, flags=()):
   return args
 
 
+def step_1_loss(config, workdir, sets) -> float:
+  """The logged loss of a run of `config` with `sets` (its first metrics row)."""
+  args = ["--config", config, "--no-progress", "--workdir", str(workdir)]
+  for item in sets:
+    args += ["--set", item]
+  assert run.main(args) == 0
+  return rows(workdir)[0]["loss"]
+
+
 def rows(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]

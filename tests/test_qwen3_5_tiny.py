@@ -4,12 +4,12 @@ state), step 1's loss under csbp_ring on 4 of the simulated devices equals the o
 (1e-5 relative). The 27B recipe's own data (the embedded arithmetic packed at 262,144 tokens)
 passes `make_batch`."""
 
-import json
 import os
 
 import pytest
 
 import run
+from tests.test_cli import step_1_loss
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "qwen3_5_tiny.py")
@@ -20,12 +20,7 @@ SETS = ["train.steps=1", "train.log_every=1", "train.batch_size=2", "train.ckpt_
 
 
 def _step1_loss(workdir, *sets) -> float:
-  args = ["--config", CONFIG, "--no-progress", "--workdir", str(workdir)]
-  for item in [*SETS, *sets]:
-    args += ["--set", item]
-  assert run.main(args) == 0
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return next(json.loads(line) for line in f)["loss"]
+  return step_1_loss(CONFIG, workdir, [*SETS, *sets])
 
 
 @pytest.mark.slow

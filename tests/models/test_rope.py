@@ -8,7 +8,6 @@ import os
 import numpy as np
 import pytest
 
-import run
 from bdlm_jax import make_batch
 from bdlm_jax.config import ModelConfig
 from bdlm_jax.configure import load_config
@@ -16,6 +15,7 @@ from bdlm_jax.errors import ConfigError
 from bdlm_jax.models import rope
 from bdlm_jax.models.pattern import layer_rope
 from bdlm_jax.parallel.registry import get_strategy, strategy_names
+from tests.test_cli import step_1_loss
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(REPO, "configs", "tiny_csbp.py")  # L = 128, B = 8
@@ -83,13 +83,9 @@ def test_every_layout_carries_each_row_s_global_position(strategy):
 
 
 def _step1_loss(workdir, *sets) -> float:
-  args = ["--config", CONFIG, "--no-progress", "--workdir", str(workdir)]
-  for item in ("train.steps=1", "train.log_every=1", "train.batch_size=2", "model.n_layers=1",
-               f"model.rope_scaling={YARN}", *sets):
-    args += ["--set", item]
-  assert run.main(args) == 0
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return next(json.loads(line) for line in f)["loss"]
+  return step_1_loss(CONFIG, workdir, ["train.steps=1", "train.log_every=1",
+                                       "train.batch_size=2", "model.n_layers=1",
+                                       f"model.rope_scaling={YARN}", *sets])
 
 
 @pytest.mark.slow
